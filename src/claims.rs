@@ -1,0 +1,210 @@
+//! All SQL for the claim tables: `processed_events`, `key_conflicts` and `dead_letters`.
+//!
+//! Every statement here runs inside the batch transaction, so claims, conflicts and dead letters
+//! commit together with the effects or not at all.
+
+use crate::envelope::Event;
+use chrono::{DateTime, Utc};
+use sqlx::PgConnection;
+use std::collections::HashMap;
+
+/// Where a message came from, stored with whatever it produced.
+#[derive(Debug, Clone, Copy)]
+pub struct Origin<'a> {
+    pub topic: &'a str,
+    pub partition: i32,
+}
+
+/// A claimed event's outcome, written back to its claim before COMMIT.
+#[derive(Debug, Clone)]
+pub struct Settlement<'a> {
+    pub key: &'a str,
+    pub status: ClaimStatus,
+    pub attempts: i32,
+    pub last_error: Option<String>,
+}
+
+/// The states of a claim that the consumer writes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ClaimStatus {
+    Done,
+    Failed,
+}
+
+impl ClaimStatus {
+    fn as_str(self) -> &'static str {
+        match self {
+            Self::Done => "done",
+            Self::Failed => "failed",
+        }
+    }
+}
+
+/// Claims the keys of `events` in one statement and returns the keys this transaction claimed.
+///
+/// The rows are inserted in key order (`COLLATE "C"`), so two transactions racing on
+/// overlapping keys take their locks in the same order and can wait on each other but never
+/// deadlock. A key another transaction is inserting makes this one wait for it: if it commits
+/// the key is not claimed here, if it aborts the key is claimed here.
+#[tracing::instrument(skip_all, fields(events = events.len()))]
+pub async fn claim(
+    conn: &mut PgConnection,
+    origin: Origin<'_>,
+    events: &[(i64, &Event)],
+) -> sqlx::Result<Vec<String>> {
+    let mut keys = Vec::with_capacity(events.len());
+    let mut sources = Vec::with_capacity(events.len());
+    let mut types = Vec::with_capacity(events.len());
+    let mut hashes = Vec::with_capacity(events.len());
+    let mut payloads = Vec::with_capacity(events.len());
+    let mut received: Vec<Option<DateTime<Utc>>> = Vec::with_capacity(events.len());
+    let mut offsets = Vec::with_capacity(events.len());
+    for (offset, e) in events {
+        keys.push(e.key.as_str());
+        sources.push(e.source.as_str());
+        types.push(e.event_type.as_deref());
+        hashes.push(&e.payload_sha256[..]);
+        payloads.push(&e.payload);
+        received.push(e.received_at);
+        offsets.push(*offset);
+    }
+    sqlx::query_scalar(
+        r#"INSERT INTO processed_events (event_key, source, event_type, status, payload_sha256,
+                payload, received_at, kafka_topic, kafka_partition, kafka_offset)
+           SELECT k, s, t, 'in_progress', h, p, r, $8, $9, o
+           FROM unnest($1::text[], $2::text[], $3::text[], $4::bytea[], $5::jsonb[],
+                       $6::timestamptz[], $7::int8[]) AS u(k, s, t, h, p, r, o)
+           ORDER BY k COLLATE "C"
+           ON CONFLICT (event_key) DO NOTHING
+           RETURNING event_key"#,
+    )
+    .bind(&keys)
+    .bind(&sources)
+    .bind(&types)
+    .bind(&hashes)
+    .bind(&payloads)
+    .bind(&received)
+    .bind(&offsets)
+    .bind(origin.topic)
+    .bind(origin.partition)
+    .fetch_all(conn)
+    .await
+}
+
+/// The payload hashes already stored for `keys`.
+pub async fn stored_hashes(
+    conn: &mut PgConnection,
+    keys: &[&str],
+) -> sqlx::Result<HashMap<String, Vec<u8>>> {
+    let rows: Vec<(String, Vec<u8>)> = sqlx::query_as(
+        "SELECT event_key, payload_sha256 FROM processed_events WHERE event_key = ANY($1)",
+    )
+    .bind(keys)
+    .fetch_all(conn)
+    .await?;
+    Ok(rows.into_iter().collect())
+}
+
+/// Records events whose key was already claimed with a different payload. Each distinct
+/// (key, payload) pair is one row; seeing it again bumps its count.
+#[tracing::instrument(skip_all, fields(conflicts = conflicts.len()))]
+pub async fn record_conflicts(
+    conn: &mut PgConnection,
+    origin: Origin<'_>,
+    conflicts: &[(i64, &Event)],
+) -> sqlx::Result<()> {
+    let mut seen = std::collections::HashSet::new();
+    let unique: Vec<_> = conflicts
+        .iter()
+        .filter(|(_, e)| seen.insert((e.key.as_str(), e.payload_sha256)))
+        .collect();
+    let keys: Vec<&str> = unique.iter().map(|(_, e)| e.key.as_str()).collect();
+    let hashes: Vec<&[u8]> = unique.iter().map(|(_, e)| &e.payload_sha256[..]).collect();
+    let payloads: Vec<&serde_json::Value> = unique.iter().map(|(_, e)| &e.payload).collect();
+    let sources: Vec<&str> = unique.iter().map(|(_, e)| e.source.as_str()).collect();
+    let offsets: Vec<i64> = unique.iter().map(|(o, _)| *o).collect();
+    sqlx::query(
+        r#"INSERT INTO key_conflicts (event_key, payload_sha256, payload, source, kafka_topic,
+                kafka_partition, kafka_offset)
+           SELECT k, h, p, s, $6, $7, o
+           FROM unnest($1::text[], $2::bytea[], $3::jsonb[], $4::text[], $5::int8[])
+                AS u(k, h, p, s, o)
+           ORDER BY k COLLATE "C", h
+           ON CONFLICT (event_key, payload_sha256) DO UPDATE
+           SET last_seen_at = now(), times_seen = key_conflicts.times_seen + 1"#,
+    )
+    .bind(&keys)
+    .bind(&hashes)
+    .bind(&payloads)
+    .bind(&sources)
+    .bind(&offsets)
+    .bind(origin.topic)
+    .bind(origin.partition)
+    .execute(conn)
+    .await?;
+    Ok(())
+}
+
+/// A message that is not a valid envelope, kept byte for byte.
+#[derive(Debug, Clone)]
+pub struct DeadLetter<'a> {
+    pub offset: i64,
+    pub key: Option<&'a [u8]>,
+    pub value: Option<&'a [u8]>,
+    pub reason: String,
+}
+
+/// Stores dead letters; a redelivered message that is already dead-lettered is not stored twice.
+#[tracing::instrument(skip_all, fields(dead_letters = letters.len()))]
+pub async fn insert_dead_letters(
+    conn: &mut PgConnection,
+    origin: Origin<'_>,
+    letters: &[DeadLetter<'_>],
+) -> sqlx::Result<()> {
+    let offsets: Vec<i64> = letters.iter().map(|d| d.offset).collect();
+    let keys: Vec<Option<&[u8]>> = letters.iter().map(|d| d.key).collect();
+    let values: Vec<Option<&[u8]>> = letters.iter().map(|d| d.value).collect();
+    let reasons: Vec<&str> = letters.iter().map(|d| d.reason.as_str()).collect();
+    sqlx::query(
+        r#"INSERT INTO dead_letters (kafka_topic, kafka_partition, kafka_offset, raw_key,
+                raw_value, reason)
+           SELECT $5, $6, o, k, v, r
+           FROM unnest($1::int8[], $2::bytea[], $3::bytea[], $4::text[]) AS u(o, k, v, r)
+           ON CONFLICT (kafka_topic, kafka_partition, kafka_offset) DO NOTHING"#,
+    )
+    .bind(&offsets)
+    .bind(&keys)
+    .bind(&values)
+    .bind(&reasons)
+    .bind(origin.topic)
+    .bind(origin.partition)
+    .execute(conn)
+    .await?;
+    Ok(())
+}
+
+/// Writes each claimed event's outcome to its claim.
+#[tracing::instrument(skip_all, fields(claims = settlements.len()))]
+pub async fn settle(conn: &mut PgConnection, settlements: &[Settlement<'_>]) -> sqlx::Result<()> {
+    let keys: Vec<&str> = settlements.iter().map(|s| s.key).collect();
+    let statuses: Vec<&str> = settlements.iter().map(|s| s.status.as_str()).collect();
+    let attempts: Vec<i32> = settlements.iter().map(|s| s.attempts).collect();
+    let errors: Vec<Option<&str>> = settlements
+        .iter()
+        .map(|s| s.last_error.as_deref())
+        .collect();
+    sqlx::query(
+        r#"UPDATE processed_events AS p
+           SET status = u.status, attempts = u.attempts, last_error = u.err,
+               completed_at = CASE WHEN u.status = 'done' THEN clock_timestamp() END
+           FROM unnest($1::text[], $2::text[], $3::int4[], $4::text[]) AS u(k, status, attempts, err)
+           WHERE p.event_key = u.k"#,
+    )
+    .bind(&keys)
+    .bind(&statuses)
+    .bind(&attempts)
+    .bind(&errors)
+    .execute(conn)
+    .await?;
+    Ok(())
+}

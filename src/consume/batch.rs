@@ -1,0 +1,314 @@
+//! One batch of one partition, in one transaction: dead letters, claims, conflicts, effects.
+//!
+//! The fast path applies every claimed event's effect directly in the batch transaction. When
+//! an effect fails, that transaction is rolled back and the batch runs again with a savepoint
+//! around each effect, so the failing event is retried and, at worst, recorded as `failed`
+//! while the rest of the batch commits once.
+
+use crate::claims::{self, ClaimStatus, DeadLetter, Origin, Settlement};
+use crate::effect::Effect;
+use crate::envelope::Event;
+use sqlx::{Acquire, PgPool, Postgres, Transaction};
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// A Kafka message as the consumer hands it over: its offset and raw bytes.
+#[derive(Debug, Clone)]
+pub struct RawMessage {
+    pub offset: i64,
+    pub key: Option<Vec<u8>>,
+    pub value: Option<Vec<u8>>,
+}
+
+/// What a committed batch did, event by event.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct BatchReport {
+    /// Events claimed here whose effect committed.
+    pub applied: usize,
+    /// Replays: the key was claimed before with the same payload, or repeated in this batch.
+    pub duplicates: usize,
+    /// The key was claimed before with a different payload; recorded in `key_conflicts`.
+    pub conflicts: usize,
+    /// Messages that are not envelopes, by offset with the reason; recorded in `dead_letters`.
+    pub dead_letters: Vec<(i64, String)>,
+    /// Claimed events whose effect failed every attempt; recorded as `failed` claims.
+    pub failed: usize,
+    /// Effect attempts that failed, including those retried successfully.
+    pub effect_errors: usize,
+}
+
+/// How effects are retried when they fail.
+#[derive(Debug, Clone, Copy)]
+pub struct EffectRetry {
+    /// Attempts per event before it is recorded as failed; at least 1.
+    pub attempts: u32,
+    /// The pause before the second attempt; doubled for each further one.
+    pub backoff: Duration,
+}
+
+impl Default for EffectRetry {
+    fn default() -> Self {
+        Self {
+            attempts: 3,
+            backoff: Duration::from_millis(50),
+        }
+    }
+}
+
+/// Applies batches for one consumer; cheap to clone into each partition lane.
+#[derive(Clone)]
+pub struct BatchProcessor {
+    pub pool: PgPool,
+    pub effect: Arc<dyn Effect>,
+    pub retry: EffectRetry,
+}
+
+/// The batch, sorted out before any database work.
+struct Plan<'m> {
+    /// The first copy of each key, in offset order.
+    firsts: Vec<(i64, Event)>,
+    /// Later copies of a key within this batch.
+    copies: Vec<(i64, Event)>,
+    dead: Vec<DeadLetter<'m>>,
+}
+
+impl<'m> Plan<'m> {
+    fn new(messages: &'m [RawMessage]) -> Self {
+        let mut plan = Plan {
+            firsts: Vec::new(),
+            copies: Vec::new(),
+            dead: Vec::new(),
+        };
+        let mut seen = HashSet::new();
+        for m in messages {
+            match Event::parse(m.key.as_deref(), m.value.as_deref()) {
+                Ok(event) if seen.insert(event.key.clone()) => plan.firsts.push((m.offset, event)),
+                Ok(event) => plan.copies.push((m.offset, event)),
+                Err(reason) => plan.dead.push(DeadLetter {
+                    offset: m.offset,
+                    key: m.key.as_deref(),
+                    value: m.value.as_deref(),
+                    reason: reason.to_string(),
+                }),
+            }
+        }
+        plan
+    }
+}
+
+/// Why one run of a batch did not commit.
+enum RunError {
+    /// An effect failed on the fast path: run again with savepoints.
+    EffectFailed,
+    Database(sqlx::Error),
+}
+
+impl From<sqlx::Error> for RunError {
+    fn from(e: sqlx::Error) -> Self {
+        Self::Database(e)
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    Fast,
+    Isolated,
+}
+
+impl BatchProcessor {
+    /// Applies a batch in one transaction and commits it. An error means nothing of the batch
+    /// committed, or (for an error from COMMIT itself) that the outcome is unknown; either way
+    /// the caller must not move the offset and should retry, which the claims make harmless.
+    #[tracing::instrument(name = "batch", skip_all, fields(topic, partition, messages = messages.len()))]
+    pub async fn process(
+        &self,
+        topic: &str,
+        partition: i32,
+        messages: &[RawMessage],
+    ) -> Result<BatchReport, sqlx::Error> {
+        let origin = Origin { topic, partition };
+        let plan = Plan::new(messages);
+        match self.run_and_commit(origin, &plan, Mode::Fast).await {
+            Err(RunError::EffectFailed) => {
+                tracing::debug!(partition, "An effect failed; isolating the batch's events.");
+                match self.run_and_commit(origin, &plan, Mode::Isolated).await {
+                    Ok(report) => Ok(report),
+                    Err(RunError::Database(e)) => Err(e),
+                    Err(RunError::EffectFailed) => unreachable!("isolated runs settle failures"),
+                }
+            }
+            Err(RunError::Database(e)) => Err(e),
+            Ok(report) => Ok(report),
+        }
+    }
+
+    async fn run_and_commit(
+        &self,
+        origin: Origin<'_>,
+        plan: &Plan<'_>,
+        mode: Mode,
+    ) -> Result<BatchReport, RunError> {
+        let mut tx = self.pool.begin().await?;
+        match self.run(&mut tx, origin, plan, mode).await {
+            Ok(report) => {
+                crate::failpoint!("consume::before_commit");
+                tx.commit().await?;
+                Ok(report)
+            }
+            Err(e) => {
+                // The rollback's own failure changes nothing: the transaction did not commit.
+                let _ = tx.rollback().await;
+                Err(e)
+            }
+        }
+    }
+
+    async fn run(
+        &self,
+        tx: &mut Transaction<'static, Postgres>,
+        origin: Origin<'_>,
+        plan: &Plan<'_>,
+        mode: Mode,
+    ) -> Result<BatchReport, RunError> {
+        let mut report = BatchReport {
+            dead_letters: plan
+                .dead
+                .iter()
+                .map(|d| (d.offset, d.reason.clone()))
+                .collect(),
+            ..BatchReport::default()
+        };
+        if !plan.dead.is_empty() {
+            claims::insert_dead_letters(tx, origin, &plan.dead).await?;
+        }
+        if plan.firsts.is_empty() {
+            return Ok(report);
+        }
+        let firsts: Vec<(i64, &Event)> = plan.firsts.iter().map(|(o, e)| (*o, e)).collect();
+        let claimed: HashSet<String> = claims::claim(tx, origin, &firsts)
+            .await?
+            .into_iter()
+            .collect();
+        self.sort_out_replays(tx, origin, plan, &claimed, &mut report)
+            .await?;
+        let mut settlements = Vec::with_capacity(claimed.len());
+        for (_, event) in firsts
+            .iter()
+            .filter(|(_, e)| claimed.contains(e.key.as_str()))
+        {
+            let settlement = self.apply(tx, event, mode, &mut report).await?;
+            match settlement.status {
+                ClaimStatus::Done => report.applied += 1,
+                ClaimStatus::Failed => report.failed += 1,
+            }
+            settlements.push(settlement);
+        }
+        claims::settle(tx, &settlements).await?;
+        Ok(report)
+    }
+
+    /// Counts replays and records key conflicts: every event that was not claimed here is
+    /// compared with the payload that won its key.
+    async fn sort_out_replays(
+        &self,
+        tx: &mut Transaction<'static, Postgres>,
+        origin: Origin<'_>,
+        plan: &Plan<'_>,
+        claimed: &HashSet<String>,
+        report: &mut BatchReport,
+    ) -> Result<(), RunError> {
+        let unclaimed: Vec<&str> = plan
+            .firsts
+            .iter()
+            .map(|(_, e)| e.key.as_str())
+            .filter(|k| !claimed.contains(*k))
+            .collect();
+        let mut winners: HashMap<&str, Vec<u8>> = plan
+            .firsts
+            .iter()
+            .filter(|(_, e)| claimed.contains(e.key.as_str()))
+            .map(|(_, e)| (e.key.as_str(), e.payload_sha256.to_vec()))
+            .collect();
+        if !unclaimed.is_empty() {
+            let stored = claims::stored_hashes(tx, &unclaimed).await?;
+            for key in &unclaimed {
+                if let Some(hash) = stored.get(*key) {
+                    winners.insert(key, hash.clone());
+                }
+            }
+        }
+        let losers = plan
+            .firsts
+            .iter()
+            .filter(|(_, e)| !claimed.contains(e.key.as_str()))
+            .chain(plan.copies.iter());
+        let mut conflicts = Vec::new();
+        for (offset, event) in losers {
+            match winners.get(event.key.as_str()) {
+                Some(hash) if hash[..] != event.payload_sha256[..] => {
+                    conflicts.push((*offset, event))
+                }
+                _ => report.duplicates += 1,
+            }
+        }
+        report.conflicts = conflicts.len();
+        if !conflicts.is_empty() {
+            claims::record_conflicts(tx, origin, &conflicts).await?;
+        }
+        Ok(())
+    }
+
+    /// Runs one claimed event's effect. On the fast path a failure abandons the run; isolated,
+    /// each attempt has its own savepoint and the last error is kept on the claim.
+    async fn apply<'e>(
+        &self,
+        tx: &mut Transaction<'static, Postgres>,
+        event: &'e Event,
+        mode: Mode,
+        report: &mut BatchReport,
+    ) -> Result<Settlement<'e>, RunError> {
+        let key = event.key.as_str();
+        if mode == Mode::Fast {
+            return match self.effect.apply(tx, event).await {
+                Ok(()) => Ok(done(key, 1)),
+                Err(_) => Err(RunError::EffectFailed),
+            };
+        }
+        let attempts = self.retry.attempts.max(1);
+        let mut last_error = String::new();
+        for attempt in 1..=attempts {
+            let mut savepoint = tx.begin().await?;
+            match self.effect.apply(&mut savepoint, event).await {
+                Ok(()) => {
+                    savepoint.commit().await?;
+                    return Ok(done(key, attempt as i32));
+                }
+                Err(e) => {
+                    savepoint.rollback().await?;
+                    report.effect_errors += 1;
+                    last_error = format!("{e:#}");
+                    tracing::warn!(key, attempt, effect = self.effect.name(), error = %last_error, "An effect failed.");
+                }
+            }
+            if attempt < attempts {
+                tokio::time::sleep(self.retry.backoff * 2u32.pow(attempt - 1)).await;
+            }
+        }
+        Ok(Settlement {
+            key,
+            status: ClaimStatus::Failed,
+            attempts: attempts as i32,
+            last_error: Some(last_error),
+        })
+    }
+}
+
+fn done(key: &str, attempts: i32) -> Settlement<'_> {
+    Settlement {
+        key,
+        status: ClaimStatus::Done,
+        attempts,
+        last_error: None,
+    }
+}

@@ -1,0 +1,70 @@
+//! Effects: what an event does, written in the same transaction as its claim.
+//!
+//! An [`Effect`] receives the open transaction and the parsed event. Whatever it writes commits
+//! together with the claim or not at all, so a crash can never leave a claimed event without its
+//! effect, nor an effect without its claim.
+
+use crate::envelope::Event;
+use async_trait::async_trait;
+use sqlx::{Postgres, Transaction};
+
+/// The transaction an effect writes in. It is a savepoint inside the batch transaction: when the
+/// effect fails, only this event's work is rolled back.
+pub type Tx<'a> = Transaction<'a, Postgres>;
+
+/// Something an event does to the database.
+///
+/// Implementations must do all their work through `tx`; work done elsewhere (an HTTP call, a
+/// second connection) does not roll back with the claim and belongs in the outbox instead.
+/// An error rolls back this event's claim and effect only; the event is retried and, after the
+/// configured number of attempts, recorded as `failed` with the error for an operator.
+#[async_trait]
+pub trait Effect: Send + Sync + 'static {
+    /// A short name for logs.
+    fn name(&self) -> &'static str;
+
+    /// Applies the event. Called at most once per committed claim.
+    async fn apply(&self, tx: &mut Tx<'_>, event: &Event) -> anyhow::Result<()>;
+}
+
+/// The built-in demo effect: one `ledger` row per applied event.
+///
+/// `ledger` has no unique constraint on `event_key` on purpose, so the number of rows per key
+/// counts exactly how many times the effect ran.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Ledger;
+
+#[async_trait]
+impl Effect for Ledger {
+    fn name(&self) -> &'static str {
+        "ledger"
+    }
+
+    async fn apply(&self, tx: &mut Tx<'_>, event: &Event) -> anyhow::Result<()> {
+        sqlx::query(
+            "INSERT INTO ledger (event_key, source, event_type, payload) VALUES ($1, $2, $3, $4)",
+        )
+        .bind(event.key.as_str())
+        .bind(&event.source)
+        .bind(&event.event_type)
+        .bind(&event.payload)
+        .execute(&mut **tx)
+        .await?;
+        Ok(())
+    }
+}
+
+/// The built-in effects, by the name given to `--effect`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum BuiltinEffect {
+    /// One row in the `ledger` table per event.
+    Ledger,
+}
+
+impl BuiltinEffect {
+    pub fn build(self) -> std::sync::Arc<dyn Effect> {
+        match self {
+            Self::Ledger => std::sync::Arc::new(Ledger),
+        }
+    }
+}

@@ -1,0 +1,230 @@
+//! Throwaway services for running with nothing installed: a PostgreSQL cluster from the local
+//! PostgreSQL binaries, and librdkafka's in-process mock Kafka cluster.
+//!
+//! Both are for development, demos and tests. They are used only when asked for, and their
+//! data is gone when they are dropped.
+
+use anyhow::{bail, Context as _};
+use rdkafka::producer::{BaseProducer, Producer};
+use rdkafka::ClientConfig;
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// A PostgreSQL cluster in a temporary directory on a free port, stopped and removed on drop.
+///
+/// PostgreSQL refuses to run as root, so when this process is root the cluster runs as the
+/// `postgres` user.
+pub struct EmbeddedPostgres {
+    dir: tempfile::TempDir,
+    bin: PathBuf,
+    port: u16,
+    run_as: Option<String>,
+}
+
+impl EmbeddedPostgres {
+    /// Creates and starts a cluster. Blocking: call it from `spawn_blocking` in async code.
+    pub fn start() -> anyhow::Result<Self> {
+        let bin = postgres_bindir()?;
+        let run_as = nix::unistd::geteuid()
+            .is_root()
+            .then(|| "postgres".to_owned());
+        let dir = tempfile::Builder::new()
+            .prefix("replayproof-pg-")
+            .tempdir()
+            .context("creating a directory for PostgreSQL")?;
+        if let Some(user) = &run_as {
+            let user = nix::unistd::User::from_name(user)?.context(
+                "running as root needs a `postgres` user: install Debian's `postgresql` package",
+            )?;
+            nix::unistd::chown(dir.path(), Some(user.uid), Some(user.gid))?;
+        }
+        let pg = Self {
+            port: free_port()?,
+            dir,
+            bin,
+            run_as,
+        };
+        pg.run(
+            "initdb",
+            &[
+                "-D",
+                &pg.data_dir(),
+                "-U",
+                "postgres",
+                "--auth=trust",
+                "-E",
+                "UTF8",
+                "--no-sync",
+            ],
+        )?;
+        pg.resume()?;
+        tracing::info!(port = pg.port, dir = %pg.dir.path().display(), "Started a throwaway PostgreSQL cluster.");
+        Ok(pg)
+    }
+
+    /// The URL of the cluster's `postgres` database.
+    pub fn url(&self) -> String {
+        format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
+    }
+
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// Stops the server the way a crash or `kill -9` would (`pg_ctl -m immediate`).
+    pub fn stop(&self) -> anyhow::Result<()> {
+        self.run(
+            "pg_ctl",
+            &["-D", &self.data_dir(), "-m", "immediate", "-w", "stop"],
+        )
+    }
+
+    /// Starts the server again, on the same port with the same data.
+    pub fn resume(&self) -> anyhow::Result<()> {
+        let options = format!(
+            "-p {} -k {} -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=200",
+            self.port,
+            self.dir.path().display()
+        );
+        let log = self.dir.path().join("postgres.log");
+        self.run(
+            "pg_ctl",
+            &[
+                "-D",
+                &self.data_dir(),
+                "-l",
+                &log.to_string_lossy(),
+                "-o",
+                &options,
+                "-w",
+                "start",
+            ],
+        )
+    }
+
+    fn data_dir(&self) -> String {
+        self.dir.path().join("data").to_string_lossy().into_owned()
+    }
+
+    fn run(&self, tool: &str, args: &[&str]) -> anyhow::Result<()> {
+        let program = self.bin.join(tool);
+        let mut command = match &self.run_as {
+            Some(user) => {
+                let mut c = Command::new("runuser");
+                c.args(["-u", user, "--"]).arg(&program);
+                c
+            }
+            None => Command::new(&program),
+        };
+        let output = command
+            .args(args)
+            .current_dir(self.dir.path())
+            .output()
+            .with_context(|| format!("running {}", program.display()))?;
+        if !output.status.success() {
+            bail!(
+                "{tool} failed: {}{}",
+                String::from_utf8_lossy(&output.stdout),
+                String::from_utf8_lossy(&output.stderr)
+            );
+        }
+        Ok(())
+    }
+}
+
+impl Drop for EmbeddedPostgres {
+    fn drop(&mut self) {
+        let _ = self.stop();
+    }
+}
+
+/// Where the PostgreSQL server binaries are: `REPLAYPROOF_PG_BINDIR`, then `pg_config
+/// --bindir`, then the newest `/usr/lib/postgresql/*/bin`.
+pub fn postgres_bindir() -> anyhow::Result<PathBuf> {
+    let has_initdb = |dir: &Path| dir.join("initdb").is_file();
+    if let Ok(dir) = std::env::var("REPLAYPROOF_PG_BINDIR") {
+        return Ok(PathBuf::from(dir));
+    }
+    if let Ok(out) = Command::new("pg_config").arg("--bindir").output() {
+        let dir = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
+        if has_initdb(&dir) {
+            return Ok(dir);
+        }
+    }
+    let mut candidates: Vec<PathBuf> = std::fs::read_dir("/usr/lib/postgresql")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.path().join("bin"))
+        .filter(|d| has_initdb(d))
+        .collect();
+    candidates.sort_by_key(|d| {
+        let version = d
+            .parent()
+            .and_then(|v| v.file_name())
+            .map(|v| v.to_string_lossy().into_owned());
+        version.and_then(|v| v.parse::<u32>().ok()).unwrap_or(0)
+    });
+    candidates.pop().context(
+        "no PostgreSQL server binaries found (initdb, pg_ctl): install Debian's `postgresql` \
+         package, set REPLAYPROOF_PG_BINDIR, or set DATABASE_URL to a running server",
+    )
+}
+
+fn free_port() -> anyhow::Result<u16> {
+    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+/// librdkafka's mock Kafka cluster, in this process, listening on localhost so that other
+/// processes can use it too. It lives as long as this value and is not `Send`: keep it in the
+/// task that created it.
+pub struct EmbeddedKafka {
+    /// The client that owns the mock cluster.
+    owner: BaseProducer,
+    _not_send: std::marker::PhantomData<*const ()>,
+}
+
+impl EmbeddedKafka {
+    /// Starts a one-broker cluster whose consumer groups rebalance without the initial delay.
+    pub fn start() -> anyhow::Result<Self> {
+        let owner: BaseProducer = ClientConfig::new()
+            .set("test.mock.num.brokers", "1")
+            .set("log_level", "3")
+            .create()
+            .context("starting the mock Kafka cluster")?;
+        let kafka = Self {
+            owner,
+            _not_send: std::marker::PhantomData,
+        };
+        // SAFETY: the handle's mock cluster lives as long as `owner`, which `kafka` holds.
+        unsafe {
+            let cluster =
+                rdkafka::bindings::rd_kafka_handle_mock_cluster(kafka.owner.client().native_ptr());
+            anyhow::ensure!(!cluster.is_null(), "the mock Kafka cluster did not start");
+            rdkafka::bindings::rd_kafka_mock_group_initial_rebalance_delay_ms(cluster, 0);
+        }
+        tracing::info!(brokers = %kafka.bootstrap_servers(), "Started an in-process mock Kafka cluster.");
+        Ok(kafka)
+    }
+
+    pub fn bootstrap_servers(&self) -> String {
+        self.cluster().bootstrap_servers()
+    }
+
+    /// Creates a topic (the mock cluster does not serve the CreateTopics admin request).
+    pub fn create_topic(&self, topic: &str, partitions: i32) -> anyhow::Result<()> {
+        self.cluster()
+            .create_topic(topic, partitions, 1)
+            .with_context(|| format!("creating topic {topic}"))
+    }
+
+    fn cluster(
+        &self,
+    ) -> rdkafka::mocking::MockCluster<'_, rdkafka::producer::DefaultProducerContext> {
+        self.owner
+            .client()
+            .mock_cluster()
+            .expect("the owner client was created with a mock cluster")
+    }
+}

@@ -1,0 +1,218 @@
+//! The envelope: the contract between any ingress and the consumers.
+//!
+//! The Kafka message key is the dedupe key; the value is a JSON object
+//! `{"key", "source", "type"?, "received_at"?, "payload"}`. Everything is parsed here, at the
+//! boundary, into an [`Event`] that cannot be wrong; past this module nobody checks again.
+
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use std::fmt;
+
+/// The longest key accepted, in bytes. Keys longer than this are a producer bug, not data.
+pub const MAX_KEY_BYTES: usize = 512;
+
+/// A dedupe key: never empty, never longer than [`MAX_KEY_BYTES`] bytes.
+#[derive(Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+#[serde(transparent)]
+pub struct EventKey(String);
+
+impl EventKey {
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl TryFrom<String> for EventKey {
+    type Error = Malformed;
+
+    fn try_from(key: String) -> Result<Self, Malformed> {
+        match key.len() {
+            0 => Err(Malformed::EmptyKey),
+            n if n > MAX_KEY_BYTES => Err(Malformed::KeyTooLong(n)),
+            _ => Ok(Self(key)),
+        }
+    }
+}
+
+impl fmt::Display for EventKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl fmt::Debug for EventKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(&self.0, f)
+    }
+}
+
+/// Why a message is not a valid envelope. Each becomes the `reason` of a dead letter.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Malformed {
+    #[error("the message has no value")]
+    NoValue,
+    #[error("the value is not a JSON envelope: {0}")]
+    NotJson(String),
+    #[error("the envelope has an empty key")]
+    EmptyKey,
+    #[error("the envelope key is {0} bytes, more than the 512 allowed")]
+    KeyTooLong(usize),
+    #[error("the Kafka message key does not match the envelope key")]
+    KeyMismatch,
+}
+
+/// The envelope as written on the topic, for producers.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Envelope {
+    pub key: String,
+    pub source: String,
+    #[serde(rename = "type", default, skip_serializing_if = "Option::is_none")]
+    pub event_type: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub received_at: Option<DateTime<Utc>>,
+    pub payload: serde_json::Value,
+}
+
+impl Envelope {
+    /// The bytes to write as the Kafka message value.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        serde_json::to_vec(self).expect("an envelope always serialises")
+    }
+}
+
+/// A valid event, with the SHA-256 of its payload for telling replays from key conflicts.
+#[derive(Debug, Clone)]
+pub struct Event {
+    pub key: EventKey,
+    pub source: String,
+    pub event_type: Option<String>,
+    pub received_at: Option<DateTime<Utc>>,
+    pub payload: serde_json::Value,
+    pub payload_sha256: [u8; 32],
+}
+
+/// The envelope as read: `payload` is required, though it may be `null`.
+#[derive(Deserialize)]
+struct Wire {
+    key: String,
+    source: String,
+    #[serde(rename = "type", default)]
+    event_type: Option<String>,
+    #[serde(default)]
+    received_at: Option<DateTime<Utc>>,
+    payload: serde_json::Value,
+}
+
+impl Event {
+    /// Parses a Kafka message into an event. The message key, when present, must equal the
+    /// envelope's key: a disagreement means the record was not written by a correct producer.
+    pub fn parse(message_key: Option<&[u8]>, value: Option<&[u8]>) -> Result<Self, Malformed> {
+        let value = value.ok_or(Malformed::NoValue)?;
+        let wire: Wire =
+            serde_json::from_slice(value).map_err(|e| Malformed::NotJson(e.to_string()))?;
+        let key = EventKey::try_from(wire.key)?;
+        if message_key.is_some_and(|k| k != key.as_str().as_bytes()) {
+            return Err(Malformed::KeyMismatch);
+        }
+        Ok(Self {
+            payload_sha256: payload_hash(&wire.payload),
+            key,
+            source: wire.source,
+            event_type: wire.event_type,
+            received_at: wire.received_at,
+            payload: wire.payload,
+        })
+    }
+}
+
+/// SHA-256 over the canonical JSON text of a payload (object keys sorted, no whitespace), so
+/// that a re-serialised copy of the same payload hashes the same.
+pub fn payload_hash(payload: &serde_json::Value) -> [u8; 32] {
+    // serde_json's Map is a BTreeMap without the `preserve_order` feature: keys come out sorted.
+    let canonical = serde_json::to_vec(payload).expect("a JSON value always serialises");
+    Sha256::digest(&canonical).into()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(value: &str) -> Result<Event, Malformed> {
+        Event::parse(None, Some(value.as_bytes()))
+    }
+
+    #[test]
+    fn full_envelope_parses() {
+        let e = parse(
+            r#"{"key":"stripe:evt_1","source":"stripe","type":"charge.succeeded",
+                "received_at":"2026-11-29T10:00:00Z","payload":{"id":"evt_1"}}"#,
+        )
+        .unwrap();
+        assert_eq!(e.key.as_str(), "stripe:evt_1");
+        assert_eq!(e.source, "stripe");
+        assert_eq!(e.event_type.as_deref(), Some("charge.succeeded"));
+        assert!(e.received_at.is_some());
+    }
+
+    #[test]
+    fn missing_parts_are_malformed() {
+        assert!(matches!(parse("not json"), Err(Malformed::NotJson(_))));
+        assert!(matches!(
+            parse(r#"{"source":"s","payload":1}"#),
+            Err(Malformed::NotJson(_))
+        ));
+        assert!(matches!(
+            parse(r#"{"key":"k","payload":1}"#),
+            Err(Malformed::NotJson(_))
+        ));
+        assert!(matches!(
+            parse(r#"{"key":"k","source":"s"}"#),
+            Err(Malformed::NotJson(_))
+        ));
+        assert!(matches!(parse(r#"[1,2]"#), Err(Malformed::NotJson(_))));
+        assert_eq!(Event::parse(None, None).unwrap_err(), Malformed::NoValue);
+    }
+
+    #[test]
+    fn null_payload_is_a_payload() {
+        assert!(parse(r#"{"key":"k","source":"s","payload":null}"#).is_ok());
+    }
+
+    #[test]
+    fn key_length_is_bounded() {
+        assert_eq!(
+            parse(r#"{"key":"","source":"s","payload":1}"#).unwrap_err(),
+            Malformed::EmptyKey
+        );
+        let at_limit = format!(
+            r#"{{"key":"{}","source":"s","payload":1}}"#,
+            "k".repeat(512)
+        );
+        assert!(parse(&at_limit).is_ok());
+        let over = format!(
+            r#"{{"key":"{}","source":"s","payload":1}}"#,
+            "k".repeat(513)
+        );
+        assert_eq!(parse(&over).unwrap_err(), Malformed::KeyTooLong(513));
+    }
+
+    #[test]
+    fn message_key_must_match_envelope_key() {
+        let v = br#"{"key":"a","source":"s","payload":1}"#;
+        assert!(Event::parse(Some(b"a"), Some(v)).is_ok());
+        assert_eq!(
+            Event::parse(Some(b"b"), Some(v)).unwrap_err(),
+            Malformed::KeyMismatch
+        );
+    }
+
+    #[test]
+    fn reserialised_payload_hashes_the_same() {
+        let a = parse(r#"{"key":"k","source":"s","payload":{"b":1,"a":[1,2]}}"#).unwrap();
+        let b = parse(r#"{"key":"k","source":"s","payload":{ "a" : [1, 2], "b" : 1 }}"#).unwrap();
+        let c = parse(r#"{"key":"k","source":"s","payload":{"a":[2,1],"b":1}}"#).unwrap();
+        assert_eq!(a.payload_sha256, b.payload_sha256);
+        assert_ne!(a.payload_sha256, c.payload_sha256);
+    }
+}

@@ -1,0 +1,26 @@
+//! replayproof makes webhook redeliveries harmless.
+//!
+//! Events arrive on a Kafka topic as [`envelope::Envelope`]s keyed by a dedupe key. The
+//! consumer ([`consume`]) claims each key in PostgreSQL inside the same transaction as the
+//! event's [`effect::Effect`], and commits the Kafka offset only after that transaction
+//! committed, so every redelivery is a harmless replay with one visible effect per event.
+
+pub mod claims;
+pub mod cli;
+pub mod consume;
+pub mod db;
+pub mod effect;
+pub mod embedded;
+pub mod envelope;
+pub mod shutdown;
+pub mod telemetry;
+
+/// A `fail` failpoint, compiled in only with the `failpoints` feature. Tests use them to stop a
+/// real process at a chosen step (for example between the claim and COMMIT) and kill it there.
+#[macro_export]
+macro_rules! failpoint {
+    ($name:literal) => {
+        #[cfg(feature = "failpoints")]
+        fail::fail_point!($name);
+    };
+}

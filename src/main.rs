@@ -1,0 +1,22 @@
+use clap::Parser;
+
+fn main() -> std::process::ExitCode {
+    #[cfg(feature = "failpoints")]
+    let _failpoints = fail::FailScenario::setup();
+    let cli = replayproof::cli::Cli::parse();
+    replayproof::telemetry::init_logging();
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("replayproof: cannot start the async runtime: {e}");
+            return std::process::ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(replayproof::cli::run(cli)) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!(error = format!("{e:#}"), "replayproof stopped on an error.");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,167 @@
+//! Logs, metrics and the small HTTP server that exposes `/metrics` and `/healthz`.
+
+use axum::{extract::State, http::StatusCode, routing::get, Router};
+use prometheus::{
+    Encoder, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGaugeVec, Opts, Registry,
+    TextEncoder,
+};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use tracing_subscriber::EnvFilter;
+
+/// Starts structured logging on stderr; `RUST_LOG` filters, `REPLAYPROOF_LOG_FORMAT=json`
+/// switches to one JSON object a line.
+pub fn init_logging() {
+    let filter = EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| EnvFilter::new("info,sqlx=warn,rdkafka=warn"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    let json = std::env::var("REPLAYPROOF_LOG_FORMAT").is_ok_and(|v| v == "json");
+    let _ = if json {
+        builder.json().try_init()
+    } else {
+        builder.try_init()
+    };
+}
+
+/// The consumer's metrics. Labels are bounded: an outcome from a fixed list, a partition.
+#[derive(Clone)]
+pub struct ConsumeMetrics {
+    /// Events by outcome: applied, duplicate, conflict, dead_letter, failed.
+    pub events: IntCounterVec,
+    /// Effect attempts that returned an error, retried or not.
+    pub effect_failures: IntCounter,
+    /// Batches that failed on a database error and were retried.
+    pub batch_retries: IntCounter,
+    pub batch_size: Histogram,
+    pub batch_seconds: Histogram,
+    /// The last offset committed to Kafka, per partition.
+    pub committed_offset: IntGaugeVec,
+}
+
+impl ConsumeMetrics {
+    pub fn new(registry: &Registry) -> prometheus::Result<Self> {
+        let m = Self {
+            events: IntCounterVec::new(
+                Opts::new(
+                    "replayproof_consume_events_total",
+                    "Events consumed, by outcome.",
+                ),
+                &["outcome"],
+            )?,
+            effect_failures: IntCounter::new(
+                "replayproof_effect_failures_total",
+                "Effect attempts that failed.",
+            )?,
+            batch_retries: IntCounter::new(
+                "replayproof_batch_retries_total",
+                "Batches retried after a database error.",
+            )?,
+            batch_size: Histogram::with_opts(
+                HistogramOpts::new("replayproof_batch_size", "Messages per batch.")
+                    .buckets(prometheus::exponential_buckets(1.0, 2.0, 12)?),
+            )?,
+            batch_seconds: Histogram::with_opts(
+                HistogramOpts::new(
+                    "replayproof_batch_duration_seconds",
+                    "Time from the start of a batch to its commit.",
+                )
+                .buckets(prometheus::exponential_buckets(0.0005, 2.0, 16)?),
+            )?,
+            committed_offset: IntGaugeVec::new(
+                Opts::new(
+                    "replayproof_committed_offset",
+                    "The next offset to read, as last committed to Kafka.",
+                ),
+                &["partition"],
+            )?,
+        };
+        registry.register(Box::new(m.events.clone()))?;
+        registry.register(Box::new(m.effect_failures.clone()))?;
+        registry.register(Box::new(m.batch_retries.clone()))?;
+        registry.register(Box::new(m.batch_size.clone()))?;
+        registry.register(Box::new(m.batch_seconds.clone()))?;
+        registry.register(Box::new(m.committed_offset.clone()))?;
+        Ok(m)
+    }
+
+    /// Counts what one committed batch did.
+    pub fn record(&self, report: &crate::consume::BatchReport) {
+        let outcomes = [
+            ("applied", report.applied),
+            ("duplicate", report.duplicates),
+            ("conflict", report.conflicts),
+            ("dead_letter", report.dead_letters.len()),
+            ("failed", report.failed),
+        ];
+        for (outcome, n) in outcomes {
+            if n > 0 {
+                self.events.with_label_values(&[outcome]).inc_by(n as u64);
+            }
+        }
+        self.effect_failures.inc_by(report.effect_errors as u64);
+    }
+}
+
+/// Whether the process is doing its job; `/healthz` answers 503 once it is false.
+#[derive(Clone, Default)]
+pub struct Health(Arc<AtomicBool>);
+
+impl Health {
+    pub fn set(&self, healthy: bool) {
+        self.0.store(healthy, Ordering::Relaxed);
+    }
+
+    pub fn get(&self) -> bool {
+        self.0.load(Ordering::Relaxed)
+    }
+}
+
+#[derive(Clone)]
+struct ServerState {
+    registry: Registry,
+    health: Health,
+}
+
+/// Serves `/metrics` and `/healthz` until `shutdown` resolves. Returns the bound address, which
+/// matters when the configured port is 0.
+pub async fn serve_metrics(
+    addr: SocketAddr,
+    registry: Registry,
+    health: Health,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<SocketAddr> {
+    let listener = tokio::net::TcpListener::bind(addr).await?;
+    let bound = listener.local_addr()?;
+    let app = Router::new()
+        .route("/metrics", get(metrics))
+        .route("/healthz", get(healthz))
+        .with_state(ServerState { registry, health });
+    tokio::spawn(async move {
+        if let Err(e) = axum::serve(listener, app)
+            .with_graceful_shutdown(shutdown)
+            .await
+        {
+            tracing::error!(error = %e, "The metrics server stopped.");
+        }
+    });
+    Ok(bound)
+}
+
+async fn metrics(State(state): State<ServerState>) -> (StatusCode, String) {
+    let mut buf = Vec::new();
+    match TextEncoder::new().encode(&state.registry.gather(), &mut buf) {
+        Ok(()) => (StatusCode::OK, String::from_utf8_lossy(&buf).into_owned()),
+        Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+    }
+}
+
+async fn healthz(State(state): State<ServerState>) -> (StatusCode, &'static str) {
+    if state.health.get() {
+        (StatusCode::OK, "ok\n")
+    } else {
+        (StatusCode::SERVICE_UNAVAILABLE, "unhealthy\n")
+    }
+}
