@@ -2,8 +2,8 @@
 
 use axum::{extract::State, http::StatusCode, routing::get, Router};
 use prometheus::{
-    Encoder, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGaugeVec, Opts, Registry,
-    TextEncoder,
+    Encoder, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
+    Registry, TextEncoder,
 };
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -39,6 +39,8 @@ pub struct ConsumeMetrics {
     pub batch_seconds: Histogram,
     /// The last offset committed to Kafka, per partition.
     pub committed_offset: IntGaugeVec,
+    /// Partitions this member owns now.
+    pub assigned_partitions: IntGauge,
 }
 
 impl ConsumeMetrics {
@@ -77,6 +79,10 @@ impl ConsumeMetrics {
                 ),
                 &["partition"],
             )?,
+            assigned_partitions: IntGauge::new(
+                "replayproof_assigned_partitions",
+                "Partitions assigned to this consumer.",
+            )?,
         };
         registry.register(Box::new(m.events.clone()))?;
         registry.register(Box::new(m.effect_failures.clone()))?;
@@ -84,6 +90,7 @@ impl ConsumeMetrics {
         registry.register(Box::new(m.batch_size.clone()))?;
         registry.register(Box::new(m.batch_seconds.clone()))?;
         registry.register(Box::new(m.committed_offset.clone()))?;
+        registry.register(Box::new(m.assigned_partitions.clone()))?;
         Ok(m)
     }
 

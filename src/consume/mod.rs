@@ -194,6 +194,18 @@ impl ConsumerContext for LaneContext {
         }
     }
 
+    fn post_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        // A partition paused for backpressure by an earlier owner's lane may come back paused;
+        // its new lane starts empty, so it starts fetching.
+        if let Rebalance::Assign(tpl) = rebalance {
+            if let Err(e) = consumer.resume(tpl) {
+                tracing::warn!(error = %e, "Could not resume newly assigned partitions.");
+            }
+        }
+        let assigned = consumer.assignment().map(|a| a.count()).unwrap_or(0);
+        self.metrics.assigned_partitions.set(assigned as i64);
+    }
+
     fn commit_callback(&self, result: KafkaResult<()>, offsets: &TopicPartitionList) {
         match result {
             Ok(()) => {
@@ -449,6 +461,7 @@ impl LaneWorker {
                 .await
             {
                 Ok(report) => {
+                    crate::failpoint!("consume::after_commit");
                     self.report(batch, &report, started);
                     return true;
                 }

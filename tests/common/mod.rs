@@ -233,6 +233,7 @@ pub fn producer(brokers: &str) -> FutureProducer {
 
 /// Produces records in order and waits for every acknowledgement.
 pub async fn produce(producer: &FutureProducer, topic: &str, records: &[Record]) {
+    use rdkafka::error::{KafkaError, RDKafkaErrorCode};
     let mut pending = Vec::with_capacity(records.len());
     for r in records {
         let mut record = FutureRecord::<[u8], [u8]>::to(topic).payload(&r.value);
@@ -242,10 +243,23 @@ pub async fn produce(producer: &FutureProducer, topic: &str, records: &[Record])
         if let Some(p) = r.partition {
             record = record.partition(p);
         }
-        pending.push(producer.send(record, Duration::from_secs(30)));
+        // `send_result` enqueues now; awaiting `send` one by one would produce one at a time.
+        loop {
+            match producer.send_result(record) {
+                Ok(delivery) => break pending.push(delivery),
+                Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), back)) => {
+                    record = back;
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+                Err((e, _)) => panic!("produce failed: {e}"),
+            }
+        }
     }
     for p in pending {
-        p.await.map_err(|(e, _)| e).expect("record acknowledged");
+        p.await
+            .expect("delivery reported")
+            .map_err(|(e, _)| e)
+            .expect("record acknowledged");
     }
 }
 

@@ -1,0 +1,139 @@
+#!/usr/bin/env bash
+# Runs every check and test of replayproof, on a fresh machine too.
+#
+# What the tests need, this script provides and stops again on exit:
+#   - PostgreSQL: DATABASE_URL when set; otherwise a throwaway cluster from the local
+#     PostgreSQL binaries (Debian's `postgresql` package is installed when they are missing).
+#   - A Kafka-protocol broker process for the end-to-end tests: KAFKA_BROKERS when set;
+#     otherwise nisshi 0.8.1, installed with `cargo +nightly install` when missing.
+#     The fast tests use librdkafka's in-process mock cluster and need nothing.
+# Then: formatting, clippy with warnings denied, and `cargo test` with the failpoints compiled in.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/replayproof/target}"
+NISSHI_VERSION=0.8.1
+
+log() { printf '\n==> %s\n' "$*" >&2; }
+die() { printf 'error: %s\n' "$*" >&2; exit 1; }
+
+as_root() {
+  if [ "$(id -u)" -eq 0 ]; then "$@"; elif command -v sudo >/dev/null; then sudo "$@"; else
+    die "need root to run: $*"
+  fi
+}
+
+free_port() {
+  python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+}
+
+wait_for_port() { # port seconds
+  local i
+  for ((i = 0; i < $2 * 10; i++)); do
+    if (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; then return 0; fi
+    sleep 0.1
+  done
+  return 1
+}
+
+work=$(mktemp -d "${TMPDIR:-/tmp}/replayproof-test.XXXXXX")
+chmod 755 "$work"
+nisshi_pid=""
+pg_dir=""
+pg_user=""
+
+cleanup() {
+  if [ -n "$nisshi_pid" ]; then kill "$nisshi_pid" 2>/dev/null || true; wait "$nisshi_pid" 2>/dev/null || true; fi
+  if [ -n "$pg_dir" ]; then pg_run "$pg_bin/pg_ctl" -D "$pg_dir/data" -m immediate -w stop >/dev/null 2>&1 || true; fi
+  rm -rf "$work"
+}
+trap cleanup EXIT
+
+# ---------------------------------------------------------------------------------- PostgreSQL
+pg_bindir() {
+  local d
+  d=$(pg_config --bindir 2>/dev/null || true)
+  if [ -n "$d" ] && [ -x "$d/initdb" ]; then echo "$d"; return; fi
+  for d in $(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V); do
+    [ -x "$d/initdb" ] && echo "$d" && return
+  done
+  return 0
+}
+
+pg_run() {
+  if [ -n "$pg_user" ]; then runuser -u "$pg_user" -- "$@"; else "$@"; fi
+}
+
+# The restart test starts clusters of its own, so the binaries are needed even with DATABASE_URL.
+ensure_postgres_binaries() {
+  pg_bin=$(pg_bindir | tail -n 1)
+  if [ -z "$pg_bin" ]; then
+    log "Installing Debian's postgresql package (no PostgreSQL server binaries found)"
+    as_root apt-get update -qq
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends postgresql >/dev/null
+    pg_bin=$(pg_bindir | tail -n 1)
+    [ -n "$pg_bin" ] || die "PostgreSQL binaries still missing after installing postgresql"
+  fi
+  export REPLAYPROOF_PG_BINDIR="$pg_bin"
+}
+
+start_postgres() {
+  pg_dir="$work/pg"
+  mkdir -p "$pg_dir"
+  if [ "$(id -u)" -eq 0 ]; then
+    pg_user=postgres
+    id -u postgres >/dev/null 2>&1 || as_root useradd --system --no-create-home postgres
+    chown postgres: "$pg_dir"
+  fi
+  local port
+  port=$(free_port)
+  log "Starting a throwaway PostgreSQL ($pg_bin) on port $port"
+  pg_run "$pg_bin/initdb" -D "$pg_dir/data" -U postgres --auth=trust -E UTF8 --no-sync >"$work/initdb.log" 2>&1 \
+    || { cat "$work/initdb.log" >&2; die "initdb failed"; }
+  pg_run "$pg_bin/pg_ctl" -D "$pg_dir/data" -l "$pg_dir/postgres.log" -w \
+    -o "-p $port -k $pg_dir -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=300" start >/dev/null \
+    || { cat "$pg_dir/postgres.log" >&2; die "PostgreSQL did not start"; }
+  export DATABASE_URL="postgres://postgres@127.0.0.1:$port/postgres"
+}
+
+# -------------------------------------------------------------------------------------- nisshi
+nisshi_bin() {
+  local candidate
+  for candidate in "$(command -v nisshi 2>/dev/null || true)" "${CARGO_HOME:-$HOME/.cargo}/bin/nisshi"; do
+    if [ -n "$candidate" ] && [ -x "$candidate" ] && "$candidate" --version 2>/dev/null | grep -q "$NISSHI_VERSION"; then
+      echo "$candidate"; return
+    fi
+  done
+  return 0
+}
+
+start_nisshi() {
+  local bin port
+  bin=$(nisshi_bin)
+  if [ -z "$bin" ]; then
+    log "Installing nisshi $NISSHI_VERSION (a Kafka-protocol broker; takes about 12 minutes once)"
+    rustup toolchain list | grep -q '^nightly' || die "nisshi needs a nightly Rust toolchain (rustc 1.96+): rustup toolchain install nightly"
+    cargo +nightly install nisshi --version "$NISSHI_VERSION" --locked
+    bin=$(nisshi_bin)
+    [ -n "$bin" ] || die "nisshi $NISSHI_VERSION is not on PATH after installing it"
+  fi
+  port=$(free_port)
+  log "Starting nisshi on port $port"
+  "$bin" broker --listener-url "tcp://127.0.0.1:$port" --advertised-listener-url "tcp://127.0.0.1:$port" \
+    --storage-engine memory://nisshi/ --group-initial-rebalance-delay 0s >"$work/nisshi.log" 2>&1 &
+  nisshi_pid=$!
+  wait_for_port "$port" 30 || { cat "$work/nisshi.log" >&2; die "nisshi did not start"; }
+  export KAFKA_BROKERS="127.0.0.1:$port"
+}
+
+# -------------------------------------------------------------------------------------- checks
+ensure_postgres_binaries
+[ -n "${DATABASE_URL:-}" ] || start_postgres
+[ -n "${KAFKA_BROKERS:-}" ] || start_nisshi
+
+log "cargo fmt --check"
+cargo fmt --all -- --check
+log "cargo clippy (warnings denied)"
+cargo clippy --all-targets --all-features -- -D warnings
+log "cargo test (broker process: $KAFKA_BROKERS)"
+cargo test --all-features --no-fail-fast "$@"

@@ -1,0 +1,267 @@
+//! The consumer group against a Kafka-protocol broker (librdkafka's in-process mock cluster) and
+//! a real PostgreSQL. Each test counts ledger rows per key.
+
+mod common;
+
+use common::*;
+use serde_json::json;
+use std::collections::HashSet;
+use std::time::Duration;
+
+const WAIT: Duration = Duration::from_secs(60);
+
+async fn committed(kafka: &TestKafka, group: &str, topic: &str, partitions: i32) -> Vec<i64> {
+    let (b, g, t) = (kafka.brokers(), group.to_owned(), topic.to_owned());
+    tokio::task::spawn_blocking(move || committed_offsets(&b, &g, &t, partitions))
+        .await
+        .unwrap()
+}
+
+async fn wait_committed(kafka: &TestKafka, group: &str, topic: &str, expected: &[i64]) {
+    let n = expected.len() as i32;
+    wait_for("offsets committed", WAIT, || async {
+        committed(kafka, group, topic, n).await == expected
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn same_delivery_twice_in_sequence_has_one_effect() {
+    let (kafka, db) = (TestKafka::mock(), TestDb::new().await);
+    let (topic, group) = (kafka.topic(1).await, unique("group"));
+    let consumer =
+        InProcessConsumer::start(settings(&kafka.brokers(), &topic, &group), db.pool.clone());
+    let producer = producer(&kafka.brokers());
+
+    produce(
+        &producer,
+        &topic,
+        &[Record::event("evt-1", json!({"amount": 10}))],
+    )
+    .await;
+    wait_committed(&kafka, &group, &topic, &[1]).await;
+    produce(
+        &producer,
+        &topic,
+        &[Record::event("evt-1", json!({"amount": 10}))],
+    )
+    .await;
+    wait_committed(&kafka, &group, &topic, &[2]).await;
+
+    assert_eq!(db.ledger_counts().await["evt-1"], 1);
+    assert_eq!(consumer.metric("replayproof_consume_events_total"), 2.0);
+    assert_eq!(db.count("SELECT count(*) FROM processed_events").await, 1);
+    consumer.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_key_on_two_partitions_with_two_consumers_racing_has_one_effect() {
+    let (kafka, db) = (TestKafka::mock(), TestDb::new().await);
+    let (topic, group) = (kafka.topic(2).await, unique("group"));
+    let a = InProcessConsumer::start(settings(&kafka.brokers(), &topic, &group), db.pool.clone());
+    let b = InProcessConsumer::start(settings(&kafka.brokers(), &topic, &group), db.pool.clone());
+    wait_for("one partition each", WAIT, || async {
+        a.metric("replayproof_assigned_partitions") == 1.0
+            && b.metric("replayproof_assigned_partitions") == 1.0
+    })
+    .await;
+
+    // Every key goes to both partitions, in opposite orders, so the two consumers' batches claim
+    // overlapping keys at the same time.
+    let keys: Vec<String> = (0..2_000).map(|i| format!("evt-{i:05}")).collect();
+    let mut records: Vec<Record> = keys
+        .iter()
+        .map(|k| Record::event(k, json!({"k": k})).on(0))
+        .collect();
+    records.extend(
+        keys.iter()
+            .rev()
+            .map(|k| Record::event(k, json!({"k": k})).on(1)),
+    );
+    produce(&producer(&kafka.brokers()), &topic, &records).await;
+
+    let expected: HashSet<String> = keys.into_iter().collect();
+    assert_exactly_once(&db, &expected, WAIT).await;
+    wait_committed(&kafka, &group, &topic, &[2_000, 2_000]).await;
+    let deadlocks = db
+        .count("SELECT deadlocks FROM pg_stat_database WHERE datname = current_database()")
+        .await;
+    assert_eq!(deadlocks, 0);
+    a.stop().await;
+    b.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rebalance_mid_stream_applies_every_event_once() {
+    let (kafka, db) = (TestKafka::mock(), TestDb::new().await);
+    let (topic, group) = (kafka.topic(4).await, unique("group"));
+    let brokers = kafka.brokers();
+    let first = InProcessConsumer::start(settings(&brokers, &topic, &group), db.pool.clone());
+
+    let producing = {
+        let (brokers, topic) = (brokers.clone(), topic.clone());
+        tokio::spawn(async move {
+            let producer = producer(&brokers);
+            for chunk in 0..40 {
+                let records: Vec<Record> = (0..100)
+                    .map(|i| Record::event(&format!("evt-{chunk}-{i}"), json!({"chunk": chunk})))
+                    .collect();
+                produce(&producer, &topic, &records).await;
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        })
+    };
+
+    let applied_at_least = |n: i64| {
+        let db = &db;
+        move || async move { db.count("SELECT count(*) FROM ledger").await >= n }
+    };
+    wait_for("some events applied", WAIT, applied_at_least(300)).await;
+    let second = InProcessConsumer::start(settings(&brokers, &topic, &group), db.pool.clone());
+    wait_for("the second consumer's share", WAIT, || async {
+        second.metric("replayproof_assigned_partitions") > 0.0
+    })
+    .await;
+    let third = InProcessConsumer::start(settings(&brokers, &topic, &group), db.pool.clone());
+    wait_for("the third consumer's share", WAIT, || async {
+        third.metric("replayproof_assigned_partitions") > 0.0
+    })
+    .await;
+    first.stop().await;
+    producing.await.unwrap();
+
+    let expected: HashSet<String> = (0..40)
+        .flat_map(|c| (0..100).map(move |i| format!("evt-{c}-{i}")))
+        .collect();
+    assert_exactly_once(&db, &expected, WAIT).await;
+    // Offsets whose commit failed during a rebalance are replayed by the next owner, harmlessly,
+    // and then committed: the group ends with every offset committed and no second effect.
+    wait_for("every offset committed", WAIT, || async {
+        committed(&kafka, &group, &topic, 4)
+            .await
+            .iter()
+            .sum::<i64>()
+            == 4_000
+    })
+    .await;
+    let ends = committed(&kafka, &group, &topic, 4).await;
+    second.stop().await;
+    third.stop().await;
+    assert_eq!(committed(&kafka, &group, &topic, 4).await, ends);
+    assert_eq!(db.count("SELECT count(*) FROM ledger").await, 4_000);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn poison_message_is_dead_lettered_and_the_good_ones_applied() {
+    let (kafka, db) = (TestKafka::mock(), TestDb::new().await);
+    let (topic, group) = (kafka.topic(1).await, unique("group"));
+    let consumer =
+        InProcessConsumer::start(settings(&kafka.brokers(), &topic, &group), db.pool.clone());
+    let poison = |value: &[u8]| Record {
+        key: Some(b"poison".to_vec()),
+        value: value.to_vec(),
+        partition: None,
+    };
+    let records = [
+        Record::event("good-1", json!(1)),
+        poison(b"this is not json"),
+        Record::event("good-2", json!(2)),
+        poison(br#"{"source":"s","payload":{}}"#),
+        Record::event("good-3", json!(3)),
+    ];
+    produce(&producer(&kafka.brokers()), &topic, &records).await;
+    wait_committed(&kafka, &group, &topic, &[5]).await;
+
+    let expected: HashSet<String> = ["good-1", "good-2", "good-3"].map(String::from).into();
+    assert_exactly_once(&db, &expected, WAIT).await;
+    let letters: Vec<(i64, Vec<u8>, String)> = sqlx::query_as(
+        "SELECT kafka_offset, raw_value, reason FROM dead_letters ORDER BY kafka_offset",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(letters.len(), 2);
+    assert_eq!(
+        (letters[0].0, letters[0].1.as_slice()),
+        (1, &b"this is not json"[..])
+    );
+    assert!(
+        letters[1].2.contains("missing field `key`"),
+        "{}",
+        letters[1].2
+    );
+    assert_eq!(consumer.metric("replayproof_consume_events_total"), 5.0);
+    consumer.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_restart_loses_nothing_and_commits_no_offset_ahead() {
+    let (kafka, db) = (TestKafka::mock(), TestDb::on_own_cluster().await);
+    let postgres = db.cluster.as_ref().unwrap();
+    let (topic, group) = (kafka.topic(2).await, unique("group"));
+    let consumer =
+        InProcessConsumer::start(settings(&kafka.brokers(), &topic, &group), db.pool.clone());
+    let keys: Vec<String> = (0..3_000).map(|i| format!("evt-{i}")).collect();
+    let records: Vec<Record> = keys
+        .iter()
+        .map(|k| Record::event(k, json!({"k": k})))
+        .collect();
+    let producer = producer(&kafka.brokers());
+
+    // Stop PostgreSQL for real while the events flow.
+    produce(&producer, &topic, &records[..1_500]).await;
+    wait_for("some events applied", WAIT, || async {
+        db.count("SELECT count(*) FROM ledger").await >= 200
+    })
+    .await;
+    postgres.stop().unwrap();
+    produce(&producer, &topic, &records[1_500..]).await;
+    let retries_before = consumer.metric("replayproof_batch_retries_total");
+    wait_for("batches retried while PostgreSQL is down", WAIT, || async {
+        consumer.metric("replayproof_batch_retries_total") >= retries_before + 2.0
+    })
+    .await;
+    let mut offsets_while_down = Vec::new();
+    for _ in 0..3 {
+        offsets_while_down.push(committed(&kafka, &group, &topic, 2).await);
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    let restarted_at = chrono::Utc::now();
+    postgres.resume().unwrap();
+
+    let expected: HashSet<String> = keys.iter().cloned().collect();
+    assert_exactly_once(&db, &expected, WAIT).await;
+    // Every offset committed while the database was down is covered by a claim that committed
+    // before it went down.
+    for partition in 0..2 {
+        let covered: i64 = sqlx::query_scalar(
+            "SELECT coalesce(max(kafka_offset) + 1, 0) FROM processed_events \
+             WHERE kafka_partition = $1 AND claimed_at < $2",
+        )
+        .bind(partition)
+        .bind(restarted_at)
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+        for sample in &offsets_while_down {
+            assert!(
+                sample[partition as usize] <= covered,
+                "partition {partition}: offset {} committed past work committed before the outage ({covered})",
+                sample[partition as usize]
+            );
+        }
+    }
+    let total: i64 = {
+        wait_for("all offsets committed", WAIT, || async {
+            committed(&kafka, &group, &topic, 2)
+                .await
+                .iter()
+                .sum::<i64>()
+                == 3_000
+        })
+        .await;
+        3_000
+    };
+    assert_eq!(db.count("SELECT count(*) FROM ledger").await, total);
+    consumer.stop().await;
+}
