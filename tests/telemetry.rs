@@ -1,0 +1,40 @@
+//! The metrics server a user scrapes.
+
+use replayproof::consume::BatchReport;
+use replayproof::telemetry::{serve_metrics, ConsumeMetrics, Health};
+
+#[tokio::test]
+async fn metrics_and_health_are_served() {
+    let registry = prometheus::Registry::new();
+    let metrics = ConsumeMetrics::new(&registry).unwrap();
+    metrics.record(&BatchReport {
+        applied: 3,
+        duplicates: 2,
+        dead_letters: vec![(7, "the message has no value".into())],
+        ..BatchReport::default()
+    });
+    let health = Health::default();
+    health.set(true);
+    let stop = tokio_util::sync::CancellationToken::new();
+    let addr = serve_metrics(
+        "127.0.0.1:0".parse().unwrap(),
+        registry,
+        health.clone(),
+        stop.clone().cancelled_owned(),
+    )
+    .await
+    .unwrap();
+    let get = |path: &'static str| async move {
+        let r = reqwest::get(format!("http://{addr}{path}")).await.unwrap();
+        (r.status().as_u16(), r.text().await.unwrap())
+    };
+    let (status, body) = get("/metrics").await;
+    assert_eq!(status, 200);
+    assert!(body.contains(r#"replayproof_consume_events_total{outcome="applied"} 3"#), "{body}");
+    assert!(body.contains(r#"replayproof_consume_events_total{outcome="duplicate"} 2"#));
+    assert!(body.contains(r#"replayproof_consume_events_total{outcome="dead_letter"} 1"#));
+    assert_eq!(get("/healthz").await.0, 200);
+    health.set(false);
+    assert_eq!(get("/healthz").await.0, 503);
+    stop.cancel();
+}
