@@ -23,6 +23,77 @@ pub enum Command {
     Migrate(DatabaseArgs),
     /// Join the consumer group and apply each event of the topic exactly once.
     Consume(ConsumeArgs),
+    /// Receive signed webhooks over HTTP and write them to the topic.
+    Ingest(IngestArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct IngestArgs {
+    /// The TOML file naming the sources (see replayproof.example.toml). Flags and environment
+    /// variables override its settings.
+    #[arg(long, env = "REPLAYPROOF_CONFIG")]
+    pub config: std::path::PathBuf,
+
+    /// Where to listen for webhooks (and /healthz, /readyz, /metrics). [default: 0.0.0.0:8080]
+    #[arg(long, env = "REPLAYPROOF_LISTEN")]
+    pub listen: Option<SocketAddr>,
+
+    /// Kafka bootstrap servers, comma-separated host:port.
+    #[arg(long, env = "REPLAYPROOF_BROKERS")]
+    pub brokers: Option<String>,
+
+    /// The topic the envelopes are written to. [default: webhooks]
+    #[arg(long, env = "REPLAYPROOF_TOPIC")]
+    pub topic: Option<String>,
+
+    /// The largest body accepted, in bytes; larger ones get 413. [default: 1048576]
+    #[arg(long, env = "REPLAYPROOF_MAX_BODY_BYTES")]
+    pub max_body_bytes: Option<usize>,
+
+    /// How long the broker has to acknowledge a record before the answer is 503, in
+    /// milliseconds. Keep it well under the senders' own timeouts (GitHub waits 10 s).
+    /// [default: 5000]
+    #[arg(long, env = "REPLAYPROOF_PRODUCE_TIMEOUT_MS")]
+    pub produce_timeout_ms: Option<u64>,
+
+    /// A librdkafka property for the producer, KEY=VALUE; repeatable.
+    #[arg(long = "kafka-option", value_name = "KEY=VALUE", value_parser = parse_key_value)]
+    pub kafka_options: Vec<(String, String)>,
+}
+
+impl IngestArgs {
+    /// The file's settings with the flags and environment over them.
+    pub fn settings(
+        &self,
+        file: &crate::ingest::config::FileConfig,
+    ) -> anyhow::Result<crate::ingest::IngestSettings> {
+        let listen = self
+            .listen
+            .or(file.listen)
+            .unwrap_or_else(|| ([0, 0, 0, 0], 8080).into());
+        let brokers = self.brokers.clone().or_else(|| file.brokers.clone());
+        let brokers = brokers
+            .context("no brokers: set --brokers, REPLAYPROOF_BROKERS or `brokers` in the file")?;
+        let topic = self
+            .topic
+            .clone()
+            .or_else(|| file.topic.clone())
+            .unwrap_or_else(|| "webhooks".into());
+        let mut settings = crate::ingest::IngestSettings::new(listen, &brokers, &topic);
+        settings.kafka_options = self.kafka_options.clone();
+        if let Some(n) = self.max_body_bytes.or(file.max_body_bytes) {
+            anyhow::ensure!(
+                n > 0 && n <= 16 * 1024 * 1024,
+                "max_body_bytes must be between 1 byte and 16 MiB"
+            );
+            settings.max_body_bytes = n;
+        }
+        if let Some(ms) = self.produce_timeout_ms.or(file.produce_timeout_ms) {
+            anyhow::ensure!(ms > 0, "produce_timeout_ms must be positive");
+            settings.produce_timeout = Duration::from_millis(ms);
+        }
+        Ok(settings)
+    }
 }
 
 #[derive(Debug, Args)]
@@ -140,6 +211,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
             Ok(())
         }
         Command::Consume(args) => run_consume(args).await,
+        Command::Ingest(args) => run_ingest(args).await,
     }
 }
 
@@ -171,4 +243,19 @@ async fn run_consume(args: ConsumeArgs) -> anyhow::Result<()> {
         },
     };
     consume::run(args.settings(), processor, metrics, shutdown).await
+}
+
+async fn run_ingest(args: IngestArgs) -> anyhow::Result<()> {
+    let file = crate::ingest::config::FileConfig::load(&args.config)?;
+    let sources = file.sources()?;
+    anyhow::ensure!(
+        !sources.is_empty(),
+        "{} names no sources",
+        args.config.display()
+    );
+    let settings = args.settings(&file)?;
+    let shutdown = crate::shutdown::on_signal();
+    let running =
+        crate::ingest::start(settings, sources, prometheus::Registry::new(), shutdown).await?;
+    running.stopped().await
 }

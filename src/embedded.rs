@@ -219,6 +219,18 @@ impl EmbeddedKafka {
             .with_context(|| format!("creating topic {topic}"))
     }
 
+    /// Takes the broker down (its listener refuses connections) or brings it back, for fault
+    /// injection.
+    pub fn set_broker_up(&self, up: bool) -> anyhow::Result<()> {
+        let cluster = self.cluster();
+        let result = if up {
+            cluster.broker_up(1)
+        } else {
+            cluster.broker_down(1)
+        };
+        result.context("changing the mock broker's state")
+    }
+
     fn cluster(
         &self,
     ) -> rdkafka::mocking::MockCluster<'_, rdkafka::producer::DefaultProducerContext> {

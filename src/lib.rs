@@ -12,6 +12,7 @@ pub mod db;
 pub mod effect;
 pub mod embedded;
 pub mod envelope;
+pub mod ingest;
 pub mod shutdown;
 pub mod telemetry;
 

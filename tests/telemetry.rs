@@ -30,7 +30,10 @@ async fn metrics_and_health_are_served() {
     };
     let (status, body) = get("/metrics").await;
     assert_eq!(status, 200);
-    assert!(body.contains(r#"replayproof_consume_events_total{outcome="applied"} 3"#), "{body}");
+    assert!(
+        body.contains(r#"replayproof_consume_events_total{outcome="applied"} 3"#),
+        "{body}"
+    );
     assert!(body.contains(r#"replayproof_consume_events_total{outcome="duplicate"} 2"#));
     assert!(body.contains(r#"replayproof_consume_events_total{outcome="dead_letter"} 1"#));
     assert_eq!(get("/healthz").await.0, 200);

@@ -1,0 +1,269 @@
+//! The ingress configuration: a TOML file of sources whose secrets come from the environment.
+//!
+//! ```toml
+//! [[sources]]
+//! name = "stripe"                 # the URL segment: POST /webhooks/stripe
+//! kind = "stripe"                 # stripe | github | standard-webhooks | shopify | slack | hmac
+//! secrets_env = ["STRIPE_WEBHOOK_SECRET", "STRIPE_WEBHOOK_SECRET_PREVIOUS"]
+//! tolerance_secs = 300            # for schemes that sign a timestamp
+//! ```
+
+use super::signature::{Encoding, KeyFrom, Scheme, Secret};
+use anyhow::{bail, Context as _};
+use base64::Engine as _;
+use serde::Deserialize;
+use std::collections::HashMap;
+use std::path::Path;
+
+/// The file as written.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileConfig {
+    #[serde(default)]
+    pub listen: Option<std::net::SocketAddr>,
+    #[serde(default)]
+    pub brokers: Option<String>,
+    #[serde(default)]
+    pub topic: Option<String>,
+    #[serde(default)]
+    pub max_body_bytes: Option<usize>,
+    #[serde(default)]
+    pub produce_timeout_ms: Option<u64>,
+    #[serde(default)]
+    pub sources: Vec<SourceConfig>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Kind {
+    Stripe,
+    Github,
+    StandardWebhooks,
+    Shopify,
+    Slack,
+    Hmac,
+}
+
+/// One source as written in the file.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SourceConfig {
+    pub name: String,
+    pub kind: Kind,
+    /// Names of environment variables holding the secrets; several during a rotation.
+    pub secrets_env: Vec<String>,
+    #[serde(default = "default_tolerance")]
+    pub tolerance_secs: i64,
+    /// `hmac` only: the header carrying the signature.
+    #[serde(default)]
+    pub signature_header: Option<String>,
+    /// `hmac` only: text before the signature, such as `sha256=`.
+    #[serde(default)]
+    pub signature_prefix: Option<String>,
+    /// `hmac` only: `hex` (default) or `base64`.
+    #[serde(default)]
+    pub encoding: Option<Encoding>,
+    /// `hmac` only: `{ header = "X-Event-Id" }` or `{ json_pointer = "/id" }`.
+    #[serde(default)]
+    pub key_from: Option<KeyFrom>,
+}
+
+fn default_tolerance() -> i64 {
+    300
+}
+
+/// A source ready to verify requests.
+#[derive(Debug, Clone)]
+pub struct Source {
+    pub name: String,
+    pub scheme: Scheme,
+    pub secrets: Vec<Secret>,
+    pub tolerance_secs: i64,
+}
+
+impl FileConfig {
+    pub fn load(path: &Path) -> anyhow::Result<Self> {
+        let text =
+            std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+        toml::from_str(&text).with_context(|| format!("parsing {}", path.display()))
+    }
+
+    /// Resolves every source, reading secrets from the environment.
+    pub fn sources(&self) -> anyhow::Result<HashMap<String, Source>> {
+        self.sources_with(|name| std::env::var(name).ok())
+    }
+
+    /// Resolves every source with `env` as the environment.
+    pub fn sources_with(
+        &self,
+        env: impl Fn(&str) -> Option<String>,
+    ) -> anyhow::Result<HashMap<String, Source>> {
+        let mut sources = HashMap::new();
+        for s in &self.sources {
+            let source = s
+                .resolve(&env)
+                .with_context(|| format!("source {:?}", s.name))?;
+            if sources.insert(s.name.clone(), source).is_some() {
+                bail!("two sources are named {:?}", s.name);
+            }
+        }
+        Ok(sources)
+    }
+}
+
+impl SourceConfig {
+    fn resolve(&self, env: &impl Fn(&str) -> Option<String>) -> anyhow::Result<Source> {
+        let valid_name = !self.name.is_empty()
+            && self
+                .name
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_');
+        anyhow::ensure!(valid_name, "a source name is letters, digits, '-' and '_'");
+        anyhow::ensure!(
+            !self.secrets_env.is_empty(),
+            "secrets_env names no variable"
+        );
+        anyhow::ensure!(self.tolerance_secs >= 0, "tolerance_secs is negative");
+        let secrets = self
+            .secrets_env
+            .iter()
+            .map(|var| {
+                let value = env(var).filter(|v| !v.is_empty());
+                let value =
+                    value.with_context(|| format!("environment variable {var} is not set"))?;
+                self.secret(&value)
+                    .with_context(|| format!("environment variable {var}"))
+            })
+            .collect::<anyhow::Result<_>>()?;
+        Ok(Source {
+            name: self.name.clone(),
+            scheme: self.scheme()?,
+            secrets,
+            tolerance_secs: self.tolerance_secs,
+        })
+    }
+
+    /// Standard Webhooks secrets are base64 after `whsec_`; every other kind uses the bytes.
+    fn secret(&self, value: &str) -> anyhow::Result<Secret> {
+        if self.kind != Kind::StandardWebhooks {
+            return Ok(Secret::new(value.as_bytes()));
+        }
+        let encoded = value.strip_prefix("whsec_").unwrap_or(value);
+        let bytes = base64::engine::general_purpose::STANDARD
+            .decode(encoded)
+            .context("a Standard Webhooks secret is base64 after whsec_")?;
+        Ok(Secret::new(bytes))
+    }
+
+    fn scheme(&self) -> anyhow::Result<Scheme> {
+        let generic_only = self.signature_header.is_some()
+            || self.signature_prefix.is_some()
+            || self.encoding.is_some()
+            || self.key_from.is_some();
+        anyhow::ensure!(
+            self.kind == Kind::Hmac || !generic_only,
+            "signature_header, signature_prefix, encoding and key_from are for kind = \"hmac\""
+        );
+        Ok(match self.kind {
+            Kind::Stripe => Scheme::Stripe,
+            Kind::Github => Scheme::Github,
+            Kind::StandardWebhooks => Scheme::StandardWebhooks,
+            Kind::Shopify => Scheme::Shopify,
+            Kind::Slack => Scheme::Slack,
+            Kind::Hmac => Scheme::Hmac {
+                header: self
+                    .signature_header
+                    .clone()
+                    .context("kind = \"hmac\" needs signature_header")?,
+                prefix: self.signature_prefix.clone().unwrap_or_default(),
+                encoding: self.encoding.unwrap_or(Encoding::Hex),
+                key_from: self
+                    .key_from
+                    .clone()
+                    .context("kind = \"hmac\" needs key_from")?,
+            },
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(text: &str) -> FileConfig {
+        toml::from_str(text).unwrap()
+    }
+
+    #[test]
+    fn secrets_come_from_the_environment() {
+        let config = parse(
+            r#"
+            [[sources]]
+            name = "stripe"
+            kind = "stripe"
+            secrets_env = ["A", "B"]
+            "#,
+        );
+        let env = |k: &str| (k == "A" || k == "B").then(|| format!("secret-{k}"));
+        let sources = config.sources_with(env).unwrap();
+        assert_eq!(sources["stripe"].secrets.len(), 2);
+        assert_eq!(sources["stripe"].tolerance_secs, 300);
+        let missing = config.sources_with(|_| None).unwrap_err();
+        assert!(format!("{missing:#}").contains("A is not set"));
+    }
+
+    #[test]
+    fn generic_hmac_needs_its_header_and_key() {
+        let config = parse(
+            r#"
+            [[sources]]
+            name = "custom"
+            kind = "hmac"
+            secrets_env = ["S"]
+            signature_header = "X-Signature"
+            signature_prefix = "sha256="
+            encoding = "base64"
+            key_from = { json_pointer = "/id" }
+            "#,
+        );
+        let sources = config.sources_with(|_| Some("s".into())).unwrap();
+        assert!(matches!(
+            &sources["custom"].scheme,
+            Scheme::Hmac {
+                encoding: Encoding::Base64,
+                ..
+            }
+        ));
+        let incomplete = parse(
+            r#"[[sources]]
+            name = "x"
+            kind = "hmac"
+            secrets_env = ["S"]"#,
+        );
+        assert!(incomplete.sources_with(|_| Some("s".into())).is_err());
+    }
+
+    #[test]
+    fn bad_names_and_duplicates_are_refused() {
+        let dup = parse(
+            r#"
+            [[sources]]
+            name = "a"
+            kind = "github"
+            secrets_env = ["S"]
+            [[sources]]
+            name = "a"
+            kind = "github"
+            secrets_env = ["S"]
+            "#,
+        );
+        assert!(dup.sources_with(|_| Some("s".into())).is_err());
+        let slash = parse(
+            r#"[[sources]]
+            name = "a/b"
+            kind = "github"
+            secrets_env = ["S"]"#,
+        );
+        assert!(slash.sources_with(|_| Some("s".into())).is_err());
+    }
+}

@@ -1,0 +1,408 @@
+//! `replayproof ingest`: the thin producer in front of the topic.
+//!
+//! `POST /webhooks/{source}` reads the body under a size limit, verifies the sender's
+//! signature over the raw bytes, derives the event's key from its identity (namespaced by the
+//! source's name), writes the envelope to the topic keyed by that key with an idempotent
+//! `acks=all` producer, and answers 2xx only once the broker acknowledged the record. When the
+//! broker does not acknowledge in time, the answer is 503 with `Retry-After`, and the sender's
+//! retry is a harmless replay.
+
+pub mod config;
+pub mod signature;
+
+use crate::envelope::{Envelope, MAX_KEY_BYTES};
+use anyhow::Context as _;
+use axum::body::Body;
+use axum::extract::{Path, Request, State};
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use config::Source;
+use prometheus::{Histogram, HistogramOpts, IntCounterVec, Opts, Registry};
+use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
+use rdkafka::util::Timeout;
+use rdkafka::ClientConfig;
+use serde_json::json;
+use signature::{Rejection, Verified};
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio_util::sync::CancellationToken;
+
+/// How the ingress listens and produces.
+#[derive(Debug, Clone)]
+pub struct IngestSettings {
+    pub listen: SocketAddr,
+    pub brokers: String,
+    pub topic: String,
+    /// Passed to librdkafka last, so they override everything set here.
+    pub kafka_options: Vec<(String, String)>,
+    /// The largest body accepted; larger ones get 413 before any hashing.
+    pub max_body_bytes: usize,
+    /// How long the broker has to acknowledge a record before the answer is 503.
+    pub produce_timeout: Duration,
+    /// The `Retry-After` sent with a 503, in seconds.
+    pub retry_after_secs: u64,
+}
+
+impl IngestSettings {
+    pub fn new(listen: SocketAddr, brokers: &str, topic: &str) -> Self {
+        Self {
+            listen,
+            brokers: brokers.into(),
+            topic: topic.into(),
+            kafka_options: Vec::new(),
+            max_body_bytes: 1024 * 1024,
+            produce_timeout: Duration::from_secs(5),
+            retry_after_secs: 5,
+        }
+    }
+
+    /// The most bytes one envelope may take: the body, JSON-escaped at worst, and the rest.
+    fn max_message_bytes(&self) -> usize {
+        self.max_body_bytes * 2 + 64 * 1024
+    }
+
+    fn producer_config(&self) -> ClientConfig {
+        let mut config = ClientConfig::new();
+        config
+            .set("bootstrap.servers", &self.brokers)
+            .set("acks", "all")
+            .set("enable.idempotence", "true")
+            .set("linger.ms", "2")
+            .set(
+                "message.timeout.ms",
+                self.produce_timeout.as_millis().to_string(),
+            )
+            .set("message.max.bytes", self.max_message_bytes().to_string())
+            .set("client.id", "replayproof-ingest");
+        for (k, v) in &self.kafka_options {
+            config.set(k, v);
+        }
+        config
+    }
+}
+
+/// The ingress's metrics; labels are a configured source name (or `unknown`) and an outcome.
+#[derive(Clone)]
+pub struct IngestMetrics {
+    pub requests: IntCounterVec,
+    pub produce_seconds: Histogram,
+}
+
+impl IngestMetrics {
+    pub fn new(registry: &Registry) -> prometheus::Result<Self> {
+        let m = Self {
+            requests: IntCounterVec::new(
+                Opts::new(
+                    "replayproof_ingest_requests_total",
+                    "Webhook requests, by source and outcome.",
+                ),
+                &["source", "outcome"],
+            )?,
+            produce_seconds: Histogram::with_opts(
+                HistogramOpts::new(
+                    "replayproof_ingest_produce_duration_seconds",
+                    "Time from producing a record to the broker's acknowledgement.",
+                )
+                .buckets(prometheus::exponential_buckets(0.0005, 2.0, 16)?),
+            )?,
+        };
+        registry.register(Box::new(m.requests.clone()))?;
+        registry.register(Box::new(m.produce_seconds.clone()))?;
+        Ok(m)
+    }
+}
+
+struct AppState {
+    sources: HashMap<String, Source>,
+    producer: FutureProducer,
+    settings: IngestSettings,
+    metrics: IngestMetrics,
+    registry: Registry,
+    ready: AtomicBool,
+}
+
+/// A running ingress.
+pub struct Running {
+    /// Where it listens; useful when the configured port was 0.
+    pub addr: SocketAddr,
+    task: tokio::task::JoinHandle<anyhow::Result<()>>,
+}
+
+impl Running {
+    /// Waits until the ingress has stopped (after its shutdown token is cancelled).
+    pub async fn stopped(self) -> anyhow::Result<()> {
+        self.task.await.context("the ingress task panicked")?
+    }
+}
+
+/// Binds the listener and serves until `shutdown` is cancelled; then stops accepting, lets the
+/// requests in flight finish (each acknowledged or answered 503) and flushes the producer.
+pub async fn start(
+    settings: IngestSettings,
+    sources: HashMap<String, Source>,
+    registry: Registry,
+    shutdown: CancellationToken,
+) -> anyhow::Result<Running> {
+    let producer: FutureProducer = settings
+        .producer_config()
+        .create()
+        .context("creating the Kafka producer")?;
+    let listener = tokio::net::TcpListener::bind(settings.listen)
+        .await
+        .with_context(|| format!("listening on {}", settings.listen))?;
+    let addr = listener.local_addr()?;
+    let state = Arc::new(AppState {
+        metrics: IngestMetrics::new(&registry)?,
+        sources,
+        producer,
+        settings,
+        registry,
+        ready: AtomicBool::new(false),
+    });
+    tokio::spawn(watch_broker(state.clone(), shutdown.clone()));
+    let mut names: Vec<&String> = state.sources.keys().collect();
+    names.sort();
+    tracing::info!(%addr, sources = ?names, topic = %state.settings.topic, "Accepting webhooks at /webhooks/{{source}}.");
+    let app = router(state.clone());
+    let task = tokio::spawn(async move {
+        axum::serve(listener, app)
+            .with_graceful_shutdown(shutdown.cancelled_owned())
+            .await
+            .context("serving HTTP")?;
+        let producer = state.producer.clone();
+        tokio::task::spawn_blocking(move || producer.flush(Duration::from_secs(10)))
+            .await?
+            .context("flushing the producer")?;
+        tracing::info!("The ingress stopped.");
+        Ok(())
+    });
+    Ok(Running { addr, task })
+}
+
+fn router(state: Arc<AppState>) -> Router {
+    Router::new()
+        .route("/webhooks/{source}", post(webhook))
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics))
+        .with_state(state)
+}
+
+/// Keeps `ready` true while the producer can fetch the topic's metadata from the broker.
+async fn watch_broker(state: Arc<AppState>, shutdown: CancellationToken) {
+    while !shutdown.is_cancelled() {
+        let probe = state.clone();
+        let ok = tokio::task::spawn_blocking(move || {
+            let md = probe
+                .producer
+                .client()
+                .fetch_metadata(Some(&probe.settings.topic), Duration::from_secs(2));
+            md.is_ok_and(|m| {
+                m.topics()
+                    .iter()
+                    .any(|t| t.error().is_none() && !t.partitions().is_empty())
+            })
+        })
+        .await
+        .unwrap_or(false);
+        if state.ready.swap(ok, Ordering::Relaxed) != ok {
+            tracing::info!(ready = ok, "The broker's reachability changed.");
+        }
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tokio::time::sleep(Duration::from_secs(2)) => {}
+        }
+    }
+}
+
+async fn readyz(State(state): State<Arc<AppState>>) -> (StatusCode, &'static str) {
+    if state.ready.load(Ordering::Relaxed) {
+        (StatusCode::OK, "ready\n")
+    } else {
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the broker is not reachable\n",
+        )
+    }
+}
+
+async fn metrics(State(state): State<Arc<AppState>>) -> Response {
+    use prometheus::Encoder as _;
+    let mut buf = Vec::new();
+    match prometheus::TextEncoder::new().encode(&state.registry.gather(), &mut buf) {
+        Ok(()) => (StatusCode::OK, buf).into_response(),
+        Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()).into_response(),
+    }
+}
+
+/// The outcome of one webhook request, as answered and as counted.
+enum Outcome {
+    Accepted {
+        key: String,
+        partition: i32,
+        offset: i64,
+    },
+    Challenge(String),
+    NotFound,
+    TooLarge,
+    Unauthorized,
+    BadRequest(String),
+    Unavailable(u64),
+}
+
+impl Outcome {
+    fn label(&self) -> &'static str {
+        match self {
+            Self::Accepted { .. } => "accepted",
+            Self::Challenge(_) => "challenge",
+            Self::NotFound => "not_found",
+            Self::TooLarge => "too_large",
+            Self::Unauthorized => "unauthorized",
+            Self::BadRequest(_) => "bad_request",
+            Self::Unavailable(_) => "unavailable",
+        }
+    }
+}
+
+impl IntoResponse for Outcome {
+    fn into_response(self) -> Response {
+        let error = |status: StatusCode, message: &str| {
+            (status, Json(json!({ "error": message }))).into_response()
+        };
+        match self {
+            Self::Accepted { key, partition, offset } => {
+                Json(json!({ "status": "accepted", "key": key, "partition": partition, "offset": offset }))
+                    .into_response()
+            }
+            Self::Challenge(challenge) => Json(json!({ "challenge": challenge })).into_response(),
+            Self::NotFound => error(StatusCode::NOT_FOUND, "unknown source"),
+            Self::TooLarge => error(StatusCode::PAYLOAD_TOO_LARGE, "the body is over the limit"),
+            Self::Unauthorized => error(StatusCode::UNAUTHORIZED, "the signature could not be verified"),
+            Self::BadRequest(reason) => error(StatusCode::BAD_REQUEST, &reason),
+            Self::Unavailable(retry_after) => {
+                let mut r = error(StatusCode::SERVICE_UNAVAILABLE, "the event could not be stored; retry later");
+                r.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(retry_after));
+                r
+            }
+        }
+    }
+}
+
+async fn webhook(
+    State(state): State<Arc<AppState>>,
+    Path(name): Path<String>,
+    request: Request,
+) -> Response {
+    let source = state.sources.get(&name);
+    let label = source.map_or("unknown", |s| s.name.as_str());
+    let outcome = match source {
+        None => Outcome::NotFound,
+        Some(source) => accept(&state, source, request).await,
+    };
+    state
+        .metrics
+        .requests
+        .with_label_values(&[label, outcome.label()])
+        .inc();
+    outcome.into_response()
+}
+
+async fn accept(state: &AppState, source: &Source, request: Request) -> Outcome {
+    let (parts, body) = request.into_parts();
+    let Some(body) = read_body(body, &parts.headers, state.settings.max_body_bytes).await else {
+        return Outcome::TooLarge;
+    };
+    let req = signature::Request {
+        headers: &parts.headers,
+        body: &body,
+        now: chrono::Utc::now().timestamp(),
+    };
+    let identity = match source
+        .scheme
+        .verify(&source.secrets, source.tolerance_secs, &req)
+    {
+        Ok(Verified::Event(identity)) => identity,
+        Ok(Verified::Challenge(c)) => return Outcome::Challenge(c),
+        Err(Rejection::Unauthorized(why)) => {
+            tracing::info!(source = %source.name, why, "Refused a webhook: unauthorized.");
+            return Outcome::Unauthorized;
+        }
+        Err(Rejection::BadRequest(why)) => return Outcome::BadRequest(why),
+    };
+    let key = format!("{}:{}", source.name, identity.id);
+    if key.len() > MAX_KEY_BYTES {
+        return Outcome::BadRequest(format!(
+            "the event id makes a key over {MAX_KEY_BYTES} bytes"
+        ));
+    }
+    let envelope = Envelope {
+        key,
+        source: source.name.clone(),
+        event_type: identity.event_type,
+        received_at: Some(chrono::Utc::now()),
+        payload: identity.payload,
+    };
+    produce(state, envelope).await
+}
+
+/// Reads the body, refusing (None) as soon as it is over `limit`: a declared length over the
+/// limit is refused before reading anything.
+async fn read_body(
+    body: Body,
+    headers: &http::HeaderMap,
+    limit: usize,
+) -> Option<axum::body::Bytes> {
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limit as u64) {
+        return None;
+    }
+    axum::body::to_bytes(body, limit).await.ok()
+}
+
+async fn produce(state: &AppState, envelope: Envelope) -> Outcome {
+    let value = envelope.to_bytes();
+    if value.len() > state.settings.max_message_bytes() {
+        return Outcome::TooLarge;
+    }
+    let record = FutureRecord::to(&state.settings.topic)
+        .key(&envelope.key)
+        .payload(&value);
+    let started = Instant::now();
+    // The producer gives up on the record after `message.timeout.ms` (the produce timeout); the
+    // outer timeout only guards against a delivery report that never comes.
+    let limit = state.settings.produce_timeout + Duration::from_secs(1);
+    let delivery = tokio::time::timeout(
+        limit,
+        state
+            .producer
+            .send(record, Timeout::After(state.settings.produce_timeout)),
+    )
+    .await;
+    state
+        .metrics
+        .produce_seconds
+        .observe(started.elapsed().as_secs_f64());
+    match delivery {
+        Ok(Ok(delivered)) => Outcome::Accepted {
+            key: envelope.key,
+            partition: delivered.partition,
+            offset: delivered.offset,
+        },
+        Ok(Err((e, _))) => {
+            tracing::warn!(source = %envelope.source, error = %e, "The broker did not acknowledge a webhook; answered 503.");
+            Outcome::Unavailable(state.settings.retry_after_secs)
+        }
+        Err(_) => {
+            tracing::warn!(source = %envelope.source, "No delivery report in time; answered 503.");
+            Outcome::Unavailable(state.settings.retry_after_secs)
+        }
+    }
+}

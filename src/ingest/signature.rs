@@ -1,0 +1,393 @@
+//! Webhook signature schemes: verifying the sender and deriving the event's identity.
+//!
+//! Every check runs over the raw request bytes. Signatures are compared with `Mac::verify_slice`,
+//! which is constant-time and checks the length, so an empty or truncated signature never
+//! passes. Several secrets may be valid at once (rotation): any of them verifying is enough.
+
+use base64::engine::general_purpose::STANDARD as BASE64;
+use base64::Engine as _;
+use hmac::{Hmac, Mac};
+use http::HeaderMap;
+use serde::Deserialize;
+use sha2::Sha256;
+use std::fmt;
+
+type HmacSha256 = Hmac<Sha256>;
+
+/// A signing secret. It never prints.
+#[derive(Clone)]
+pub struct Secret(Vec<u8>);
+
+impl Secret {
+    pub fn new(bytes: impl Into<Vec<u8>>) -> Self {
+        Self(bytes.into())
+    }
+
+    fn mac(&self) -> HmacSha256 {
+        HmacSha256::new_from_slice(&self.0).expect("HMAC takes keys of any length")
+    }
+}
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Secret(<redacted>)")
+    }
+}
+
+/// How a generic `hmac` source encodes its signature.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Encoding {
+    Hex,
+    Base64,
+}
+
+/// Where a generic `hmac` source's event id comes from.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum KeyFrom {
+    /// A request header.
+    Header(String),
+    /// A JSON pointer into the body, for example `/id`.
+    JsonPointer(String),
+}
+
+/// A sender's signature scheme, with what it needs to verify a request.
+#[derive(Debug, Clone)]
+pub enum Scheme {
+    Stripe,
+    Github,
+    StandardWebhooks,
+    Shopify,
+    Slack,
+    Hmac {
+        header: String,
+        prefix: String,
+        encoding: Encoding,
+        key_from: KeyFrom,
+    },
+}
+
+/// Why a request is refused. Callers answer with the status only: the detail is for logs and
+/// never says which part of a signature failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Rejection {
+    /// Missing, malformed or wrong signature, or a timestamp outside the tolerance: 401.
+    #[error("unauthorized: {0}")]
+    Unauthorized(&'static str),
+    /// The event's identity cannot be read: 400.
+    #[error("bad request: {0}")]
+    BadRequest(String),
+}
+
+use Rejection::{BadRequest, Unauthorized};
+
+/// What a verified request is.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Verified {
+    /// An event to produce.
+    Event(Identity),
+    /// Slack's `url_verification`: answer the challenge, produce nothing.
+    Challenge(String),
+}
+
+/// A verified event's identity and content.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Identity {
+    /// The stable id within the source, before namespacing by the source's name.
+    pub id: String,
+    pub event_type: Option<String>,
+    pub payload: serde_json::Value,
+}
+
+/// A request as the schemes see it.
+pub struct Request<'a> {
+    pub headers: &'a HeaderMap,
+    pub body: &'a [u8],
+    /// Now, in Unix seconds.
+    pub now: i64,
+}
+
+impl Request<'_> {
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).and_then(|v| v.to_str().ok())
+    }
+
+    fn json(&self) -> Result<serde_json::Value, Rejection> {
+        serde_json::from_slice(self.body)
+            .map_err(|e| BadRequest(format!("the body is not JSON: {e}")))
+    }
+
+    /// The body as JSON when it is JSON, otherwise as a JSON string of its text.
+    fn payload(&self) -> serde_json::Value {
+        serde_json::from_slice(self.body).unwrap_or_else(|_| {
+            serde_json::Value::String(String::from_utf8_lossy(self.body).into_owned())
+        })
+    }
+}
+
+impl Scheme {
+    /// Verifies the request with any of `secrets`, then reads the event's identity.
+    pub fn verify(
+        &self,
+        secrets: &[Secret],
+        tolerance: i64,
+        req: &Request<'_>,
+    ) -> Result<Verified, Rejection> {
+        match self {
+            Self::Stripe => stripe(secrets, tolerance, req),
+            Self::Github => github(secrets, req),
+            Self::StandardWebhooks => standard_webhooks(secrets, tolerance, req),
+            Self::Shopify => shopify(secrets, req),
+            Self::Slack => slack(secrets, tolerance, req),
+            Self::Hmac {
+                header,
+                prefix,
+                encoding,
+                key_from,
+            } => generic(secrets, header, prefix, *encoding, key_from, req),
+        }
+    }
+}
+
+/// True when any secret's MAC over `parts` equals any of `signatures`.
+fn any_valid(secrets: &[Secret], parts: &[&[u8]], signatures: &[Vec<u8>]) -> bool {
+    secrets.iter().any(|secret| {
+        let mut mac = secret.mac();
+        for p in parts {
+            mac.update(p);
+        }
+        signatures
+            .iter()
+            .any(|sig| mac.clone().verify_slice(sig).is_ok())
+    })
+}
+
+fn check_timestamp(timestamp: &str, tolerance: i64, now: i64) -> Result<(), Rejection> {
+    let t: i64 = timestamp
+        .trim()
+        .parse()
+        .map_err(|_| Unauthorized("malformed timestamp"))?;
+    if (now - t).abs() > tolerance {
+        return Err(Unauthorized("timestamp outside the tolerance"));
+    }
+    Ok(())
+}
+
+fn require(ok: bool) -> Result<(), Rejection> {
+    if ok {
+        Ok(())
+    } else {
+        Err(Unauthorized("no signature matches"))
+    }
+}
+
+fn string_at(value: &serde_json::Value, field: &str) -> Option<String> {
+    value
+        .get(field)
+        .and_then(|v| v.as_str())
+        .filter(|s| !s.is_empty())
+        .map(str::to_owned)
+}
+
+/// `Stripe-Signature: t=…,v1=…[,v1=…]`: HMAC-SHA256 of `"{t}.{body}"`, hex. `v0` is ignored.
+fn stripe(secrets: &[Secret], tolerance: i64, req: &Request<'_>) -> Result<Verified, Rejection> {
+    let header = req
+        .header("stripe-signature")
+        .ok_or(Unauthorized("missing signature"))?;
+    let mut timestamp = None;
+    let mut signatures = Vec::new();
+    for item in header.split(',') {
+        match item.trim().split_once('=') {
+            Some(("t", t)) => timestamp = Some(t),
+            Some(("v1", s)) => signatures.extend(hex::decode(s).ok()),
+            _ => {}
+        }
+    }
+    let timestamp = timestamp.ok_or(Unauthorized("missing timestamp"))?;
+    check_timestamp(timestamp, tolerance, req.now)?;
+    require(any_valid(
+        secrets,
+        &[timestamp.as_bytes(), b".", req.body],
+        &signatures,
+    ))?;
+    let body = req.json()?;
+    let id = string_at(&body, "id").ok_or_else(|| BadRequest("the event has no id".into()))?;
+    let id = match string_at(&body, "account") {
+        Some(account) => format!("{account}:{id}"),
+        None => id,
+    };
+    Ok(Verified::Event(Identity {
+        id,
+        event_type: string_at(&body, "type"),
+        payload: body,
+    }))
+}
+
+/// `X-Hub-Signature-256: sha256=<hex>` over the body; the id is `X-GitHub-Delivery`, which a
+/// redelivery keeps.
+fn github(secrets: &[Secret], req: &Request<'_>) -> Result<Verified, Rejection> {
+    let header = req
+        .header("x-hub-signature-256")
+        .ok_or(Unauthorized("missing signature"))?;
+    let sig = header
+        .strip_prefix("sha256=")
+        .and_then(|s| hex::decode(s).ok());
+    require(any_valid(secrets, &[req.body], &Vec::from_iter(sig)))?;
+    let id = req
+        .header("x-github-delivery")
+        .filter(|s| !s.is_empty())
+        .ok_or_else(|| BadRequest("missing X-GitHub-Delivery".into()))?;
+    Ok(Verified::Event(Identity {
+        id: id.to_owned(),
+        event_type: req.header("x-github-event").map(str::to_owned),
+        payload: req.payload(),
+    }))
+}
+
+/// Standard Webhooks (and Svix): `webhook-id`, `webhook-timestamp`, `webhook-signature:
+/// v1,<base64> …`, HMAC-SHA256 of `"{id}.{timestamp}.{body}"` with the base64 secret after
+/// `whsec_`; also under the `svix-` header names.
+fn standard_webhooks(
+    secrets: &[Secret],
+    tolerance: i64,
+    req: &Request<'_>,
+) -> Result<Verified, Rejection> {
+    let header = |name: &str| {
+        req.header(&format!("webhook-{name}"))
+            .or_else(|| req.header(&format!("svix-{name}")))
+    };
+    let id = header("id")
+        .filter(|s| !s.is_empty())
+        .ok_or(Unauthorized("missing id"))?;
+    let timestamp = header("timestamp").ok_or(Unauthorized("missing timestamp"))?;
+    let signatures: Vec<Vec<u8>> = header("signature")
+        .ok_or(Unauthorized("missing signature"))?
+        .split_whitespace()
+        .filter_map(|s| s.strip_prefix("v1,"))
+        .filter_map(|s| BASE64.decode(s).ok())
+        .collect();
+    check_timestamp(timestamp, tolerance, req.now)?;
+    require(any_valid(
+        secrets,
+        &[id.as_bytes(), b".", timestamp.as_bytes(), b".", req.body],
+        &signatures,
+    ))?;
+    let body = req.payload();
+    Ok(Verified::Event(Identity {
+        id: id.to_owned(),
+        event_type: string_at(&body, "type"),
+        payload: body,
+    }))
+}
+
+/// `X-Shopify-Hmac-Sha256`: HMAC-SHA256 of the body, base64. The id is `X-Shopify-Event-Id`
+/// (one event delivered through several subscriptions shares it) qualified by the shop, and
+/// falls back to `X-Shopify-Webhook-Id` (one delivery) for senders that do not send it.
+fn shopify(secrets: &[Secret], req: &Request<'_>) -> Result<Verified, Rejection> {
+    let header = req
+        .header("x-shopify-hmac-sha256")
+        .ok_or(Unauthorized("missing signature"))?;
+    let sig = BASE64.decode(header.trim()).ok();
+    require(any_valid(secrets, &[req.body], &Vec::from_iter(sig)))?;
+    let shop = req
+        .header("x-shopify-shop-domain")
+        .unwrap_or("unknown-shop");
+    let id = match (
+        req.header("x-shopify-event-id"),
+        req.header("x-shopify-webhook-id"),
+    ) {
+        (Some(event), _) if !event.is_empty() => format!("{shop}:{event}"),
+        (_, Some(webhook)) if !webhook.is_empty() => format!("{shop}:webhook:{webhook}"),
+        _ => {
+            return Err(BadRequest(
+                "missing X-Shopify-Event-Id and X-Shopify-Webhook-Id".into(),
+            ))
+        }
+    };
+    Ok(Verified::Event(Identity {
+        id,
+        event_type: req.header("x-shopify-topic").map(str::to_owned),
+        payload: req.payload(),
+    }))
+}
+
+/// `X-Slack-Signature: v0=<hex>` with `X-Slack-Request-Timestamp`: HMAC-SHA256 of
+/// `"v0:{timestamp}:{body}"`. The id is `team_id` with `event_id`.
+fn slack(secrets: &[Secret], tolerance: i64, req: &Request<'_>) -> Result<Verified, Rejection> {
+    let header = req
+        .header("x-slack-signature")
+        .ok_or(Unauthorized("missing signature"))?;
+    let timestamp = req
+        .header("x-slack-request-timestamp")
+        .ok_or(Unauthorized("missing timestamp"))?;
+    let sig = header.strip_prefix("v0=").and_then(|s| hex::decode(s).ok());
+    check_timestamp(timestamp, tolerance, req.now)?;
+    require(any_valid(
+        secrets,
+        &[b"v0:", timestamp.as_bytes(), b":", req.body],
+        &Vec::from_iter(sig),
+    ))?;
+    let body = req.json()?;
+    if body.get("type").and_then(|t| t.as_str()) == Some("url_verification") {
+        let challenge =
+            string_at(&body, "challenge").ok_or_else(|| BadRequest("no challenge".into()))?;
+        return Ok(Verified::Challenge(challenge));
+    }
+    let event_id = string_at(&body, "event_id")
+        .ok_or_else(|| BadRequest("the event has no event_id".into()))?;
+    let team = string_at(&body, "team_id").unwrap_or_else(|| "no-team".into());
+    let event_type = body
+        .pointer("/event/type")
+        .and_then(|t| t.as_str())
+        .map(str::to_owned);
+    Ok(Verified::Event(Identity {
+        id: format!("{team}:{event_id}"),
+        event_type: event_type.or_else(|| string_at(&body, "type")),
+        payload: body,
+    }))
+}
+
+/// A generic HMAC-SHA256 of the body, in a configured header, hex or base64, with an
+/// optional prefix; the id from a header or a JSON pointer into the body.
+fn generic(
+    secrets: &[Secret],
+    header: &str,
+    prefix: &str,
+    encoding: Encoding,
+    key_from: &KeyFrom,
+    req: &Request<'_>,
+) -> Result<Verified, Rejection> {
+    let value = req
+        .header(header)
+        .ok_or(Unauthorized("missing signature"))?;
+    let sig = value.strip_prefix(prefix).and_then(|s| match encoding {
+        Encoding::Hex => hex::decode(s.trim()).ok(),
+        Encoding::Base64 => BASE64.decode(s.trim()).ok(),
+    });
+    require(any_valid(secrets, &[req.body], &Vec::from_iter(sig)))?;
+    let (id, payload) = match key_from {
+        KeyFrom::Header(name) => {
+            let id = req.header(name).filter(|s| !s.is_empty());
+            (
+                id.map(str::to_owned)
+                    .ok_or_else(|| BadRequest(format!("missing {name}")))?,
+                req.payload(),
+            )
+        }
+        KeyFrom::JsonPointer(pointer) => {
+            let body = req.json()?;
+            let id = match body.pointer(pointer) {
+                Some(serde_json::Value::String(s)) if !s.is_empty() => s.clone(),
+                Some(serde_json::Value::Number(n)) => n.to_string(),
+                _ => return Err(BadRequest(format!("the body has no id at {pointer}"))),
+            };
+            (id, body)
+        }
+    };
+    Ok(Verified::Event(Identity {
+        id,
+        event_type: None,
+        payload,
+    }))
+}

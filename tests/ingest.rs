@@ -1,0 +1,397 @@
+//! The ingress over HTTP, producing to a real Kafka-protocol broker (the mock cluster).
+
+mod common;
+
+use common::*;
+use hmac::{Hmac, Mac};
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::message::Message;
+use rdkafka::{Offset, TopicPartitionList};
+use replayproof::ingest::config::FileConfig;
+use replayproof::ingest::{self, IngestSettings};
+use serde_json::json;
+use sha2::Sha256;
+use std::collections::HashSet;
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+
+const CONFIG: &str = r#"
+[[sources]]
+name = "github"
+kind = "github"
+secrets_env = ["GITHUB"]
+
+[[sources]]
+name = "stripe"
+kind = "stripe"
+secrets_env = ["STRIPE_OLD", "STRIPE"]
+
+[[sources]]
+name = "slack"
+kind = "slack"
+secrets_env = ["SLACK"]
+"#;
+
+fn secret(name: &str) -> Option<String> {
+    Some(format!("secret-of-{name}"))
+}
+
+fn hmac_hex(secret: &str, parts: &[&[u8]]) -> String {
+    let mut mac = Hmac::<Sha256>::new_from_slice(secret.as_bytes()).unwrap();
+    for p in parts {
+        mac.update(p);
+    }
+    hex::encode(mac.finalize().into_bytes())
+}
+
+struct Ingress {
+    base: String,
+    shutdown: CancellationToken,
+    running: Option<ingest::Running>,
+    http: reqwest::Client,
+}
+
+impl Ingress {
+    async fn start(brokers: &str, topic: &str, tweak: impl FnOnce(&mut IngestSettings)) -> Self {
+        let sources = toml::from_str::<FileConfig>(CONFIG)
+            .unwrap()
+            .sources_with(secret)
+            .unwrap();
+        let mut settings = IngestSettings::new("127.0.0.1:0".parse().unwrap(), brokers, topic);
+        settings.kafka_options = vec![("broker.address.family".into(), "v4".into())];
+        tweak(&mut settings);
+        let shutdown = CancellationToken::new();
+        let running = ingest::start(
+            settings,
+            sources,
+            prometheus::Registry::new(),
+            shutdown.clone(),
+        )
+        .await
+        .unwrap();
+        Self {
+            base: format!("http://{}", running.addr),
+            shutdown,
+            running: Some(running),
+            http: reqwest::Client::new(),
+        }
+    }
+
+    async fn github(&self, delivery: &str, body: &[u8]) -> reqwest::Response {
+        let sig = format!("sha256={}", hmac_hex("secret-of-GITHUB", &[body]));
+        self.http
+            .post(format!("{}/webhooks/github", self.base))
+            .header("x-hub-signature-256", sig)
+            .header("x-github-delivery", delivery)
+            .header("x-github-event", "push")
+            .body(body.to_vec())
+            .send()
+            .await
+            .unwrap()
+    }
+
+    async fn stripe(&self, secret: &str, t: i64, body: &[u8]) -> reqwest::Response {
+        let sig = hmac_hex(secret, &[t.to_string().as_bytes(), b".", body]);
+        self.http
+            .post(format!("{}/webhooks/stripe", self.base))
+            .header("stripe-signature", format!("t={t},v1={sig}"))
+            .body(body.to_vec())
+            .send()
+            .await
+            .unwrap()
+    }
+
+    async fn stop(mut self) {
+        self.shutdown.cancel();
+        self.running.take().unwrap().stopped().await.unwrap();
+    }
+}
+
+/// The topic's records, as (key, value), in partition 0.
+fn records(brokers: &str, topic: &str) -> Vec<(String, serde_json::Value)> {
+    let consumer: BaseConsumer = client_config(brokers)
+        .set("group.id", unique("reader"))
+        .create()
+        .unwrap();
+    let (_, high) = consumer
+        .fetch_watermarks(topic, 0, Duration::from_secs(10))
+        .unwrap();
+    let mut tpl = TopicPartitionList::new();
+    tpl.add_partition_offset(topic, 0, Offset::Beginning)
+        .unwrap();
+    consumer.assign(&tpl).unwrap();
+    let mut out = Vec::new();
+    while (out.len() as i64) < high {
+        if let Some(m) = consumer.poll(Duration::from_secs(5)) {
+            let m = m.unwrap();
+            let key = String::from_utf8(m.key().unwrap().to_vec()).unwrap();
+            out.push((key, serde_json::from_slice(m.payload().unwrap()).unwrap()));
+        }
+    }
+    out
+}
+
+fn now() -> i64 {
+    chrono::Utc::now().timestamp()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn signed_delivery_sent_three_times_is_three_records_with_one_key_and_one_effect() {
+    let (kafka, db) = (TestKafka::mock(), TestDb::new().await);
+    let topic = kafka.topic(1).await;
+    let ingress = Ingress::start(&kafka.brokers(), &topic, |_| {}).await;
+    let body = br#"{"ref":"refs/heads/main","commits":[]}"#;
+    for _ in 0..3 {
+        let r = ingress.github("72d3162e-cc78-11e3", body).await;
+        assert_eq!(r.status(), 200);
+        let answer: serde_json::Value = r.json().await.unwrap();
+        assert_eq!(answer["key"], "github:72d3162e-cc78-11e3");
+    }
+    let (b, t) = (kafka.brokers(), topic.clone());
+    let recs = tokio::task::spawn_blocking(move || records(&b, &t))
+        .await
+        .unwrap();
+    assert_eq!(recs.len(), 3);
+    for (key, value) in &recs {
+        assert_eq!(key, "github:72d3162e-cc78-11e3");
+        assert_eq!(value["key"], "github:72d3162e-cc78-11e3");
+        assert_eq!(value["source"], "github");
+        assert_eq!(value["type"], "push");
+        assert_eq!(value["payload"]["ref"], "refs/heads/main");
+    }
+    let consumer = InProcessConsumer::start(
+        settings(&kafka.brokers(), &topic, &unique("g")),
+        db.pool.clone(),
+    );
+    assert_exactly_once(
+        &db,
+        &HashSet::from(["github:72d3162e-cc78-11e3".to_owned()]),
+        Duration::from_secs(60),
+    )
+    .await;
+    wait_for("all three consumed", Duration::from_secs(60), || async {
+        consumer.metric("replayproof_consume_events_total") >= 3.0
+    })
+    .await;
+    assert_eq!(db.count("SELECT count(*) FROM ledger").await, 1);
+    consumer.stop().await;
+    ingress.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_requests_get_their_status_and_produce_nothing() {
+    let kafka = TestKafka::mock();
+    let topic = kafka.topic(1).await;
+    let ingress = Ingress::start(&kafka.brokers(), &topic, |s| s.max_body_bytes = 1024).await;
+    let secret = "secret-of-STRIPE";
+    let valid = br#"{"id":"evt_1","type":"charge.succeeded"}"#;
+
+    // 17: malformed JSON with a valid signature; 18: no event id.
+    assert_eq!(
+        ingress.stripe(secret, now(), b"{not json").await.status(),
+        400
+    );
+    assert_eq!(
+        ingress
+            .stripe(secret, now(), br#"{"type":"x"}"#)
+            .await
+            .status(),
+        400
+    );
+    // 19: over the limit, declared or streamed without a length.
+    let big = format!(r#"{{"id":"evt_big","pad":"{}"}}"#, "x".repeat(2000));
+    assert_eq!(
+        ingress.stripe(secret, now(), big.as_bytes()).await.status(),
+        413
+    );
+    let chunks: Vec<Result<Vec<u8>, std::io::Error>> =
+        vec![Ok(vec![b'x'; 800]), Ok(vec![b'x'; 800])];
+    let streamed = ingress
+        .http
+        .post(format!("{}/webhooks/github", ingress.base))
+        .header("x-hub-signature-256", "sha256=00")
+        .body(reqwest::Body::wrap_stream(futures_util::stream::iter(
+            chunks,
+        )))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(streamed.status(), 413);
+    // 20: bad signature, wrong secret, re-serialised body; the answer says nothing more.
+    let wrong = ingress.stripe("not-the-secret", now(), valid).await;
+    assert_eq!(wrong.status(), 401);
+    let said = wrong.text().await.unwrap();
+    assert!(
+        !said.contains("secret-of") && !said.contains("timestamp"),
+        "{said}"
+    );
+    let t = now();
+    let sig = hmac_hex(secret, &[t.to_string().as_bytes(), b".", valid]);
+    let reserialised = br#"{"id": "evt_1", "type": "charge.succeeded"}"#;
+    let r = ingress
+        .http
+        .post(format!("{}/webhooks/stripe", ingress.base))
+        .header("stripe-signature", format!("t={t},v1={sig}"))
+        .body(reserialised.to_vec())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 401);
+    // 21: empty, truncated, v0 only.
+    for header in [
+        format!("t={t},v1="),
+        format!("t={t},v1={}", &sig[..40]),
+        format!("t={t},v0={sig}"),
+    ] {
+        let r = ingress
+            .http
+            .post(format!("{}/webhooks/stripe", ingress.base))
+            .header("stripe-signature", header)
+            .body(valid.to_vec())
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 401);
+    }
+    // 22 and 23: an old signature, and skew just past the tolerance either way.
+    assert_eq!(
+        ingress.stripe(secret, now() - 3600, valid).await.status(),
+        401
+    );
+    assert_eq!(
+        ingress.stripe(secret, now() - 320, valid).await.status(),
+        401
+    );
+    assert_eq!(
+        ingress.stripe(secret, now() + 320, valid).await.status(),
+        401
+    );
+    // Unknown source, another method, a missing signature.
+    let unknown = ingress
+        .http
+        .post(format!("{}/webhooks/nope", ingress.base))
+        .body("{}")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(unknown.status(), 404);
+    let get = ingress
+        .http
+        .get(format!("{}/webhooks/stripe", ingress.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(get.status(), 405);
+    let unsigned = ingress
+        .http
+        .post(format!("{}/webhooks/github", ingress.base))
+        .body("{}")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(unsigned.status(), 401);
+    // Slack's url_verification is answered without producing.
+    let challenge = br#"{"type":"url_verification","challenge":"c-123"}"#;
+    let slack_sig = format!(
+        "v0={}",
+        hmac_hex(
+            "secret-of-SLACK",
+            &[b"v0:", t.to_string().as_bytes(), b":", challenge]
+        )
+    );
+    let r = ingress
+        .http
+        .post(format!("{}/webhooks/slack", ingress.base))
+        .header("x-slack-request-timestamp", t.to_string())
+        .header("x-slack-signature", slack_sig)
+        .body(challenge.to_vec())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(
+        r.json::<serde_json::Value>().await.unwrap(),
+        json!({"challenge": "c-123"})
+    );
+
+    let (b, tp) = (kafka.brokers(), topic.clone());
+    assert!(
+        tokio::task::spawn_blocking(move || records(&b, &tp))
+            .await
+            .unwrap()
+            .is_empty(),
+        "nothing was produced"
+    );
+    // Within the tolerance (and with the older of two rotated secrets) the same event passes.
+    assert_eq!(
+        ingress
+            .stripe("secret-of-STRIPE_OLD", now() - 290, valid)
+            .await
+            .status(),
+        200
+    );
+    ingress.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn broker_down_gives_503_with_retry_after_and_back_up_gives_2xx() {
+    let TestKafka::Mock(kafka) = TestKafka::mock() else {
+        unreachable!()
+    };
+    let brokers = kafka.bootstrap_servers();
+    let topic = unique("webhooks");
+    kafka.create_topic(&topic, 1).unwrap();
+    let ingress = Ingress::start(&brokers, &topic, |s| {
+        s.produce_timeout = Duration::from_millis(1500)
+    })
+    .await;
+    assert_eq!(ingress.github("before", b"{}").await.status(), 200);
+    wait_for("ready", Duration::from_secs(30), || async {
+        ingress
+            .http
+            .get(format!("{}/readyz", ingress.base))
+            .send()
+            .await
+            .unwrap()
+            .status()
+            == 200
+    })
+    .await;
+
+    kafka.set_broker_up(false).unwrap();
+    let down = ingress.github("during", b"{}").await;
+    assert_eq!(down.status(), 503);
+    assert_eq!(down.headers()["retry-after"], "5");
+    wait_for("not ready", Duration::from_secs(30), || async {
+        ingress
+            .http
+            .get(format!("{}/readyz", ingress.base))
+            .send()
+            .await
+            .unwrap()
+            .status()
+            == 503
+    })
+    .await;
+
+    kafka.set_broker_up(true).unwrap();
+    // The sender retries until it gets a 2xx, as senders do.
+    let mut answered = 0;
+    for _ in 0..20 {
+        answered = ingress.github("during", b"{}").await.status().as_u16();
+        if answered == 200 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    assert_eq!(answered, 200);
+    ingress.stop().await;
+    let recs = tokio::task::spawn_blocking(move || records(&brokers, &topic))
+        .await
+        .unwrap();
+    let keys: HashSet<String> = recs.into_iter().map(|(k, _)| k).collect();
+    assert_eq!(
+        keys,
+        HashSet::from(["github:before".to_owned(), "github:during".to_owned()])
+    );
+}
