@@ -20,6 +20,7 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use config::Source;
 use prometheus::{Histogram, HistogramOpts, IntCounterVec, Opts, Registry};
+use rdkafka::error::RDKafkaErrorCode;
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
 use rdkafka::util::Timeout;
 use rdkafka::ClientConfig;
@@ -396,6 +397,13 @@ async fn produce(state: &AppState, envelope: Envelope) -> Outcome {
             partition: delivered.partition,
             offset: delivered.offset,
         },
+        Ok(Err((
+            rdkafka::error::KafkaError::MessageProduction(RDKafkaErrorCode::MessageSizeTooLarge),
+            _,
+        ))) => {
+            tracing::warn!(source = %envelope.source, bytes = value.len(), "The broker refused a record as too large; answered 413.");
+            Outcome::TooLarge
+        }
         Ok(Err((e, _))) => {
             tracing::warn!(source = %envelope.source, error = %e, "The broker did not acknowledge a webhook; answered 503.");
             Outcome::Unavailable(state.settings.retry_after_secs)
