@@ -25,6 +25,168 @@ pub enum Command {
     Consume(ConsumeArgs),
     /// Receive signed webhooks over HTTP and write them to the topic.
     Ingest(IngestArgs),
+    /// Deliver the outbox's operations under a lease, with idempotency keys.
+    Dispatch(DispatchArgs),
+    /// Inspect events and their operations, and retry or resolve them.
+    #[command(subcommand)]
+    Events(EventsCommand),
+    /// Inspect and replay messages that were not valid envelopes.
+    #[command(subcommand, name = "dead-letters")]
+    DeadLetters(DeadLettersCommand),
+}
+
+#[derive(Debug, Args)]
+pub struct DispatchArgs {
+    #[command(flatten)]
+    pub database: DatabaseArgs,
+
+    /// Names this worker in leases and attempts. [default: host name and process id]
+    #[arg(long, env = "REPLAYPROOF_WORKER")]
+    pub worker: Option<String>,
+
+    /// Operations leased, and sent concurrently, at once.
+    #[arg(long, env = "REPLAYPROOF_DISPATCH_BATCH", default_value_t = 32, value_parser = clap::value_parser!(i64).range(1..=1000))]
+    pub batch_size: i64,
+
+    /// How long a lease lasts, in seconds: longer than the slowest realistic request, shorter
+    /// than anyone's patience with an operation whose worker died.
+    #[arg(long, env = "REPLAYPROOF_LEASE_SECS", default_value_t = 300, value_parser = clap::value_parser!(u64).range(1..))]
+    pub lease_secs: u64,
+
+    /// The timeout of one request, in milliseconds; must be well under the lease.
+    #[arg(long, env = "REPLAYPROOF_REQUEST_TIMEOUT_MS", default_value_t = 10_000)]
+    pub request_timeout_ms: u64,
+
+    /// The first retry's delay in milliseconds; doubled for each further attempt, with jitter.
+    #[arg(long, env = "REPLAYPROOF_BACKOFF_MS", default_value_t = 1_000)]
+    pub backoff_ms: u64,
+
+    /// The longest delay between attempts, in milliseconds.
+    #[arg(long, env = "REPLAYPROOF_MAX_BACKOFF_MS", default_value_t = 300_000)]
+    pub max_backoff_ms: u64,
+
+    /// How often to look for due operations when none were due, in milliseconds.
+    #[arg(long, env = "REPLAYPROOF_POLL_MS", default_value_t = 500)]
+    pub poll_ms: u64,
+
+    /// Where to serve Prometheus /metrics and /healthz.
+    #[arg(
+        long,
+        env = "REPLAYPROOF_METRICS_ADDR",
+        default_value = "127.0.0.1:9465"
+    )]
+    pub metrics_addr: SocketAddr,
+}
+
+#[derive(Debug, Args)]
+pub struct OperatorArgs {
+    #[command(flatten)]
+    pub database: DatabaseArgs,
+
+    /// Who is acting, for the audit table. [default: $USER]
+    #[arg(long, env = "REPLAYPROOF_ACTOR")]
+    pub actor: Option<String>,
+
+    /// Print JSON instead of tables.
+    #[arg(long, global = true)]
+    pub json: bool,
+}
+
+impl OperatorArgs {
+    pub fn actor(&self) -> String {
+        self.actor
+            .clone()
+            .or_else(|| std::env::var("USER").ok())
+            .unwrap_or_else(|| "operator".into())
+    }
+}
+
+#[derive(Debug, Subcommand)]
+pub enum EventsCommand {
+    /// List events, newest first.
+    List {
+        #[command(flatten)]
+        op: OperatorArgs,
+        /// A claim status (done, failed) or an operation state (pending, in_progress,
+        /// retryable, uncertain, done, failed, dead).
+        #[arg(long)]
+        state: Option<String>,
+        #[arg(long)]
+        source: Option<String>,
+        /// Only events claimed at least this many seconds ago.
+        #[arg(long)]
+        older_than_secs: Option<u64>,
+        #[arg(long, default_value_t = 50)]
+        limit: i64,
+    },
+    /// Everything about one event: its claim, effect rows, operations, every attempt, dead
+    /// letters and key conflicts.
+    Show {
+        #[command(flatten)]
+        op: OperatorArgs,
+        key: String,
+    },
+    /// Send a failed, uncertain or dead operation again with the same idempotency key, or run a
+    /// failed local effect again from its stored payload.
+    Retry {
+        #[command(flatten)]
+        op: OperatorArgs,
+        key: String,
+        /// Only this operation of the event.
+        #[arg(long)]
+        operation: Option<String>,
+        /// The effect to run again, for a failed local effect.
+        #[arg(long, value_enum)]
+        effect: Option<BuiltinEffect>,
+        #[arg(long)]
+        reason: String,
+    },
+    /// Settle an event's operations (or failed claim) by hand.
+    Resolve {
+        #[command(flatten)]
+        op: OperatorArgs,
+        key: String,
+        #[arg(long = "as", value_parser = ["done", "dead"])]
+        to: String,
+        #[arg(long)]
+        operation: Option<String>,
+        #[arg(long)]
+        reason: String,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum DeadLettersCommand {
+    /// List dead letters, newest first.
+    List {
+        #[command(flatten)]
+        op: OperatorArgs,
+        #[arg(long, default_value_t = 50)]
+        limit: i64,
+    },
+    /// One dead letter with its raw key and value.
+    Show {
+        #[command(flatten)]
+        op: OperatorArgs,
+        id: i64,
+    },
+    /// Produce a dead letter's raw bytes again, to its topic or another.
+    Replay {
+        #[command(flatten)]
+        op: OperatorArgs,
+        id: i64,
+        /// Kafka bootstrap servers.
+        #[arg(long, env = "REPLAYPROOF_BROKERS")]
+        brokers: String,
+        /// Produce to this topic instead of the one it came from.
+        #[arg(long)]
+        topic: Option<String>,
+        /// A librdkafka property for the producer, KEY=VALUE; repeatable.
+        #[arg(long = "kafka-option", value_name = "KEY=VALUE", value_parser = parse_key_value)]
+        kafka_options: Vec<(String, String)>,
+        #[arg(long)]
+        reason: String,
+    },
 }
 
 #[derive(Debug, Args)]
@@ -124,6 +286,20 @@ pub struct ConsumeArgs {
     #[arg(long, env = "REPLAYPROOF_EFFECT", value_enum, default_value_t = BuiltinEffect::Ledger)]
     pub effect: BuiltinEffect,
 
+    /// With --effect http: where each event is POSTed (by `replayproof dispatch`).
+    #[arg(long, env = "REPLAYPROOF_TARGET_URL")]
+    pub target_url: Option<String>,
+
+    /// With --effect http: a URL template, `{key}` replaced by the operation key, that answers
+    /// 2xx when the downstream already has the operation and 404 when it does not. Used to
+    /// settle uncertain outcomes without resending.
+    #[arg(long, env = "REPLAYPROOF_RECONCILE_URL")]
+    pub reconcile_url: Option<String>,
+
+    /// With --effect http: attempts before an operation is dead.
+    #[arg(long, env = "REPLAYPROOF_MAX_ATTEMPTS", default_value_t = 10, value_parser = clap::value_parser!(i32).range(1..=1000))]
+    pub max_attempts: i32,
+
     /// A librdkafka property, KEY=VALUE; repeatable. Applied last, so it overrides the defaults
     /// (for example session.timeout.ms=6000 or security.protocol=ssl).
     #[arg(long = "kafka-option", value_name = "KEY=VALUE", value_parser = parse_key_value)]
@@ -212,6 +388,9 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         }
         Command::Consume(args) => run_consume(args).await,
         Command::Ingest(args) => run_ingest(args).await,
+        Command::Dispatch(args) => run_dispatch(args).await,
+        Command::Events(command) => crate::cli_ops::events(command).await,
+        Command::DeadLetters(command) => crate::cli_ops::dead_letters(command).await,
     }
 }
 
@@ -236,7 +415,17 @@ async fn run_consume(args: ConsumeArgs) -> anyhow::Result<()> {
     }
     let processor = BatchProcessor {
         pool,
-        effect: args.effect.build(),
+        effect: args
+            .effect
+            .build(
+                args.target_url
+                    .clone()
+                    .map(|target_url| crate::effect::HttpOutbox {
+                        target_url,
+                        reconcile_url: args.reconcile_url.clone(),
+                        max_attempts: args.max_attempts,
+                    }),
+            )?,
         retry: EffectRetry {
             attempts: args.effect_attempts,
             ..EffectRetry::default()
@@ -258,4 +447,45 @@ async fn run_ingest(args: IngestArgs) -> anyhow::Result<()> {
     let running =
         crate::ingest::start(settings, sources, prometheus::Registry::new(), shutdown).await?;
     running.stopped().await
+}
+
+async fn run_dispatch(args: DispatchArgs) -> anyhow::Result<()> {
+    let shutdown = crate::shutdown::on_signal();
+    let registry = prometheus::Registry::new();
+    let metrics = crate::dispatch::DispatchMetrics::new(&registry)?;
+    let health = Health::default();
+    health.set(true);
+    let addr = telemetry::serve_metrics(
+        args.metrics_addr,
+        registry,
+        health,
+        shutdown.clone().cancelled_owned(),
+    )
+    .await
+    .context("starting the metrics server")?;
+    tracing::info!(%addr, "Serving /metrics and /healthz.");
+    let pool = db::pool(
+        &args.database.database_url,
+        (args.batch_size as u32).clamp(2, 64),
+    )?;
+    let worker = args.worker.clone().unwrap_or_else(|| {
+        let host = std::fs::read_to_string("/etc/hostname").unwrap_or_else(|_| "host".into());
+        format!("{}-{}", host.trim(), std::process::id())
+    });
+    let settings = crate::dispatch::DispatchSettings {
+        batch_size: args.batch_size,
+        lease: Duration::from_secs(args.lease_secs),
+        request_timeout: Duration::from_millis(args.request_timeout_ms),
+        poll_interval: Duration::from_millis(args.poll_ms),
+        backoff_base: Duration::from_millis(args.backoff_ms),
+        backoff_max: Duration::from_millis(args.max_backoff_ms),
+        ..crate::dispatch::DispatchSettings::new(&worker)
+    };
+    anyhow::ensure!(
+        settings.request_timeout < settings.lease,
+        "--request-timeout-ms must be shorter than the lease"
+    );
+    crate::dispatch::Dispatcher::new(settings, pool, metrics)?
+        .run(shutdown)
+        .await
 }

@@ -54,17 +54,62 @@ impl Effect for Ledger {
     }
 }
 
+/// The built-in outbox effect: one `deliver` operation per event, a POST of the event's
+/// envelope to a fixed URL, enqueued with the claim and sent later by `replayproof dispatch`.
+#[derive(Debug, Clone)]
+pub struct HttpOutbox {
+    pub target_url: String,
+    /// A URL template with `{key}` where the operation key goes; a GET answering 2xx means the
+    /// downstream already has the operation, 404 that it does not.
+    pub reconcile_url: Option<String>,
+    pub max_attempts: i32,
+}
+
+#[async_trait]
+impl Effect for HttpOutbox {
+    fn name(&self) -> &'static str {
+        "http"
+    }
+
+    async fn apply(&self, tx: &mut Tx<'_>, event: &Event) -> anyhow::Result<()> {
+        let envelope = crate::envelope::Envelope {
+            key: event.key.to_string(),
+            source: event.source.clone(),
+            event_type: event.event_type.clone(),
+            received_at: event.received_at,
+            payload: event.payload.clone(),
+        };
+        let op = crate::outbox::NewOperation {
+            event_key: event.key.as_str(),
+            operation: "deliver",
+            destination: &self.target_url,
+            payload: envelope.to_bytes(),
+            reconcile_url: self.reconcile_url.clone(),
+            max_attempts: self.max_attempts,
+        };
+        crate::outbox::enqueue(tx, &op).await?;
+        Ok(())
+    }
+}
+
 /// The built-in effects, by the name given to `--effect`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum BuiltinEffect {
     /// One row in the `ledger` table per event.
     Ledger,
+    /// One outbox operation per event: a POST of the event to --target-url, sent by
+    /// `replayproof dispatch`.
+    Http,
 }
 
 impl BuiltinEffect {
-    pub fn build(self) -> std::sync::Arc<dyn Effect> {
-        match self {
+    /// Builds the effect; `http` needs its target.
+    pub fn build(self, http: Option<HttpOutbox>) -> anyhow::Result<std::sync::Arc<dyn Effect>> {
+        Ok(match self {
             Self::Ledger => std::sync::Arc::new(Ledger),
-        }
+            Self::Http => std::sync::Arc::new(
+                http.ok_or_else(|| anyhow::anyhow!("--effect http needs --target-url"))?,
+            ),
+        })
     }
 }

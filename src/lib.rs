@@ -7,12 +7,16 @@
 
 pub mod claims;
 pub mod cli;
+mod cli_ops;
 pub mod consume;
 pub mod db;
+pub mod dispatch;
 pub mod effect;
 pub mod embedded;
 pub mod envelope;
 pub mod ingest;
+pub mod ops;
+pub mod outbox;
 pub mod shutdown;
 pub mod telemetry;
 

@@ -219,3 +219,203 @@ async fn twenty_thousand_events_three_processes_one_killed_twice() {
         assert!(consumer.terminate(Duration::from_secs(30)).await.success());
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dispatcher_killed_mid_request_is_taken_over_and_its_late_completion_changes_nothing() {
+    use common::downstream::{Behaviour, Downstream};
+    use replayproof::outbox;
+    let (db, downstream) = (TestDb::new().await, Downstream::start().await);
+    let op = outbox::operation_key("evt-d", "deliver");
+    downstream.script(&op, &[Behaviour::Hang]);
+    let processor = replayproof::consume::BatchProcessor {
+        pool: db.pool.clone(),
+        effect: std::sync::Arc::new(replayproof::effect::HttpOutbox {
+            target_url: downstream.url(),
+            reconcile_url: None,
+            max_attempts: 5,
+        }),
+        retry: Default::default(),
+    };
+    let message = replayproof::consume::RawMessage {
+        offset: 0,
+        key: Some(b"evt-d".to_vec()),
+        value: Some(envelope("evt-d", json!({"amount": 5}))),
+    };
+    processor.process("t", 0, &[message]).await.unwrap();
+
+    let mut first = tokio::process::Command::new(env!("CARGO_BIN_EXE_replayproof"))
+        .args([
+            "dispatch",
+            "--database-url",
+            &db.url,
+            "--lease-secs",
+            "2",
+            "--request-timeout-ms",
+            "1500",
+        ])
+        .args([
+            "--poll-ms",
+            "50",
+            "--metrics-addr",
+            "127.0.0.1:0",
+            "--worker",
+            "first",
+        ])
+        .env("RUST_LOG", "warn")
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    wait_for("the request to be in flight", WAIT, || async {
+        downstream.in_flight() == 1
+    })
+    .await;
+    let token: i64 = sqlx::query_scalar("SELECT fencing_token FROM outbox")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(first.id().unwrap() as i32),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    first.wait().await.unwrap();
+
+    let metrics =
+        replayproof::dispatch::DispatchMetrics::new(&prometheus::Registry::new()).unwrap();
+    let settings = replayproof::dispatch::DispatchSettings {
+        poll_interval: Duration::from_millis(50),
+        request_timeout: Duration::from_secs(2),
+        ..replayproof::dispatch::DispatchSettings::new("second")
+    };
+    let second =
+        replayproof::dispatch::Dispatcher::new(settings, db.pool.clone(), metrics).unwrap();
+    let stop = tokio_util::sync::CancellationToken::new();
+    let running = tokio::spawn({
+        let stop = stop.clone();
+        async move { second.run(stop).await }
+    });
+    wait_for(
+        "the operation done by the second dispatcher",
+        WAIT,
+        || async {
+            db.count("SELECT count(*) FROM outbox WHERE state = 'done' AND leased_by = 'second'")
+                .await
+                == 1
+        },
+    )
+    .await;
+    stop.cancel();
+    running.await.unwrap().unwrap();
+    assert_eq!(downstream.applied()[&op], 1, "one side effect");
+    assert!(downstream.bodies()[&op]
+        .iter()
+        .all(|b| b == &downstream.bodies()[&op][0]));
+
+    // The first dispatcher's completion, arriving late with its old token, changes nothing.
+    let (id, payload): (i64, Vec<u8>) = sqlx::query_as("SELECT id, payload FROM outbox")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    let stale = outbox::Leased {
+        id,
+        operation_key: op.clone(),
+        destination: downstream.url(),
+        payload,
+        reconcile_url: None,
+        attempts: 1,
+        max_attempts: 5,
+        fencing_token: token,
+        previous_state: "pending".into(),
+    };
+    let settlement = outbox::Settlement {
+        state: "failed",
+        next_attempt_at: None,
+        status: Some(500),
+        error: Some("late".into()),
+        response: None,
+    };
+    let attempt = outbox::Attempt {
+        worker: "first",
+        kind: "deliver",
+        started_at: chrono::Utc::now(),
+        duration: Duration::from_secs(3),
+        outcome: "failed",
+    };
+    assert!(!outbox::complete(&db.pool, &stale, &settlement, &attempt)
+        .await
+        .unwrap());
+    assert_eq!(
+        db.count("SELECT count(*) FROM outbox WHERE state = 'done'")
+            .await,
+        1
+    );
+}
+
+#[cfg(feature = "failpoints")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_consumer_leaves_no_orphan_outbox_operation() {
+    let (kafka, db) = (TestKafka::for_processes(), TestDb::new().await);
+    let (topic, group) = (kafka.topic(1).await, unique("group"));
+    let spawn_http = |failpoints: Option<&str>| {
+        let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_replayproof"));
+        cmd.arg("consume")
+            .args([
+                "--brokers",
+                &kafka.brokers(),
+                "--topic",
+                &topic,
+                "--group",
+                &group,
+                "--database-url",
+                &db.url,
+            ])
+            .args([
+                "--effect",
+                "http",
+                "--target-url",
+                "http://127.0.0.1:9/ops",
+                "--metrics-addr",
+                "127.0.0.1:0",
+            ])
+            .env("RUST_LOG", "warn")
+            .env_remove("FAILPOINTS")
+            .kill_on_drop(true);
+        for (k, v) in test_kafka_options() {
+            cmd.arg("--kafka-option").arg(format!("{k}={v}"));
+        }
+        if let Some(f) = failpoints {
+            cmd.env("FAILPOINTS", f);
+        }
+        ConsumerProcess {
+            child: cmd.spawn().unwrap(),
+        }
+    };
+    let first = spawn_http(Some("consume::before_commit=pause"));
+    produce(
+        &producer(&kafka.brokers()),
+        &topic,
+        &[Record::event("evt-o", json!({"n": 1}))],
+    )
+    .await;
+    wait_for_open_transaction(&db).await;
+    first.kill9().await;
+    wait_for("the transaction to end", WAIT, || async {
+        db.count("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND state = 'idle in transaction'").await == 0
+    })
+    .await;
+    assert_eq!(
+        db.count("SELECT count(*) FROM outbox").await,
+        0,
+        "no orphan operation"
+    );
+    assert_eq!(db.count("SELECT count(*) FROM processed_events").await, 0);
+
+    let second = spawn_http(None);
+    wait_committed_total(&kafka, &group, &topic, 1, 1).await;
+    assert_eq!(
+        db.count("SELECT count(*) FROM outbox WHERE operation_key = 'evt-o#deliver'")
+            .await,
+        1
+    );
+    assert!(second.terminate(Duration::from_secs(30)).await.success());
+}

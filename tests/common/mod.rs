@@ -1,5 +1,8 @@
-//! Test helpers: a fresh database per test, a broker per test, producers, counters.
+//! Test helpers: a fresh database per test, a broker per test, producers, counters, and a fake
+//! downstream.
 #![allow(dead_code)]
+
+pub mod downstream;
 
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::producer::{FutureProducer, FutureRecord};

@@ -1,0 +1,405 @@
+//! `replayproof dispatch`: delivers outbox operations under a lease.
+//!
+//! Each attempt sends the row's exact payload with its operation key as `Idempotency-Key`, with
+//! a bounded timeout, and settles the row from the outcome. An operation that may already have
+//! been applied (a timeout, a cut connection, a lease taken over from a vanished worker) is
+//! `uncertain`: it is reconciled first when the row has a reconcile URL, and otherwise resent
+//! with the same key. Never a new key.
+
+use crate::outbox::{self, Attempt, Leased, Settlement};
+use prometheus::{Histogram, HistogramOpts, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry};
+use sqlx::PgPool;
+use std::time::{Duration, Instant};
+use tokio_util::sync::CancellationToken;
+
+/// How a dispatcher leases and sends.
+#[derive(Debug, Clone)]
+pub struct DispatchSettings {
+    /// Names this worker in leases and attempts.
+    pub worker: String,
+    /// Rows leased at once, and so requests in flight at once.
+    pub batch_size: i64,
+    /// How long a lease lasts: longer than the slowest realistic request, shorter than anyone's
+    /// patience with an operation whose worker died.
+    pub lease: Duration,
+    pub request_timeout: Duration,
+    /// The pause when nothing is due.
+    pub poll_interval: Duration,
+    /// The first retry's delay; doubled for each further attempt, with jitter.
+    pub backoff_base: Duration,
+    pub backoff_max: Duration,
+}
+
+impl DispatchSettings {
+    pub fn new(worker: &str) -> Self {
+        Self {
+            worker: worker.into(),
+            batch_size: 32,
+            lease: Duration::from_secs(300),
+            request_timeout: Duration::from_secs(10),
+            poll_interval: Duration::from_millis(500),
+            backoff_base: Duration::from_secs(1),
+            backoff_max: Duration::from_secs(300),
+        }
+    }
+}
+
+/// The dispatcher's metrics; labels are outcomes and states from fixed lists.
+#[derive(Clone)]
+pub struct DispatchMetrics {
+    pub attempts: IntCounterVec,
+    pub latency: Histogram,
+    pub operations: IntGaugeVec,
+    pub oldest_due_seconds: IntGauge,
+    pub expired_leases: IntGauge,
+}
+
+impl DispatchMetrics {
+    pub fn new(registry: &Registry) -> prometheus::Result<Self> {
+        let m = Self {
+            attempts: IntCounterVec::new(
+                Opts::new(
+                    "replayproof_dispatch_attempts_total",
+                    "Delivery attempts, by outcome.",
+                ),
+                &["outcome"],
+            )?,
+            latency: Histogram::with_opts(
+                HistogramOpts::new(
+                    "replayproof_dispatch_duration_seconds",
+                    "Time of one attempt.",
+                )
+                .buckets(prometheus::exponential_buckets(0.001, 2.0, 16)?),
+            )?,
+            operations: IntGaugeVec::new(
+                Opts::new(
+                    "replayproof_outbox_operations",
+                    "Outbox operations, by state.",
+                ),
+                &["state"],
+            )?,
+            oldest_due_seconds: IntGauge::new(
+                "replayproof_outbox_oldest_due_seconds",
+                "How long the oldest due operation has been waiting.",
+            )?,
+            expired_leases: IntGauge::new(
+                "replayproof_outbox_expired_leases",
+                "In-progress operations whose lease expired: their worker is gone.",
+            )?,
+        };
+        registry.register(Box::new(m.attempts.clone()))?;
+        registry.register(Box::new(m.latency.clone()))?;
+        registry.register(Box::new(m.operations.clone()))?;
+        registry.register(Box::new(m.oldest_due_seconds.clone()))?;
+        registry.register(Box::new(m.expired_leases.clone()))?;
+        Ok(m)
+    }
+
+    async fn refresh(&self, pool: &PgPool) -> sqlx::Result<()> {
+        let g = outbox::gauges(pool).await?;
+        for state in [
+            "pending",
+            "in_progress",
+            "retryable",
+            "uncertain",
+            "done",
+            "failed",
+            "dead",
+        ] {
+            let n = g
+                .by_state
+                .iter()
+                .find(|(s, _)| s == state)
+                .map_or(0, |(_, n)| *n);
+            self.operations.with_label_values(&[state]).set(n);
+        }
+        self.oldest_due_seconds.set(g.oldest_due_seconds as i64);
+        self.expired_leases.set(g.expired_leases);
+        Ok(())
+    }
+}
+
+/// A dispatcher: leases due operations and delivers them until `shutdown`, then finishes the
+/// requests in flight and returns.
+pub struct Dispatcher {
+    pub settings: DispatchSettings,
+    pub pool: PgPool,
+    pub metrics: DispatchMetrics,
+    http: reqwest::Client,
+}
+
+impl Dispatcher {
+    pub fn new(
+        settings: DispatchSettings,
+        pool: PgPool,
+        metrics: DispatchMetrics,
+    ) -> anyhow::Result<Self> {
+        let http = reqwest::Client::builder()
+            .timeout(settings.request_timeout)
+            .connect_timeout(settings.request_timeout.min(Duration::from_secs(5)))
+            .build()?;
+        Ok(Self {
+            settings,
+            pool,
+            metrics,
+            http,
+        })
+    }
+
+    pub async fn run(&self, shutdown: CancellationToken) -> anyhow::Result<()> {
+        tracing::info!(worker = %self.settings.worker, lease_secs = self.settings.lease.as_secs(), "Dispatching the outbox.");
+        let mut last_refresh = Instant::now() - Duration::from_secs(60);
+        while !shutdown.is_cancelled() {
+            if last_refresh.elapsed() >= self.gauge_interval() {
+                if let Err(e) = self.metrics.refresh(&self.pool).await {
+                    tracing::warn!(error = %e, "Could not read the outbox gauges.");
+                }
+                last_refresh = Instant::now();
+            }
+            let sent = match self.dispatch_once().await {
+                Ok(n) => n,
+                Err(e) => {
+                    tracing::warn!(error = %e, "Leasing from the outbox failed; retrying.");
+                    0
+                }
+            };
+            if sent == 0 {
+                tokio::select! {
+                    _ = shutdown.cancelled() => {}
+                    _ = tokio::time::sleep(self.settings.poll_interval) => {}
+                }
+            }
+        }
+        tracing::info!(worker = %self.settings.worker, "The dispatcher stopped.");
+        Ok(())
+    }
+
+    /// Often enough that a stuck lease shows within one lease.
+    fn gauge_interval(&self) -> Duration {
+        (self.settings.lease / 4).clamp(Duration::from_millis(200), Duration::from_secs(15))
+    }
+
+    /// Leases one batch and delivers it; returns how many rows it leased.
+    pub async fn dispatch_once(&self) -> sqlx::Result<usize> {
+        let leased = outbox::lease(
+            &self.pool,
+            &self.settings.worker,
+            self.settings.batch_size,
+            self.settings.lease,
+        )
+        .await?;
+        let n = leased.len();
+        let attempts = leased.into_iter().map(|row| async move {
+            if let Err(e) = self.attempt(&row).await {
+                // The lease expires and another attempt follows: nothing is lost.
+                tracing::warn!(operation = %row.operation_key, error = %e, "Could not record an attempt.");
+            }
+        });
+        futures_util::future::join_all(attempts).await;
+        Ok(n)
+    }
+
+    async fn attempt(&self, row: &Leased) -> sqlx::Result<()> {
+        let maybe_applied =
+            row.previous_state == "uncertain" || row.previous_state == "in_progress";
+        if maybe_applied {
+            if let Some(url) = &row.reconcile_url {
+                if let Some(settled) = self.reconcile(row, url).await? {
+                    return Ok(settled);
+                }
+            }
+        }
+        let started_at = chrono::Utc::now();
+        let timer = Instant::now();
+        let result = self
+            .http
+            .post(&row.destination)
+            .header("content-type", "application/json")
+            .header("idempotency-key", &row.operation_key)
+            .body(row.payload.clone())
+            .send()
+            .await;
+        let (outcome, settlement) = match result {
+            Ok(response) => self.classify_response(row, response).await,
+            Err(e) => self.classify_error(row, &e),
+        };
+        self.settle(
+            row,
+            &settlement,
+            "deliver",
+            started_at,
+            timer.elapsed(),
+            outcome,
+        )
+        .await
+    }
+
+    /// Asks the downstream whether the operation exists: yes settles it as done without
+    /// resending; no (404) lets the delivery go ahead; anything else leaves it uncertain.
+    async fn reconcile(&self, row: &Leased, url: &str) -> sqlx::Result<Option<()>> {
+        let started_at = chrono::Utc::now();
+        let timer = Instant::now();
+        let key = percent_encoding::utf8_percent_encode(
+            &row.operation_key,
+            percent_encoding::NON_ALPHANUMERIC,
+        );
+        let url = url.replace("{key}", &key.to_string());
+        let result = self
+            .http
+            .get(&url)
+            .header("idempotency-key", &row.operation_key)
+            .send()
+            .await;
+        let status = result.as_ref().ok().map(|r| r.status().as_u16());
+        let (outcome, settlement) = match status {
+            Some(s) if (200..300).contains(&s) => {
+                ("reconciled_done", settled("done", Some(i32::from(s)), None))
+            }
+            Some(404) => return Ok(None),
+            _ => {
+                let error = result.err().map(|e| format!("reconcile: {e}"));
+                (
+                    "reconcile_unknown",
+                    Settlement {
+                        next_attempt_at: Some(self.next_attempt(row, None)),
+                        ..settled(
+                            if row.attempts >= row.max_attempts {
+                                "dead"
+                            } else {
+                                "uncertain"
+                            },
+                            status.map(i32::from),
+                            error,
+                        )
+                    },
+                )
+            }
+        };
+        self.settle(
+            row,
+            &settlement,
+            "reconcile",
+            started_at,
+            timer.elapsed(),
+            outcome,
+        )
+        .await?;
+        Ok(Some(()))
+    }
+
+    async fn classify_response(
+        &self,
+        row: &Leased,
+        response: reqwest::Response,
+    ) -> (&'static str, Settlement) {
+        let status = response.status().as_u16();
+        let retry_after = response
+            .headers()
+            .get("retry-after")
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .map(Duration::from_secs);
+        let body = response.text().await.unwrap_or_default();
+        let body: String = body.chars().take(2_000).collect();
+        let code = Some(i32::from(status));
+        match status {
+            200..=299 => ("done", settled("done", code, None)),
+            400 | 401 | 403 | 404 | 410 | 422 => (
+                "failed",
+                Settlement {
+                    response: Some(body),
+                    ..settled("failed", code, None)
+                },
+            ),
+            _ => {
+                let state = if row.attempts >= row.max_attempts {
+                    "dead"
+                } else {
+                    "retryable"
+                };
+                (
+                    "retryable",
+                    Settlement {
+                        next_attempt_at: Some(self.next_attempt(row, retry_after)),
+                        response: Some(body),
+                        ..settled(state, code, None)
+                    },
+                )
+            }
+        }
+    }
+
+    fn classify_error(&self, row: &Leased, e: &reqwest::Error) -> (&'static str, Settlement) {
+        // A refused connection sent nothing; anything after the request left may have been
+        // applied downstream.
+        let (outcome, state) = if e.is_connect() {
+            ("refused", "retryable")
+        } else {
+            ("uncertain", "uncertain")
+        };
+        let state = if row.attempts >= row.max_attempts {
+            "dead"
+        } else {
+            state
+        };
+        (
+            outcome,
+            Settlement {
+                next_attempt_at: Some(self.next_attempt(row, None)),
+                ..settled(state, None, Some(format!("{e:#}")))
+            },
+        )
+    }
+
+    fn next_attempt(
+        &self,
+        row: &Leased,
+        retry_after: Option<Duration>,
+    ) -> chrono::DateTime<chrono::Utc> {
+        let exp = self
+            .settings
+            .backoff_base
+            .saturating_mul(1 << row.attempts.clamp(1, 20).saturating_sub(1));
+        let backoff = exp.min(self.settings.backoff_max);
+        let jitter = backoff.mul_f64(fastrand::f64() * 0.25);
+        let delay = retry_after.unwrap_or(Duration::ZERO).max(backoff + jitter);
+        chrono::Utc::now() + chrono::Duration::from_std(delay).unwrap_or(chrono::Duration::MAX)
+    }
+
+    async fn settle(
+        &self,
+        row: &Leased,
+        settlement: &Settlement,
+        kind: &'static str,
+        started_at: chrono::DateTime<chrono::Utc>,
+        duration: Duration,
+        outcome: &str,
+    ) -> sqlx::Result<()> {
+        self.metrics.attempts.with_label_values(&[outcome]).inc();
+        self.metrics.latency.observe(duration.as_secs_f64());
+        let attempt = Attempt {
+            worker: &self.settings.worker,
+            kind,
+            started_at,
+            duration,
+            outcome,
+        };
+        let applied = outbox::complete(&self.pool, row, settlement, &attempt).await?;
+        if !applied {
+            tracing::warn!(operation = %row.operation_key, token = row.fencing_token, "The lease was taken over; this attempt's outcome changed nothing.");
+        } else if settlement.state != "done" {
+            tracing::info!(operation = %row.operation_key, state = settlement.state, status = ?settlement.status, error = ?settlement.error, "An attempt did not complete the operation.");
+        }
+        Ok(())
+    }
+}
+
+fn settled(state: &'static str, status: Option<i32>, error: Option<String>) -> Settlement {
+    Settlement {
+        state,
+        next_attempt_at: None,
+        status,
+        error,
+        response: None,
+    }
+}

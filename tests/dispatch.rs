@@ -1,0 +1,299 @@
+//! The outbox and its dispatchers against a fake downstream that counts side effects per
+//! idempotency key and misbehaves on demand.
+
+mod common;
+
+use common::downstream::{Behaviour, Downstream};
+use common::{envelope, wait_for, TestDb};
+use replayproof::consume::{BatchProcessor, EffectRetry, RawMessage};
+use replayproof::dispatch::{DispatchMetrics, DispatchSettings, Dispatcher};
+use replayproof::effect::HttpOutbox;
+use replayproof::outbox;
+use serde_json::json;
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+
+const WAIT: Duration = Duration::from_secs(90);
+
+/// Claims `keys` through the consume transaction with the http effect, which enqueues one
+/// `deliver` operation each.
+async fn enqueue(db: &TestDb, downstream: &Downstream, keys: &[String], reconcile: bool) {
+    let effect = HttpOutbox {
+        target_url: downstream.url(),
+        reconcile_url: reconcile.then(|| downstream.reconcile_url()),
+        max_attempts: 8,
+    };
+    let processor = BatchProcessor {
+        pool: db.pool.clone(),
+        effect: Arc::new(effect),
+        retry: EffectRetry::default(),
+    };
+    let messages: Vec<RawMessage> = keys
+        .iter()
+        .enumerate()
+        .map(|(i, k)| RawMessage {
+            offset: i as i64,
+            key: Some(k.as_bytes().to_vec()),
+            value: Some(envelope(k, json!({"n": i}))),
+        })
+        .collect();
+    for chunk in messages.chunks(100) {
+        processor.process("t", 0, chunk).await.unwrap();
+    }
+}
+
+fn settings(worker: &str) -> DispatchSettings {
+    DispatchSettings {
+        batch_size: 16,
+        lease: Duration::from_secs(10),
+        request_timeout: Duration::from_millis(400),
+        poll_interval: Duration::from_millis(20),
+        backoff_base: Duration::from_millis(20),
+        backoff_max: Duration::from_millis(200),
+        ..DispatchSettings::new(worker)
+    }
+}
+
+/// Dispatchers running in this process until stopped.
+struct Running(
+    CancellationToken,
+    Vec<tokio::task::JoinHandle<anyhow::Result<()>>>,
+);
+
+impl Running {
+    fn start(db: &TestDb, n: usize, settings: impl Fn(usize) -> DispatchSettings) -> Self {
+        let token = CancellationToken::new();
+        let tasks = (0..n)
+            .map(|i| {
+                let metrics = DispatchMetrics::new(&prometheus::Registry::new()).unwrap();
+                let d = Dispatcher::new(settings(i), db.pool.clone(), metrics).unwrap();
+                let t = token.clone();
+                tokio::spawn(async move { d.run(t).await })
+            })
+            .collect();
+        Self(token, tasks)
+    }
+
+    async fn stop(self) {
+        self.0.cancel();
+        for t in self.1 {
+            t.await.unwrap().unwrap();
+        }
+    }
+}
+
+async fn unsettled(db: &TestDb) -> i64 {
+    db.count("SELECT count(*) FROM outbox WHERE state NOT IN ('done', 'failed', 'dead')")
+        .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn storm_settles_with_one_side_effect_per_event_and_one_key_and_payload_per_operation() {
+    let (db, downstream) = (TestDb::new().await, Downstream::start().await);
+    let keys: Vec<String> = (0..150).map(|i| format!("evt-{i}")).collect();
+    let mut rng = fastrand::Rng::with_seed(11);
+    let refused: HashSet<String> = keys
+        .iter()
+        .step_by(15)
+        .map(|k| outbox::operation_key(k, "deliver"))
+        .collect();
+    for k in &keys {
+        let op = outbox::operation_key(k, "deliver");
+        if refused.contains(&op) {
+            downstream.script(&op, &[Behaviour::Refuse(500), Behaviour::Refuse(422)]);
+            continue;
+        }
+        let choices = [
+            Behaviour::ApplyThenDrop,
+            Behaviour::Refuse(500),
+            Behaviour::Refuse(429),
+            Behaviour::Refuse(409),
+            Behaviour::Hang,
+            Behaviour::Ok,
+        ];
+        let script: Vec<Behaviour> = (0..rng.usize(0..4))
+            .map(|_| choices[rng.usize(..choices.len())])
+            .collect();
+        downstream.script(&op, &script);
+    }
+    enqueue(&db, &downstream, &keys, false).await;
+    let dispatchers = Running::start(&db, 3, |i| settings(&format!("worker-{i}")));
+    wait_for("the outbox to settle", WAIT, || async {
+        unsettled(&db).await == 0
+    })
+    .await;
+    dispatchers.stop().await;
+
+    let applied = downstream.applied();
+    let bodies = downstream.bodies();
+    let payloads: Vec<(String, Vec<u8>, String)> =
+        sqlx::query_as("SELECT operation_key, payload, state FROM outbox")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(payloads.len(), keys.len());
+    for (op, payload, state) in &payloads {
+        if refused.contains(op) {
+            assert_eq!(state, "failed", "{op}");
+            assert_eq!(
+                applied.get(op),
+                None,
+                "{op} was refused and must have no side effect"
+            );
+        } else {
+            assert_eq!(state, "done", "{op}");
+            assert_eq!(
+                applied.get(op),
+                Some(&1),
+                "{op} must have exactly one side effect"
+            );
+        }
+        // Every attempt carried this operation's key (how the bodies are filed) and its bytes.
+        assert!(
+            bodies[op].iter().all(|b| b == payload),
+            "{op} was sent with another payload"
+        );
+    }
+    assert_eq!(downstream.unkeyed(), 0);
+    assert_eq!(
+        downstream.max_in_flight(),
+        1,
+        "one operation was sent twice at once"
+    );
+    let keys_per_op: i64 = db
+        .count("SELECT count(*) FROM (SELECT outbox_id FROM outbox_attempts GROUP BY outbox_id HAVING count(DISTINCT idempotency_key) > 1 OR count(DISTINCT payload_sha256) > 1) x")
+        .await;
+    assert_eq!(keys_per_op, 0);
+    let kept: i64 = db.count("SELECT count(*) FROM outbox WHERE state = 'failed' AND last_status = 422 AND last_response IS NOT NULL").await;
+    assert_eq!(kept as usize, refused.len());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_leases_never_share_a_row() {
+    let (db, downstream) = (TestDb::new().await, Downstream::start().await);
+    let keys: Vec<String> = (0..600).map(|i| format!("evt-{i}")).collect();
+    enqueue(&db, &downstream, &keys, false).await;
+    let leasers: Vec<_> = (0..3)
+        .map(|w| {
+            let pool = db.pool.clone();
+            tokio::spawn(async move {
+                let mut mine = Vec::new();
+                loop {
+                    let got = outbox::lease(&pool, &format!("w{w}"), 7, Duration::from_secs(60))
+                        .await
+                        .unwrap();
+                    if got.is_empty() {
+                        return mine;
+                    }
+                    mine.extend(got.into_iter().map(|l| l.id));
+                }
+            })
+        })
+        .collect();
+    let mut all = Vec::new();
+    for l in leasers {
+        all.extend(l.await.unwrap());
+    }
+    let distinct: HashSet<i64> = all.iter().copied().collect();
+    assert_eq!(all.len(), 600, "every row leased once");
+    assert_eq!(
+        distinct.len(),
+        600,
+        "no row leased twice under a live lease"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn uncertain_outcome_is_reconciled_without_resending() {
+    let (db, downstream) = (TestDb::new().await, Downstream::start().await);
+    let op = outbox::operation_key("evt-r", "deliver");
+    downstream.script(&op, &[Behaviour::ApplyThenDrop]);
+    enqueue(&db, &downstream, &["evt-r".to_owned()], true).await;
+    let dispatchers = Running::start(&db, 1, |_| settings("w"));
+    wait_for("settled", WAIT, || async { unsettled(&db).await == 0 }).await;
+    dispatchers.stop().await;
+    let seen: Vec<(String, Option<String>)> =
+        sqlx::query_as("SELECT outcome, error FROM outbox_attempts ORDER BY id")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        downstream.bodies()[&op].len(),
+        1,
+        "the operation was sent once: {seen:?}"
+    );
+    assert_eq!(downstream.reconciles(), 1);
+    let outcomes: Vec<String> =
+        sqlx::query_scalar("SELECT outcome FROM outbox_attempts ORDER BY id")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(outcomes, ["uncertain", "reconciled_done"]);
+
+    // Where the downstream does not have it (404), the same key is sent again.
+    let op = outbox::operation_key("evt-s", "deliver");
+    downstream.script(&op, &[Behaviour::Hang]);
+    enqueue(&db, &downstream, &["evt-s".to_owned()], true).await;
+    sqlx::query("UPDATE outbox SET state = 'uncertain' WHERE operation_key = $1")
+        .bind(&op)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let dispatchers = Running::start(&db, 1, |_| settings("w"));
+    wait_for("settled", WAIT, || async { unsettled(&db).await == 0 }).await;
+    dispatchers.stop().await;
+    assert_eq!(downstream.applied()[&op], 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lease_taken_over_makes_the_stale_completion_change_nothing() {
+    let (db, downstream) = (TestDb::new().await, Downstream::start().await);
+    enqueue(&db, &downstream, &["evt-1".to_owned()], false).await;
+    let first = outbox::lease(&db.pool, "gone", 10, Duration::from_millis(200))
+        .await
+        .unwrap()
+        .remove(0);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let second = outbox::lease(&db.pool, "next", 10, Duration::from_secs(30))
+        .await
+        .unwrap()
+        .remove(0);
+    assert_eq!(second.previous_state, "in_progress");
+    assert!(second.fencing_token > first.fencing_token);
+    let attempt = |w| outbox::Attempt {
+        worker: w,
+        kind: "deliver",
+        started_at: chrono::Utc::now(),
+        duration: Duration::ZERO,
+        outcome: "done",
+    };
+    let settle = |state| outbox::Settlement {
+        state,
+        next_attempt_at: None,
+        status: Some(200),
+        error: None,
+        response: None,
+    };
+    assert!(
+        outbox::complete(&db.pool, &second, &settle("done"), &attempt("next"))
+            .await
+            .unwrap()
+    );
+    assert!(
+        !outbox::complete(&db.pool, &first, &settle("failed"), &attempt("gone"))
+            .await
+            .unwrap()
+    );
+    assert_eq!(
+        db.count("SELECT count(*) FROM outbox WHERE state = 'done'")
+            .await,
+        1
+    );
+    assert_eq!(
+        db.count("SELECT count(*) FROM outbox_attempts WHERE NOT applied")
+            .await,
+        1
+    );
+}

@@ -1,0 +1,386 @@
+//! The operator path: each command does what it says, refuses what the states forbid, and
+//! writes its audit row.
+
+mod common;
+
+use async_trait::async_trait;
+use common::downstream::Downstream;
+use common::{envelope, TestDb, TestKafka};
+use replayproof::consume::{BatchProcessor, EffectRetry, RawMessage};
+use replayproof::effect::{Effect, HttpOutbox, Ledger, Tx};
+use replayproof::envelope::Event;
+use replayproof::ops;
+use serde_json::json;
+use std::sync::Arc;
+
+fn message(offset: i64, key: &str) -> RawMessage {
+    RawMessage {
+        offset,
+        key: Some(key.as_bytes().to_vec()),
+        value: Some(envelope(key, json!({"n": offset}))),
+    }
+}
+
+async fn process(db: &TestDb, effect: Arc<dyn Effect>, messages: &[RawMessage]) {
+    let p = BatchProcessor {
+        pool: db.pool.clone(),
+        effect,
+        retry: EffectRetry {
+            attempts: 1,
+            backoff: std::time::Duration::ZERO,
+        },
+    };
+    p.process("t", 0, messages).await.unwrap();
+}
+
+/// Operations for `keys`, each then put in the state given.
+async fn operations_in(db: &TestDb, states: &[(&str, &str)]) {
+    let downstream = Downstream::start().await;
+    let effect = HttpOutbox {
+        target_url: downstream.url(),
+        reconcile_url: None,
+        max_attempts: 3,
+    };
+    let messages: Vec<_> = states
+        .iter()
+        .enumerate()
+        .map(|(i, (k, _))| message(i as i64, k))
+        .collect();
+    process(db, Arc::new(effect), &messages).await;
+    for (key, state) in states {
+        sqlx::query("UPDATE outbox SET state = $2, attempts = 3 WHERE event_key = $1")
+            .bind(key)
+            .bind(state)
+            .execute(&db.pool)
+            .await
+            .unwrap();
+    }
+}
+
+async fn state(db: &TestDb, key: &str) -> (String, i32) {
+    sqlx::query_as("SELECT state, attempts FROM outbox WHERE event_key = $1")
+        .bind(key)
+        .fetch_one(&db.pool)
+        .await
+        .unwrap()
+}
+
+async fn audits(db: &TestDb) -> Vec<(String, String, String, String, String, String)> {
+    sqlx::query_as("SELECT actor, action, target, reason, state_before, state_after FROM operator_actions ORDER BY id")
+        .fetch_all(&db.pool)
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn retry_moves_failed_uncertain_and_dead_operations_back_with_the_same_key() {
+    let db = TestDb::new().await;
+    operations_in(
+        &db,
+        &[
+            ("f", "failed"),
+            ("u", "uncertain"),
+            ("d", "dead"),
+            ("ok", "done"),
+            ("p", "pending"),
+        ],
+    )
+    .await;
+    let payload_before: Vec<u8> =
+        sqlx::query_scalar("SELECT payload FROM outbox WHERE event_key = 'u'")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    for key in ["f", "u", "d"] {
+        let changes = ops::retry(&db.pool, None, key, None, "alice", "downstream fixed")
+            .await
+            .unwrap();
+        assert_eq!(changes[0].2, "pending");
+        assert_eq!(state(&db, key).await, ("pending".into(), 0));
+    }
+    let op_key: String =
+        sqlx::query_scalar("SELECT operation_key FROM outbox WHERE event_key = 'u'")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(op_key, "u#deliver");
+    let payload_after: Vec<u8> =
+        sqlx::query_scalar("SELECT payload FROM outbox WHERE event_key = 'u'")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(payload_before, payload_after);
+
+    let done = ops::retry(&db.pool, None, "ok", None, "alice", "again")
+        .await
+        .unwrap_err();
+    assert!(done.to_string().contains("done"), "{done}");
+    let pending = ops::retry(&db.pool, None, "p", None, "alice", "again")
+        .await
+        .unwrap_err();
+    assert!(pending.to_string().contains("on its way"), "{pending}");
+    assert_eq!(state(&db, "ok").await.0, "done");
+
+    let audit = audits(&db).await;
+    assert_eq!(audit.len(), 3, "refusals write nothing");
+    assert_eq!(
+        audit[0],
+        (
+            "alice".into(),
+            "retry".into(),
+            "f#deliver".into(),
+            "downstream fixed".into(),
+            "failed".into(),
+            "pending".into()
+        )
+    );
+}
+
+#[tokio::test]
+async fn resolve_settles_by_hand_and_refuses_a_live_lease() {
+    let db = TestDb::new().await;
+    operations_in(
+        &db,
+        &[("u", "uncertain"), ("l", "in_progress"), ("ok", "done")],
+    )
+    .await;
+    let changes = ops::resolve(
+        &db.pool,
+        "u",
+        None,
+        "done",
+        "bob",
+        "confirmed in the provider's dashboard",
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        changes,
+        [(
+            "u#deliver".to_owned(),
+            "uncertain".to_owned(),
+            "done".to_owned()
+        )]
+    );
+    assert_eq!(state(&db, "u").await.0, "done");
+
+    sqlx::query(
+        "UPDATE outbox SET lease_expires_at = now() + interval '1 hour' WHERE event_key = 'l'",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    assert!(ops::resolve(&db.pool, "l", None, "dead", "bob", "x")
+        .await
+        .is_err());
+    assert!(
+        ops::resolve(&db.pool, "ok", None, "dead", "bob", "x")
+            .await
+            .is_err(),
+        "nothing to resolve"
+    );
+    assert!(ops::resolve(&db.pool, "u", None, "pending", "bob", "x")
+        .await
+        .is_err());
+    let audit = audits(&db).await;
+    assert_eq!(audit.len(), 1);
+    assert_eq!(
+        (
+            audit[0].1.as_str(),
+            audit[0].4.as_str(),
+            audit[0].5.as_str()
+        ),
+        ("resolve", "uncertain", "done")
+    );
+}
+
+/// Fails until `ledger_ok` exists, then writes the ledger row.
+struct FailsUntilFixed;
+
+#[async_trait]
+impl Effect for FailsUntilFixed {
+    fn name(&self) -> &'static str {
+        "fails-until-fixed"
+    }
+
+    async fn apply(&self, tx: &mut Tx<'_>, event: &Event) -> anyhow::Result<()> {
+        sqlx::query("SELECT 1 FROM ledger_ok")
+            .execute(&mut **tx)
+            .await?;
+        Ledger.apply(tx, event).await
+    }
+}
+
+#[tokio::test]
+async fn retry_runs_a_failed_local_effect_again_from_its_stored_payload() {
+    let db = TestDb::new().await;
+    process(&db, Arc::new(FailsUntilFixed), &[message(0, "evt-f")]).await;
+    let status: String = sqlx::query_scalar("SELECT status FROM processed_events")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(status, "failed");
+
+    let err = ops::retry(
+        &db.pool,
+        Some(&FailsUntilFixed),
+        "evt-f",
+        None,
+        "carol",
+        "try",
+    )
+    .await
+    .unwrap_err();
+    assert!(format!("{err:#}").contains("ledger_ok"), "{err:#}");
+    sqlx::query("CREATE TABLE ledger_ok ()")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let changes = ops::retry(
+        &db.pool,
+        Some(&FailsUntilFixed),
+        "evt-f",
+        None,
+        "carol",
+        "table created",
+    )
+    .await
+    .unwrap();
+    assert_eq!(changes[0].2, "done");
+    assert_eq!(db.ledger_counts().await["evt-f"], 1);
+    let payload: serde_json::Value = sqlx::query_scalar("SELECT payload FROM ledger")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(payload, json!({"n": 0}));
+    assert!(
+        ops::retry(&db.pool, Some(&Ledger), "evt-f", None, "carol", "again")
+            .await
+            .is_err(),
+        "done is refused"
+    );
+    let audit = audits(&db).await;
+    assert_eq!(
+        audit.iter().map(|a| a.5.as_str()).collect::<Vec<_>>(),
+        ["failed", "done"]
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_letters_are_listed_shown_and_replayed() {
+    let (db, kafka) = (TestDb::new().await, TestKafka::mock());
+    let topic = kafka.topic(1).await;
+    process(
+        &db,
+        Arc::new(Ledger),
+        &[RawMessage {
+            offset: 4,
+            key: Some(b"k".to_vec()),
+            value: Some(b"oops".to_vec()),
+        }],
+    )
+    .await;
+    let list = ops::list_dead_letters(&db.pool, 10).await.unwrap();
+    assert_eq!(list.rows.len(), 1);
+    let id: i64 = list.rows[0][0].as_deref().unwrap().parse().unwrap();
+    let shown = ops::show_dead_letter(&db.pool, id).await.unwrap().to_json();
+    assert_eq!(shown[0]["value"], "oops");
+
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_replayproof"))
+        .args([
+            "dead-letters",
+            "replay",
+            &id.to_string(),
+            "--database-url",
+            &db.url,
+            "--brokers",
+            &kafka.brokers(),
+        ])
+        .args([
+            "--topic",
+            &topic,
+            "--reason",
+            "fixed the producer",
+            "--actor",
+            "dave",
+            "--json",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let replayed: Option<String> = sqlx::query_scalar("SELECT replayed_at::text FROM dead_letters")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert!(replayed.is_some());
+    let brokers = kafka.brokers();
+    let (_, high) = tokio::task::spawn_blocking(move || {
+        use rdkafka::consumer::Consumer;
+        let c: rdkafka::consumer::BaseConsumer = common::client_config(&brokers).create().unwrap();
+        c.fetch_watermarks(&topic, 0, std::time::Duration::from_secs(10))
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    assert_eq!(high, 1, "the raw message is back on the topic");
+    let audit = audits(&db).await;
+    assert_eq!(
+        (audit[0].0.as_str(), audit[0].1.as_str()),
+        ("dave", "replay")
+    );
+}
+
+#[tokio::test]
+async fn events_commands_print_tables_and_json() {
+    let db = TestDb::new().await;
+    operations_in(&db, &[("evt-1", "uncertain"), ("evt-2", "done")]).await;
+    let run = |args: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_replayproof"))
+            .args(args)
+            .args(["--database-url", &db.url])
+            .output()
+            .unwrap();
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let (ok, stdout, _) = run(&["events", "list", "--state", "uncertain", "--json"]);
+    assert!(ok);
+    let rows: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    assert_eq!(rows.as_array().unwrap().len(), 1);
+    assert_eq!(rows[0]["event_key"], "evt-1");
+    assert_eq!(rows[0]["operations"], "deliver=uncertain");
+
+    let (ok, stdout, _) = run(&["events", "show", "evt-1"]);
+    assert!(ok);
+    assert!(
+        stdout.contains("== outbox operations")
+            && stdout.contains("evt-1#deliver")
+            && stdout.contains("uncertain"),
+        "{stdout}"
+    );
+
+    let (ok, _, stderr) = run(&["events", "retry", "evt-2", "--reason", "why not"]);
+    assert!(!ok, "retrying a done operation is refused");
+    assert!(stderr.contains("done"), "{stderr}");
+    let (ok, stdout, _) = run(&[
+        "events",
+        "retry",
+        "evt-1",
+        "--reason",
+        "try again",
+        "--actor",
+        "erin",
+    ]);
+    assert!(ok);
+    assert!(
+        stdout.contains("evt-1#deliver: uncertain -> pending"),
+        "{stdout}"
+    );
+}
