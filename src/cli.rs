@@ -30,6 +30,8 @@ pub enum Command {
     /// Inspect events and their operations, and retry or resolve them.
     #[command(subcommand)]
     Events(EventsCommand),
+    /// One screen for an operator: lag, claims, the outbox and dead letters.
+    Status(StatusArgs),
     /// Inspect and replay messages that were not valid envelopes.
     #[command(subcommand, name = "dead-letters")]
     DeadLetters(DeadLettersCommand),
@@ -76,6 +78,30 @@ pub struct DispatchArgs {
         default_value = "127.0.0.1:9465"
     )]
     pub metrics_addr: SocketAddr,
+}
+
+#[derive(Debug, Args)]
+pub struct StatusArgs {
+    #[command(flatten)]
+    pub database: DatabaseArgs,
+
+    /// Kafka bootstrap servers; without them the lag is not shown.
+    #[arg(long, env = "REPLAYPROOF_BROKERS")]
+    pub brokers: Option<String>,
+
+    #[arg(long, env = "REPLAYPROOF_TOPIC", default_value = "webhooks")]
+    pub topic: String,
+
+    #[arg(long, env = "REPLAYPROOF_GROUP", default_value = "replayproof")]
+    pub group: String,
+
+    /// A librdkafka property, KEY=VALUE; repeatable.
+    #[arg(long = "kafka-option", value_name = "KEY=VALUE", value_parser = parse_key_value)]
+    pub kafka_options: Vec<(String, String)>,
+
+    /// Print JSON instead of text.
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(Debug, Args)]
@@ -282,9 +308,10 @@ pub struct ConsumeArgs {
     #[command(flatten)]
     pub database: DatabaseArgs,
 
-    /// The effect applied to each event, in the same transaction as its claim.
-    #[arg(long, env = "REPLAYPROOF_EFFECT", value_enum, default_value_t = BuiltinEffect::Ledger)]
-    pub effect: BuiltinEffect,
+    /// The effect applied to each event, in the same transaction as its claim. Repeat it (or
+    /// separate with commas) to apply several in order, for example ledger,http.
+    #[arg(long = "effect", env = "REPLAYPROOF_EFFECT", value_enum, value_delimiter = ',', default_values_t = [BuiltinEffect::Ledger])]
+    pub effects: Vec<BuiltinEffect>,
 
     /// With --effect http: where each event is POSTed (by `replayproof dispatch`).
     #[arg(long, env = "REPLAYPROOF_TARGET_URL")]
@@ -363,6 +390,17 @@ fn parse_key_value(s: &str) -> Result<(String, String), String> {
 }
 
 impl ConsumeArgs {
+    /// The outbox effect's settings, when a target is given.
+    pub fn http_outbox(&self) -> Option<crate::effect::HttpOutbox> {
+        self.target_url
+            .clone()
+            .map(|target_url| crate::effect::HttpOutbox {
+                target_url,
+                reconcile_url: self.reconcile_url.clone(),
+                max_attempts: self.max_attempts,
+            })
+    }
+
     pub fn settings(&self) -> ConsumerSettings {
         ConsumerSettings {
             kafka_options: self.kafka_options.clone(),
@@ -389,6 +427,25 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Consume(args) => run_consume(args).await,
         Command::Ingest(args) => run_ingest(args).await,
         Command::Dispatch(args) => run_dispatch(args).await,
+        Command::Status(args) => {
+            let pool = db::pool(&args.database.database_url, 2)?;
+            let kafka = args
+                .brokers
+                .clone()
+                .map(|brokers| crate::status::KafkaTarget {
+                    brokers,
+                    topic: args.topic.clone(),
+                    group: args.group.clone(),
+                    options: args.kafka_options.clone(),
+                });
+            let status = crate::status::gather(&pool, kafka).await?;
+            if args.json {
+                println!("{}", serde_json::to_string_pretty(&status)?);
+            } else {
+                print!("{}", crate::status::render(&status));
+            }
+            Ok(())
+        }
         Command::Events(command) => crate::cli_ops::events(command).await,
         Command::DeadLetters(command) => crate::cli_ops::dead_letters(command).await,
     }
@@ -415,17 +472,7 @@ async fn run_consume(args: ConsumeArgs) -> anyhow::Result<()> {
     }
     let processor = BatchProcessor {
         pool,
-        effect: args
-            .effect
-            .build(
-                args.target_url
-                    .clone()
-                    .map(|target_url| crate::effect::HttpOutbox {
-                        target_url,
-                        reconcile_url: args.reconcile_url.clone(),
-                        max_attempts: args.max_attempts,
-                    }),
-            )?,
+        effect: BuiltinEffect::build_all(&args.effects, args.http_outbox())?,
         retry: EffectRetry {
             attempts: args.effect_attempts,
             ..EffectRetry::default()

@@ -92,6 +92,24 @@ impl Effect for HttpOutbox {
     }
 }
 
+/// Several effects applied in order in the same transaction, such as a ledger row and an
+/// outbox operation.
+pub struct Chain(pub Vec<std::sync::Arc<dyn Effect>>);
+
+#[async_trait]
+impl Effect for Chain {
+    fn name(&self) -> &'static str {
+        "chain"
+    }
+
+    async fn apply(&self, tx: &mut Tx<'_>, event: &Event) -> anyhow::Result<()> {
+        for effect in &self.0 {
+            effect.apply(tx, event).await?;
+        }
+        Ok(())
+    }
+}
+
 /// The built-in effects, by the name given to `--effect`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum BuiltinEffect {
@@ -103,6 +121,23 @@ pub enum BuiltinEffect {
 }
 
 impl BuiltinEffect {
+    /// Builds the effects given, chained in order when there are several.
+    pub fn build_all(
+        effects: &[Self],
+        http: Option<HttpOutbox>,
+    ) -> anyhow::Result<std::sync::Arc<dyn Effect>> {
+        let mut built = effects
+            .iter()
+            .map(|e| e.build(http.clone()))
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        anyhow::ensure!(!built.is_empty(), "no effect given");
+        Ok(if built.len() == 1 {
+            built.remove(0)
+        } else {
+            std::sync::Arc::new(Chain(built))
+        })
+    }
+
     /// Builds the effect; `http` needs its target.
     pub fn build(self, http: Option<HttpOutbox>) -> anyhow::Result<std::sync::Arc<dyn Effect>> {
         Ok(match self {

@@ -18,6 +18,7 @@ pub mod ingest;
 pub mod ops;
 pub mod outbox;
 pub mod shutdown;
+pub mod status;
 pub mod telemetry;
 
 /// A `fail` failpoint, compiled in only with the `failpoints` feature. Tests use them to stop a
