@@ -30,6 +30,12 @@ pub enum Command {
     /// Inspect events and their operations, and retry or resolve them.
     #[command(subcommand)]
     Events(EventsCommand),
+    /// The whole promise end to end with no services: a storm of signed webhooks, a consumer
+    /// killed mid-stream, a flaky downstream, and a report that every event had one effect.
+    Demo(DemoArgs),
+    /// Ingest, consume and dispatch in one process for local development, on an embedded
+    /// broker and database unless real ones are configured.
+    Dev(DevArgs),
     /// One screen for an operator: lag, claims, the outbox and dead letters.
     Status(StatusArgs),
     /// Inspect and replay messages that were not valid envelopes.
@@ -78,6 +84,67 @@ pub struct DispatchArgs {
         default_value = "127.0.0.1:9465"
     )]
     pub metrics_addr: SocketAddr,
+}
+
+#[derive(Debug, Args)]
+pub struct DemoArgs {
+    /// Distinct events in the storm.
+    #[arg(long, default_value_t = 600, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
+    pub events: u64,
+
+    /// The share of events delivered more than once.
+    #[arg(long, default_value_t = 0.3)]
+    pub redeliver: f64,
+
+    /// The storm's random seed.
+    #[arg(long, default_value_t = 42)]
+    pub seed: u64,
+
+    /// Consumer processes.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u64).range(1..=16))]
+    pub consumers: u64,
+
+    /// Concurrent senders.
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u64).range(1..=256))]
+    pub senders: u64,
+
+    /// Kafka bootstrap servers; without them, an in-process mock cluster.
+    #[arg(long, env = "REPLAYPROOF_BROKERS")]
+    pub brokers: Option<String>,
+
+    /// PostgreSQL URL; without it, a throwaway cluster.
+    #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
+    pub database_url: Option<DatabaseUrl>,
+}
+
+#[derive(Debug, Args)]
+pub struct DevArgs {
+    /// Kafka bootstrap servers; without them, an in-process mock cluster.
+    #[arg(long, env = "REPLAYPROOF_BROKERS")]
+    pub brokers: Option<String>,
+
+    /// PostgreSQL URL; without it, a throwaway cluster from the local PostgreSQL binaries.
+    #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
+    pub database_url: Option<DatabaseUrl>,
+
+    /// A sources file, as for `ingest`; without it, development sources for stripe, github,
+    /// svix (standard-webhooks), shopify and slack.
+    #[arg(long, env = "REPLAYPROOF_CONFIG")]
+    pub config: Option<std::path::PathBuf>,
+
+    #[arg(long, env = "REPLAYPROOF_LISTEN", default_value = "127.0.0.1:8080")]
+    pub listen: SocketAddr,
+
+    #[arg(long, env = "REPLAYPROOF_TOPIC", default_value = "webhooks")]
+    pub topic: String,
+
+    /// Partitions of the embedded broker's topic.
+    #[arg(long, default_value_t = 4)]
+    pub partitions: i32,
+
+    /// Also POST each event here through the outbox, and run a dispatcher.
+    #[arg(long, env = "REPLAYPROOF_TARGET_URL")]
+    pub target_url: Option<String>,
 }
 
 #[derive(Debug, Args)]
@@ -427,6 +494,36 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Consume(args) => run_consume(args).await,
         Command::Ingest(args) => run_ingest(args).await,
         Command::Dispatch(args) => run_dispatch(args).await,
+        Command::Demo(args) => {
+            anyhow::ensure!(
+                (0.0..=5.0).contains(&args.redeliver),
+                "--redeliver is a share between 0 and 5"
+            );
+            let passed = crate::demo::run(crate::demo::DemoOptions {
+                events: args.events as usize,
+                redeliver: args.redeliver,
+                seed: args.seed,
+                consumers: args.consumers as usize,
+                senders: args.senders as usize,
+                brokers: args.brokers,
+                database_url: args.database_url,
+            })
+            .await?;
+            anyhow::ensure!(passed, "some event did not have exactly one effect");
+            Ok(())
+        }
+        Command::Dev(args) => {
+            crate::dev::run(crate::dev::DevOptions {
+                brokers: args.brokers,
+                database_url: args.database_url,
+                config: args.config,
+                listen: args.listen,
+                topic: args.topic,
+                partitions: args.partitions,
+                target_url: args.target_url,
+            })
+            .await
+        }
         Command::Status(args) => {
             let pool = db::pool(&args.database.database_url, 2)?;
             let kafka = args

@@ -10,6 +10,8 @@ pub mod cli;
 mod cli_ops;
 pub mod consume;
 pub mod db;
+pub mod demo;
+pub mod dev;
 pub mod dispatch;
 pub mod effect;
 pub mod embedded;
@@ -18,6 +20,7 @@ pub mod ingest;
 pub mod ops;
 pub mod outbox;
 pub mod shutdown;
+pub mod stack;
 pub mod status;
 pub mod telemetry;
 

@@ -4,7 +4,11 @@ fn main() -> std::process::ExitCode {
     #[cfg(feature = "failpoints")]
     let _failpoints = fail::FailScenario::setup();
     let cli = replayproof::cli::Cli::parse();
-    replayproof::telemetry::init_logging();
+    match cli.command {
+        // The demo speaks through its progress bars and report; only problems are logged.
+        replayproof::cli::Command::Demo(_) => replayproof::telemetry::init_logging_with("warn"),
+        _ => replayproof::telemetry::init_logging(),
+    }
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(rt) => rt,
         Err(e) => {

@@ -13,8 +13,12 @@ use tracing_subscriber::EnvFilter;
 /// Starts structured logging on stderr; `RUST_LOG` filters, `REPLAYPROOF_LOG_FORMAT=json`
 /// switches to one JSON object a line.
 pub fn init_logging() {
-    let filter = EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| EnvFilter::new("info,sqlx=warn,rdkafka=warn"));
+    init_logging_with("info,sqlx=warn,rdkafka=warn");
+}
+
+/// Like [`init_logging`], with `default` as the filter when `RUST_LOG` is not set.
+pub fn init_logging_with(default: &str) {
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr);

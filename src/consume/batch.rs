@@ -26,6 +26,8 @@ pub struct RawMessage {
 pub struct BatchReport {
     /// Events claimed here whose effect committed.
     pub applied: usize,
+    /// Their keys and types, in offset order.
+    pub applied_events: Vec<(String, Option<String>)>,
     /// Replays: the key was claimed before with the same payload, or repeated in this batch.
     pub duplicates: usize,
     /// The key was claimed before with a different payload; recorded in `key_conflicts`.
@@ -199,7 +201,12 @@ impl BatchProcessor {
         {
             let settlement = self.apply(tx, event, mode, &mut report).await?;
             match settlement.status {
-                ClaimStatus::Done => report.applied += 1,
+                ClaimStatus::Done => {
+                    report.applied += 1;
+                    report
+                        .applied_events
+                        .push((event.key.to_string(), event.event_type.clone()));
+                }
                 ClaimStatus::Failed => report.failed += 1,
             }
             settlements.push(settlement);

@@ -47,6 +47,8 @@ pub struct ConsumerSettings {
     pub shutdown_grace: Duration,
     /// The longest pause between retries of a batch that failed on a database error.
     pub max_retry_backoff: Duration,
+    /// Log one line for each applied event (for `replayproof dev`).
+    pub log_events: bool,
 }
 
 impl ConsumerSettings {
@@ -63,6 +65,7 @@ impl ConsumerSettings {
             commit_interval: Duration::from_millis(200),
             shutdown_grace: Duration::from_secs(20),
             max_retry_backoff: Duration::from_secs(5),
+            log_events: false,
         }
     }
 
@@ -278,6 +281,7 @@ impl LaneContext {
             batch_size: self.settings.batch_size.max(1),
             linger: self.settings.linger,
             max_retry_backoff: self.settings.max_retry_backoff,
+            log_events: self.settings.log_events,
             processor: self.processor.clone(),
             metrics: self.metrics.clone(),
             stop: stop.clone(),
@@ -408,6 +412,7 @@ struct LaneWorker {
     batch_size: usize,
     linger: Duration,
     max_retry_backoff: Duration,
+    log_events: bool,
     processor: BatchProcessor,
     metrics: ConsumeMetrics,
     stop: CancellationToken,
@@ -492,6 +497,12 @@ impl LaneWorker {
         self.metrics
             .batch_seconds
             .observe(started.elapsed().as_secs_f64());
+        if self.log_events {
+            for (key, event_type) in &report.applied_events {
+                let event_type = event_type.as_deref().unwrap_or("-");
+                tracing::info!(partition = self.partition, "Applied {key} ({event_type}).");
+            }
+        }
         for (offset, reason) in &report.dead_letters {
             tracing::warn!(
                 partition = self.partition,
