@@ -5,6 +5,7 @@ COPY Cargo.toml Cargo.lock ./
 COPY src ./src
 COPY migrations ./migrations
 COPY examples ./examples
+COPY benches ./benches
 RUN cargo build --release --locked --bin replayproof
 
 # Run: a small image, as a user without privileges.

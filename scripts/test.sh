@@ -126,7 +126,16 @@ start_nisshi() {
   export KAFKA_BROKERS="127.0.0.1:$port"
 }
 
+# The compose file is validated against the Compose specification's JSON schema in Python.
+ensure_python_modules() {
+  if ! python3 -c 'import yaml, jsonschema' 2>/dev/null; then
+    log "Installing PyYAML and jsonschema for the compose file's validation"
+    python3 -m pip install --quiet pyyaml jsonschema
+  fi
+}
+
 # -------------------------------------------------------------------------------------- checks
+ensure_python_modules
 ensure_postgres_binaries
 [ -n "${DATABASE_URL:-}" ] || start_postgres
 [ -n "${KAFKA_BROKERS:-}" ] || start_nisshi

@@ -38,6 +38,11 @@ pub enum Command {
     Dev(DevArgs),
     /// One screen for an operator: lag, claims, the outbox and dead letters.
     Status(StatusArgs),
+    /// Exit 0 when the URL answers 2xx: a health check for images without curl.
+    Probe {
+        /// For example http://127.0.0.1:9464/healthz.
+        url: String,
+    },
     /// Inspect and replay messages that were not valid envelopes.
     #[command(subcommand, name = "dead-letters")]
     DeadLetters(DeadLettersCommand),
@@ -523,6 +528,14 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
                 target_url: args.target_url,
             })
             .await
+        }
+        Command::Probe { url } => {
+            let client = reqwest::Client::builder()
+                .timeout(Duration::from_secs(5))
+                .build()?;
+            let status = client.get(&url).send().await.context("probing")?.status();
+            anyhow::ensure!(status.is_success(), "{url} answered {status}");
+            Ok(())
         }
         Command::Status(args) => {
             let pool = db::pool(&args.database.database_url, 2)?;

@@ -45,6 +45,8 @@ pub struct ConsumeMetrics {
     pub committed_offset: IntGaugeVec,
     /// Partitions this member owns now.
     pub assigned_partitions: IntGauge,
+    /// Messages after the last applied batch, per partition.
+    pub consumer_lag: IntGaugeVec,
 }
 
 impl ConsumeMetrics {
@@ -87,6 +89,13 @@ impl ConsumeMetrics {
                 "replayproof_assigned_partitions",
                 "Partitions assigned to this consumer.",
             )?,
+            consumer_lag: IntGaugeVec::new(
+                Opts::new(
+                    "replayproof_consumer_lag",
+                    "Messages in the partition after the last applied batch.",
+                ),
+                &["partition"],
+            )?,
         };
         registry.register(Box::new(m.events.clone()))?;
         registry.register(Box::new(m.effect_failures.clone()))?;
@@ -95,6 +104,7 @@ impl ConsumeMetrics {
         registry.register(Box::new(m.batch_seconds.clone()))?;
         registry.register(Box::new(m.committed_offset.clone()))?;
         registry.register(Box::new(m.assigned_partitions.clone()))?;
+        registry.register(Box::new(m.consumer_lag.clone()))?;
         Ok(m)
     }
 

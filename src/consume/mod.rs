@@ -310,7 +310,10 @@ impl LaneContext {
                 continue;
             }
             match consumer.store_offset(&self.settings.topic, c.partition, c.next_offset - 1) {
-                Ok(()) => stored = true,
+                Ok(()) => {
+                    stored = true;
+                    self.record_lag(consumer, c.partition, c.next_offset);
+                }
                 Err(e) => {
                     tracing::warn!(partition = c.partition, error = %e, "Could not store an offset; the batch will be replayed harmlessly.")
                 }
@@ -318,6 +321,30 @@ impl LaneContext {
         }
         if stored {
             self.commit_state.lock().expect("commit lock").1 = true;
+        }
+    }
+
+    /// The messages of `partition` after `next_offset`, from the client's cached high watermark.
+    fn record_lag(&self, consumer: &BaseConsumer<Self>, partition: i32, next_offset: i64) {
+        let Ok(topic) = std::ffi::CString::new(self.settings.topic.as_str()) else {
+            return;
+        };
+        let (mut low, mut high) = (0i64, 0i64);
+        // SAFETY: reads the client's cached watermarks into two locals; no call to the broker.
+        let err = unsafe {
+            rdkafka::bindings::rd_kafka_get_watermark_offsets(
+                consumer.client().native_ptr(),
+                topic.as_ptr(),
+                partition,
+                &mut low,
+                &mut high,
+            )
+        };
+        if err == rdkafka::bindings::rd_kafka_resp_err_t::RD_KAFKA_RESP_ERR_NO_ERROR && high >= 0 {
+            self.metrics
+                .consumer_lag
+                .with_label_values(&[&partition.to_string()])
+                .set((high - next_offset).max(0));
         }
     }
 
