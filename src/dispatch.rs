@@ -95,7 +95,8 @@ impl DispatchMetrics {
         Ok(m)
     }
 
-    async fn refresh(&self, pool: &PgPool) -> sqlx::Result<()> {
+    /// Reads the gauges from the outbox.
+    pub async fn refresh(&self, pool: &PgPool) -> sqlx::Result<()> {
         let g = outbox::gauges(pool).await?;
         for state in [
             "pending",

@@ -297,3 +297,105 @@ async fn lease_taken_over_makes_the_stale_completion_change_nothing() {
         1
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refused_connections_are_retryable_and_retry_after_is_honoured() {
+    let (db, downstream) = (TestDb::new().await, Downstream::start().await);
+    let op = outbox::operation_key("evt-429", "deliver");
+    downstream.script(&op, &[Behaviour::Refuse(429)]);
+    enqueue(&db, &downstream, &["evt-429".to_owned()], false).await;
+    // An operation whose destination refuses connections: nothing was sent.
+    sqlx::query(
+        "INSERT INTO processed_events (event_key, source, status, payload_sha256, payload, kafka_topic, kafka_partition, kafka_offset) \
+         VALUES ('evt-closed', 's', 'done', decode(repeat('00', 32), 'hex'), '{}', 't', 0, 99)",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let closed = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    sqlx::query(
+        "INSERT INTO outbox (operation_key, event_key, operation, destination, payload) \
+         VALUES ('evt-closed#deliver', 'evt-closed', 'deliver', $1, '\\x7b7d')",
+    )
+    .bind(format!("http://{closed}/ops"))
+    .execute(&db.pool)
+    .await
+    .unwrap();
+
+    let registry = prometheus::Registry::new();
+    let d = Dispatcher::new(
+        settings("w"),
+        db.pool.clone(),
+        DispatchMetrics::new(&registry).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(d.dispatch_once().await.unwrap(), 2);
+    let rows: Vec<(String, String, f64, Option<i32>)> = sqlx::query_as(
+        "SELECT event_key, state, extract(epoch FROM next_attempt_at - updated_at)::float8, last_status \
+         FROM outbox ORDER BY event_key",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        (rows[0].0.as_str(), rows[0].1.as_str(), rows[0].3),
+        ("evt-429", "retryable", Some(429))
+    );
+    assert!(
+        rows[0].2 >= 0.99,
+        "Retry-After: 1 was not honoured: {}",
+        rows[0].2
+    );
+    assert_eq!(
+        (rows[1].0.as_str(), rows[1].1.as_str(), rows[1].3),
+        ("evt-closed", "retryable", None)
+    );
+    let outcomes: Vec<String> =
+        sqlx::query_scalar("SELECT outcome FROM outbox_attempts ORDER BY outcome")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(outcomes, ["refused", "retryable"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_expired_lease_shows_in_the_metrics() {
+    let (db, downstream) = (TestDb::new().await, Downstream::start().await);
+    enqueue(&db, &downstream, &["evt-stuck".to_owned()], false).await;
+    outbox::lease(&db.pool, "vanished", 1, Duration::from_millis(300))
+        .await
+        .unwrap();
+    let registry = prometheus::Registry::new();
+    let metrics = DispatchMetrics::new(&registry).unwrap();
+    metrics.refresh(&db.pool).await.unwrap();
+    assert_eq!(
+        common::metric_value(&registry, "replayproof_outbox_expired_leases"),
+        0.0
+    );
+    wait_for("the stuck lease to expire", WAIT, || async {
+        db.count("SELECT count(*) FROM outbox WHERE lease_expires_at <= now()")
+            .await
+            == 1
+    })
+    .await;
+    metrics.refresh(&db.pool).await.unwrap();
+    assert_eq!(
+        common::metric_value(&registry, "replayproof_outbox_expired_leases"),
+        1.0
+    );
+    let d = Dispatcher::new(settings("observer"), db.pool.clone(), metrics.clone()).unwrap();
+    assert_eq!(
+        d.dispatch_once().await.unwrap(),
+        1,
+        "the expired lease is taken over"
+    );
+    metrics.refresh(&db.pool).await.unwrap();
+    assert_eq!(
+        common::metric_value(&registry, "replayproof_outbox_expired_leases"),
+        0.0
+    );
+    assert_eq!(unsettled(&db).await, 0);
+}
