@@ -561,21 +561,26 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
     }
 }
 
+/// Serves `/metrics` and `/healthz` until `shutdown`.
+async fn serve_metrics(
+    addr: SocketAddr,
+    registry: prometheus::Registry,
+    shutdown: &tokio_util::sync::CancellationToken,
+) -> anyhow::Result<()> {
+    let health = Health::default();
+    health.set(true);
+    let addr = telemetry::serve_metrics(addr, registry, health, shutdown.clone().cancelled_owned())
+        .await
+        .context("starting the metrics server")?;
+    tracing::info!(%addr, "Serving /metrics and /healthz.");
+    Ok(())
+}
+
 async fn run_consume(args: ConsumeArgs) -> anyhow::Result<()> {
     let shutdown = crate::shutdown::on_signal();
     let registry = prometheus::Registry::new();
     let metrics = ConsumeMetrics::new(&registry)?;
-    let health = Health::default();
-    health.set(true);
-    let addr = telemetry::serve_metrics(
-        args.metrics_addr,
-        registry,
-        health,
-        shutdown.clone().cancelled_owned(),
-    )
-    .await
-    .context("starting the metrics server")?;
-    tracing::info!(%addr, "Serving /metrics and /healthz.");
+    serve_metrics(args.metrics_addr, registry, &shutdown).await?;
     let pool = db::pool(&args.database.database_url, args.db_pool_size)?;
     if args.migrate {
         db::migrate(&pool).await?;
@@ -610,17 +615,7 @@ async fn run_dispatch(args: DispatchArgs) -> anyhow::Result<()> {
     let shutdown = crate::shutdown::on_signal();
     let registry = prometheus::Registry::new();
     let metrics = crate::dispatch::DispatchMetrics::new(&registry)?;
-    let health = Health::default();
-    health.set(true);
-    let addr = telemetry::serve_metrics(
-        args.metrics_addr,
-        registry,
-        health,
-        shutdown.clone().cancelled_owned(),
-    )
-    .await
-    .context("starting the metrics server")?;
-    tracing::info!(%addr, "Serving /metrics and /healthz.");
+    serve_metrics(args.metrics_addr, registry, &shutdown).await?;
     let pool = db::pool(
         &args.database.database_url,
         (args.batch_size as u32).clamp(2, 64),

@@ -10,13 +10,6 @@ use std::time::Duration;
 
 const WAIT: Duration = Duration::from_secs(60);
 
-async fn committed(kafka: &TestKafka, group: &str, topic: &str, partitions: i32) -> Vec<i64> {
-    let (b, g, t) = (kafka.brokers(), group.to_owned(), topic.to_owned());
-    tokio::task::spawn_blocking(move || committed_offsets(&b, &g, &t, partitions))
-        .await
-        .unwrap()
-}
-
 async fn wait_committed(kafka: &TestKafka, group: &str, topic: &str, expected: &[i64]) {
     let n = expected.len() as i32;
     wait_for("offsets committed", WAIT, || async {

@@ -11,30 +11,6 @@ use std::time::{Duration, Instant};
 
 const WAIT: Duration = Duration::from_secs(120);
 
-async fn committed(kafka: &TestKafka, group: &str, topic: &str, partitions: i32) -> Vec<i64> {
-    let (b, g, t) = (kafka.brokers(), group.to_owned(), topic.to_owned());
-    tokio::task::spawn_blocking(move || committed_offsets(&b, &g, &t, partitions))
-        .await
-        .unwrap()
-}
-
-async fn wait_committed_total(
-    kafka: &TestKafka,
-    group: &str,
-    topic: &str,
-    partitions: i32,
-    total: i64,
-) {
-    wait_for("offsets committed", WAIT, || async {
-        committed(kafka, group, topic, partitions)
-            .await
-            .iter()
-            .sum::<i64>()
-            == total
-    })
-    .await;
-}
-
 fn spawn(
     kafka: &TestKafka,
     topic: &str,
@@ -357,38 +333,15 @@ async fn killed_consumer_leaves_no_orphan_outbox_operation() {
     let (kafka, db) = (TestKafka::for_processes(), TestDb::new().await);
     let (topic, group) = (kafka.topic(1).await, unique("group"));
     let spawn_http = |failpoints: Option<&str>| {
-        let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_replayproof"));
-        cmd.arg("consume")
-            .args([
-                "--brokers",
-                &kafka.brokers(),
-                "--topic",
-                &topic,
-                "--group",
-                &group,
-                "--database-url",
-                &db.url,
-            ])
-            .args([
-                "--effect",
-                "http",
-                "--target-url",
-                "http://127.0.0.1:9/ops",
-                "--metrics-addr",
-                "127.0.0.1:0",
-            ])
-            .env("RUST_LOG", "warn")
-            .env_remove("FAILPOINTS")
-            .kill_on_drop(true);
-        for (k, v) in test_kafka_options() {
-            cmd.arg("--kafka-option").arg(format!("{k}={v}"));
-        }
-        if let Some(f) = failpoints {
-            cmd.env("FAILPOINTS", f);
-        }
-        ConsumerProcess {
-            child: cmd.spawn().unwrap(),
-        }
+        let extra = ["--effect", "http", "--target-url", "http://127.0.0.1:9/ops"];
+        ConsumerProcess::spawn_with(
+            &kafka.brokers(),
+            &topic,
+            &group,
+            &db.url,
+            failpoints,
+            &extra,
+        )
     };
     let first = spawn_http(Some("consume::before_commit=pause"));
     produce(

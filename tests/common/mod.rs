@@ -366,6 +366,32 @@ pub fn committed_offsets(brokers: &str, group: &str, topic: &str, partitions: i3
         .collect()
 }
 
+/// [`committed_offsets`] off the async runtime's threads.
+pub async fn committed(kafka: &TestKafka, group: &str, topic: &str, partitions: i32) -> Vec<i64> {
+    let (b, g, t) = (kafka.brokers(), group.to_owned(), topic.to_owned());
+    tokio::task::spawn_blocking(move || committed_offsets(&b, &g, &t, partitions))
+        .await
+        .unwrap()
+}
+
+/// Waits until the group's committed offsets add up to `total`.
+pub async fn wait_committed_total(
+    kafka: &TestKafka,
+    group: &str,
+    topic: &str,
+    partitions: i32,
+    total: i64,
+) {
+    wait_for("offsets committed", Duration::from_secs(120), || async {
+        committed(kafka, group, topic, partitions)
+            .await
+            .iter()
+            .sum::<i64>()
+            == total
+    })
+    .await;
+}
+
 /// Waits until every row of `expected` keys is in the ledger, then checks one row per key and
 /// no other keys.
 pub async fn assert_exactly_once(
@@ -405,6 +431,18 @@ impl ConsumerProcess {
         database_url: &str,
         failpoints: Option<&str>,
     ) -> Self {
+        Self::spawn_with(brokers, topic, group, database_url, failpoints, &[])
+    }
+
+    /// Like [`ConsumerProcess::spawn`], with more arguments for `consume`.
+    pub fn spawn_with(
+        brokers: &str,
+        topic: &str,
+        group: &str,
+        database_url: &str,
+        failpoints: Option<&str>,
+        extra: &[&str],
+    ) -> Self {
         let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_replayproof"));
         cmd.arg("consume")
             .args(["--brokers", brokers, "--topic", topic, "--group", group])
@@ -416,6 +454,7 @@ impl ConsumerProcess {
                 "--max-retry-backoff-ms",
                 "500",
             ])
+            .args(extra)
             .env("RUST_LOG", "warn,replayproof=info")
             .env_remove("FAILPOINTS")
             .stdin(Stdio::null())
