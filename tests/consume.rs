@@ -258,3 +258,42 @@ async fn postgres_restart_loses_nothing_and_commits_no_offset_ahead() {
     assert_eq!(db.count("SELECT count(*) FROM ledger").await, total);
     consumer.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn broker_restart_loses_nothing() {
+    let TestKafka::Mock(mock) = TestKafka::mock() else {
+        unreachable!()
+    };
+    let db = TestDb::new().await;
+    let brokers = mock.bootstrap_servers();
+    let (topic, group) = (unique("webhooks"), unique("group"));
+    mock.create_topic(&topic, 2).unwrap();
+    let consumer = InProcessConsumer::start(settings(&brokers, &topic, &group), db.pool.clone());
+    let producer = producer(&brokers);
+    let records: Vec<Record> = (0..2_000)
+        .map(|i| Record::event(&format!("evt-{i}"), json!(i)))
+        .collect();
+    produce(&producer, &topic, &records[..1_000]).await;
+    wait_for("some events applied", WAIT, || async {
+        db.count("SELECT count(*) FROM ledger").await >= 200
+    })
+    .await;
+    // The broker goes away for a while, as in a restart, and comes back.
+    mock.set_broker_up(false).unwrap();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    mock.set_broker_up(true).unwrap();
+    produce(&producer, &topic, &records[1_000..]).await;
+
+    let expected: HashSet<String> = (0..2_000).map(|i| format!("evt-{i}")).collect();
+    assert_exactly_once(&db, &expected, WAIT).await;
+    let kafka = TestKafka::Mock(mock);
+    wait_for("every offset committed", WAIT, || async {
+        committed(&kafka, &group, &topic, 2)
+            .await
+            .iter()
+            .sum::<i64>()
+            == 2_000
+    })
+    .await;
+    consumer.stop().await;
+}
