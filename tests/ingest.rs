@@ -101,6 +101,16 @@ impl Ingress {
             .unwrap()
     }
 
+    async fn readyz(&self) -> u16 {
+        let r = self
+            .http
+            .get(format!("{}/readyz", self.base))
+            .send()
+            .await
+            .unwrap();
+        r.status().as_u16()
+    }
+
     async fn stop(mut self) {
         self.shutdown.cancel();
         self.running.take().unwrap().stopped().await.unwrap();
@@ -347,14 +357,7 @@ async fn broker_down_gives_503_with_retry_after_and_back_up_gives_2xx() {
     .await;
     assert_eq!(ingress.github("before", b"{}").await.status(), 200);
     wait_for("ready", Duration::from_secs(30), || async {
-        ingress
-            .http
-            .get(format!("{}/readyz", ingress.base))
-            .send()
-            .await
-            .unwrap()
-            .status()
-            == 200
+        ingress.readyz().await == 200
     })
     .await;
 
@@ -363,14 +366,7 @@ async fn broker_down_gives_503_with_retry_after_and_back_up_gives_2xx() {
     assert_eq!(down.status(), 503);
     assert_eq!(down.headers()["retry-after"], "5");
     wait_for("not ready", Duration::from_secs(30), || async {
-        ingress
-            .http
-            .get(format!("{}/readyz", ingress.base))
-            .send()
-            .await
-            .unwrap()
-            .status()
-            == 503
+        ingress.readyz().await == 503
     })
     .await;
 

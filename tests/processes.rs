@@ -21,82 +21,96 @@ fn spawn(
     ConsumerProcess::spawn(&kafka.brokers(), topic, group, &db.url, failpoints)
 }
 
+/// One event on a fresh one-partition topic, for killing its consumer at a chosen step.
+#[cfg(feature = "failpoints")]
+struct OneEvent {
+    kafka: TestKafka,
+    db: TestDb,
+    topic: String,
+    group: String,
+    /// More `consume` arguments, such as another effect.
+    extra: &'static [&'static str],
+}
+
+#[cfg(feature = "failpoints")]
+impl OneEvent {
+    async fn start(extra: &'static [&'static str]) -> Self {
+        let (kafka, db) = (TestKafka::for_processes(), TestDb::new().await);
+        let (topic, group) = (kafka.topic(1).await, unique("group"));
+        Self {
+            kafka,
+            db,
+            topic,
+            group,
+            extra,
+        }
+    }
+
+    fn consumer(&self, failpoints: Option<&str>) -> ConsumerProcess {
+        let brokers = self.kafka.brokers();
+        ConsumerProcess::spawn_with(
+            &brokers,
+            &self.topic,
+            &self.group,
+            &self.db.url,
+            failpoints,
+            self.extra,
+        )
+    }
+
+    async fn produce(&self, key: &str) {
+        let record = Record::event(key, json!({"n": 1}));
+        produce(&producer(&self.kafka.brokers()), &self.topic, &[record]).await;
+    }
+
+    async fn committed(&self) -> Vec<i64> {
+        committed(&self.kafka, &self.group, &self.topic, 1).await
+    }
+
+    /// Starts a fresh consumer, waits for the event's offset to be committed, stops it cleanly.
+    async fn restart_until_committed(&self, check: impl std::future::Future<Output = ()>) {
+        let second = self.consumer(None);
+        wait_committed_total(&self.kafka, &self.group, &self.topic, 1, 1).await;
+        check.await;
+        assert!(second.terminate(Duration::from_secs(30)).await.success());
+    }
+}
+
 #[cfg(feature = "failpoints")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn consumer_killed_between_claim_and_commit_applies_the_event_once_after_restart() {
-    let (kafka, db) = (TestKafka::for_processes(), TestDb::new().await);
-    let (topic, group) = (kafka.topic(1).await, unique("group"));
-    let first = spawn(
-        &kafka,
-        &topic,
-        &group,
-        &db,
-        Some("consume::before_commit=pause"),
-    );
-    produce(
-        &producer(&kafka.brokers()),
-        &topic,
-        &[Record::event("evt-kill", json!({"n": 1}))],
-    )
-    .await;
-
-    wait_for_open_transaction(&db).await;
-    first.kill9().await;
-    wait_for("the killed consumer's transaction to end", WAIT, || async {
-        db.count("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND state = 'idle in transaction'").await == 0
-    })
-    .await;
+    let t = OneEvent::start(&[]).await;
+    let first = t.consumer(Some("consume::before_commit=pause"));
+    t.produce("evt-kill").await;
+    kill_inside_transaction(first, &t.db).await;
     assert_eq!(
-        db.count("SELECT count(*) FROM processed_events").await,
+        t.db.count("SELECT count(*) FROM processed_events").await,
         0,
         "the claim rolled back"
     );
-    assert_eq!(
-        committed(&kafka, &group, &topic, 1).await,
-        [-1],
-        "no offset was committed"
-    );
+    assert_eq!(t.committed().await, [-1], "no offset was committed");
 
-    let second = spawn(&kafka, &topic, &group, &db, None);
-    wait_committed_total(&kafka, &group, &topic, 1, 1).await;
-    assert_exactly_once(&db, &HashSet::from(["evt-kill".to_owned()]), WAIT).await;
-    assert!(second.terminate(Duration::from_secs(30)).await.success());
+    let once = HashSet::from(["evt-kill".to_owned()]);
+    t.restart_until_committed(assert_exactly_once(&t.db, &once, WAIT))
+        .await;
 }
 
 #[cfg(feature = "failpoints")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn consumer_killed_after_commit_before_offset_commit_replays_harmlessly() {
-    let (kafka, db) = (TestKafka::for_processes(), TestDb::new().await);
-    let (topic, group) = (kafka.topic(1).await, unique("group"));
-    let first = spawn(
-        &kafka,
-        &topic,
-        &group,
-        &db,
-        Some("consume::after_commit=pause"),
-    );
-    produce(
-        &producer(&kafka.brokers()),
-        &topic,
-        &[Record::event("evt-kill", json!({"n": 1}))],
-    )
-    .await;
-
+    let t = OneEvent::start(&[]).await;
+    let first = t.consumer(Some("consume::after_commit=pause"));
+    t.produce("evt-kill").await;
     wait_for("the transaction to commit", WAIT, || async {
-        db.count("SELECT count(*) FROM ledger").await == 1
+        t.db.count("SELECT count(*) FROM ledger").await == 1
     })
     .await;
     first.kill9().await;
-    assert_eq!(
-        committed(&kafka, &group, &topic, 1).await,
-        [-1],
-        "the offset was not committed"
-    );
+    assert_eq!(t.committed().await, [-1], "the offset was not committed");
 
-    let second = spawn(&kafka, &topic, &group, &db, None);
-    wait_committed_total(&kafka, &group, &topic, 1, 1).await;
-    assert_exactly_once(&db, &HashSet::from(["evt-kill".to_owned()]), WAIT).await;
-    assert!(second.terminate(Duration::from_secs(30)).await.success());
+    let once = HashSet::from(["evt-kill".to_owned()]);
+    t.restart_until_committed(assert_exactly_once(&t.db, &once, WAIT))
+        .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -330,45 +344,20 @@ async fn dispatcher_killed_mid_request_is_taken_over_and_its_late_completion_cha
 #[cfg(feature = "failpoints")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killed_consumer_leaves_no_orphan_outbox_operation() {
-    let (kafka, db) = (TestKafka::for_processes(), TestDb::new().await);
-    let (topic, group) = (kafka.topic(1).await, unique("group"));
-    let spawn_http = |failpoints: Option<&str>| {
-        let extra = ["--effect", "http", "--target-url", "http://127.0.0.1:9/ops"];
-        ConsumerProcess::spawn_with(
-            &kafka.brokers(),
-            &topic,
-            &group,
-            &db.url,
-            failpoints,
-            &extra,
-        )
-    };
-    let first = spawn_http(Some("consume::before_commit=pause"));
-    produce(
-        &producer(&kafka.brokers()),
-        &topic,
-        &[Record::event("evt-o", json!({"n": 1}))],
-    )
-    .await;
-    wait_for_open_transaction(&db).await;
-    first.kill9().await;
-    wait_for("the transaction to end", WAIT, || async {
-        db.count("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND state = 'idle in transaction'").await == 0
-    })
-    .await;
+    let t = OneEvent::start(&["--effect", "http", "--target-url", "http://127.0.0.1:9/ops"]).await;
+    let first = t.consumer(Some("consume::before_commit=pause"));
+    t.produce("evt-o").await;
+    kill_inside_transaction(first, &t.db).await;
     assert_eq!(
-        db.count("SELECT count(*) FROM outbox").await,
+        t.db.count("SELECT count(*) FROM outbox").await,
         0,
         "no orphan operation"
     );
-    assert_eq!(db.count("SELECT count(*) FROM processed_events").await, 0);
+    assert_eq!(t.db.count("SELECT count(*) FROM processed_events").await, 0);
 
-    let second = spawn_http(None);
-    wait_committed_total(&kafka, &group, &topic, 1, 1).await;
-    assert_eq!(
-        db.count("SELECT count(*) FROM outbox WHERE operation_key = 'evt-o#deliver'")
-            .await,
-        1
-    );
-    assert!(second.terminate(Duration::from_secs(30)).await.success());
+    t.restart_until_committed(async {
+        let sql = "SELECT count(*) FROM outbox WHERE operation_key = 'evt-o#deliver'";
+        assert_eq!(t.db.count(sql).await, 1);
+    })
+    .await;
 }

@@ -490,6 +490,26 @@ impl ConsumerProcess {
     }
 }
 
+/// Waits for `consumer` to stop at a failpoint with its transaction open, kills it with
+/// SIGKILL, and waits until PostgreSQL has ended (rolled back) that transaction.
+pub async fn kill_inside_transaction(consumer: ConsumerProcess, db: &TestDb) {
+    wait_for_open_transaction(db).await;
+    consumer.kill9().await;
+    wait_for(
+        "the killed consumer's transaction to end",
+        Duration::from_secs(60),
+        || async {
+            db.count(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
+             AND state = 'idle in transaction'",
+            )
+            .await
+                == 0
+        },
+    )
+    .await;
+}
+
 /// Waits until a `replayproof` connection of this database sits idle inside a transaction: the
 /// consumer stopped at a failpoint with its claim uncommitted.
 pub async fn wait_for_open_transaction(db: &TestDb) {
