@@ -16,8 +16,14 @@ pub type Tx<'a> = Transaction<'a, Postgres>;
 ///
 /// Implementations must do all their work through `tx`; work done elsewhere (an HTTP call, a
 /// second connection) does not roll back with the claim and belongs in the outbox instead.
-/// An error rolls back this event's claim and effect only; the event is retried and, after the
-/// configured number of attempts, recorded as `failed` with the error for an operator.
+///
+/// What an error does depends on its [`FailureKind`] (see [`classify`]):
+/// - transient or infrastructure trouble (a deadlock, a timeout, a lost connection, a full disk,
+///   a read-only database, a missing table or privilege, or an error wrapped in [`Transient`])
+///   rolls the whole batch back; nothing is settled and the batch is retried with backoff;
+/// - an error wrapped in [`Permanent`] settles the event as `failed` at once;
+/// - any other error is taken as deterministic: the event alone is retried and, after the
+///   configured number of attempts, recorded as `failed` with the error for an operator.
 #[async_trait]
 pub trait Effect: Send + Sync + 'static {
     /// A short name for logs.
@@ -25,6 +31,81 @@ pub trait Effect: Send + Sync + 'static {
 
     /// Applies the event. Called at most once per committed claim.
     async fn apply(&self, tx: &mut Tx<'_>, event: &Event) -> anyhow::Result<()>;
+}
+
+/// How an effect's error is handled; see [`Effect`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FailureKind {
+    /// Says nothing about the event: roll the batch back and retry it later, settling nothing.
+    Transient,
+    /// Probably fails the same way again: retry the event a few times, then settle it `failed`.
+    Deterministic,
+    /// Will fail the same way every time: settle the event `failed` at once.
+    Permanent,
+}
+
+/// Marks an effect's error as permanent: the event is recorded as `failed` without retries.
+#[derive(Debug, thiserror::Error)]
+#[error("{0:#}")]
+pub struct Permanent(pub anyhow::Error);
+
+/// Marks an effect's error as transient: the batch is rolled back and retried, nothing settles.
+#[derive(Debug, thiserror::Error)]
+#[error("{0:#}")]
+pub struct Transient(pub anyhow::Error);
+
+/// Sorts an effect's error: an explicit [`Permanent`] or [`Transient`] wins; otherwise a
+/// database error anywhere in the chain decides by its SQLSTATE ([`is_transient_db_error`]);
+/// anything else is [`FailureKind::Deterministic`].
+pub fn classify(error: &anyhow::Error) -> FailureKind {
+    if error.downcast_ref::<Permanent>().is_some() {
+        return FailureKind::Permanent;
+    }
+    if error.downcast_ref::<Transient>().is_some() {
+        return FailureKind::Transient;
+    }
+    let db_error = error.chain().find_map(|e| e.downcast_ref::<sqlx::Error>());
+    match db_error {
+        Some(e) if is_transient_db_error(e) => FailureKind::Transient,
+        _ => FailureKind::Deterministic,
+    }
+}
+
+/// Whether a database error says nothing about the data: the connection, the server or the
+/// schema is at fault, and the same statement may well succeed later.
+///
+/// SQLSTATE classes 08 (connection), 40 (deadlock, serialization), 53 (disk full, out of
+/// memory, too many connections), 57 (statement timeout, shutdown), 58 (I/O), and the codes
+/// 55P03 (lock timeout), 25006 (read-only transaction), 42P01, 42703, 42883 (a missing table,
+/// column or function after a bad deploy) and 42501 (a missing privilege).
+pub fn is_transient_db_error(error: &sqlx::Error) -> bool {
+    match error {
+        sqlx::Error::Database(db) => db.code().is_some_and(|code| {
+            matches!(code.get(..2), Some("08" | "40" | "53" | "57" | "58"))
+                || matches!(
+                    code.as_ref(),
+                    "55P03" | "25006" | "42P01" | "42703" | "42883" | "42501"
+                )
+        }),
+        sqlx::Error::Io(_)
+        | sqlx::Error::Tls(_)
+        | sqlx::Error::Protocol(_)
+        | sqlx::Error::PoolTimedOut
+        | sqlx::Error::PoolClosed
+        | sqlx::Error::WorkerCrashed => true,
+        _ => false,
+    }
+}
+
+/// Whether a database error is about the data itself (SQLSTATE classes 22 and 23): the same
+/// rows will be refused every time.
+pub fn is_data_db_error(error: &sqlx::Error) -> bool {
+    match error {
+        sqlx::Error::Database(db) => db
+            .code()
+            .is_some_and(|code| matches!(code.get(..2), Some("22" | "23"))),
+        _ => false,
+    }
 }
 
 /// The built-in demo effect: one `ledger` row per applied event.

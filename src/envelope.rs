@@ -60,6 +60,55 @@ pub enum Malformed {
     KeyTooLong(usize),
     #[error("the Kafka message key does not match the envelope key")]
     KeyMismatch,
+    #[error("PostgreSQL cannot store the envelope: {0}")]
+    Unstorable(&'static str),
+}
+
+/// The earliest instant PostgreSQL's `timestamptz` holds: 4713 BC, which is year -4712.
+const EARLIEST_STORABLE_YEAR: i32 = -4712;
+
+/// Refuses what PostgreSQL would refuse inside the batch transaction: a NUL character in any
+/// text (PostgreSQL's `text` and `jsonb` cannot hold one, though JSON may carry it as `\u0000`)
+/// and a `received_at` before 4713 BC. Checked by the ingress before producing and by the
+/// consumer when parsing, so such an event is refused or dead-lettered, never retried forever.
+pub fn check_storable(
+    key: &str,
+    source: &str,
+    event_type: Option<&str>,
+    received_at: Option<DateTime<Utc>>,
+    payload: &serde_json::Value,
+) -> Result<(), Malformed> {
+    use chrono::Datelike as _;
+    if [Some(key), Some(source), event_type]
+        .into_iter()
+        .flatten()
+        .any(|s| s.contains('\0'))
+    {
+        return Err(Malformed::Unstorable(
+            "the key, source or type holds a NUL character",
+        ));
+    }
+    if received_at.is_some_and(|t| t.year() < EARLIEST_STORABLE_YEAR) {
+        return Err(Malformed::Unstorable(
+            "received_at is before 4713 BC, outside PostgreSQL's timestamps",
+        ));
+    }
+    if holds_nul(payload) {
+        return Err(Malformed::Unstorable(
+            "the payload holds a NUL character (\\u0000)",
+        ));
+    }
+    Ok(())
+}
+
+fn holds_nul(value: &serde_json::Value) -> bool {
+    use serde_json::Value;
+    match value {
+        Value::String(s) => s.contains('\0'),
+        Value::Array(items) => items.iter().any(holds_nul),
+        Value::Object(map) => map.iter().any(|(k, v)| k.contains('\0') || holds_nul(v)),
+        Value::Null | Value::Bool(_) | Value::Number(_) => false,
+    }
 }
 
 /// The envelope as written on the topic, for producers.
@@ -78,6 +127,17 @@ impl Envelope {
     /// The bytes to write as the Kafka message value.
     pub fn to_bytes(&self) -> Vec<u8> {
         serde_json::to_vec(self).expect("an envelope always serialises")
+    }
+
+    /// Whether PostgreSQL can store this envelope; see [`check_storable`].
+    pub fn check_storable(&self) -> Result<(), Malformed> {
+        check_storable(
+            &self.key,
+            &self.source,
+            self.event_type.as_deref(),
+            self.received_at,
+            &self.payload,
+        )
     }
 }
 
@@ -115,6 +175,13 @@ impl Event {
         if message_key.is_some_and(|k| k != key.as_str().as_bytes()) {
             return Err(Malformed::KeyMismatch);
         }
+        check_storable(
+            key.as_str(),
+            &wire.source,
+            wire.event_type.as_deref(),
+            wire.received_at,
+            &wire.payload,
+        )?;
         Ok(Self {
             payload_sha256: payload_hash(&wire.payload),
             key,
@@ -205,6 +272,25 @@ mod tests {
             Event::parse(Some(b"b"), Some(v)).unwrap_err(),
             Malformed::KeyMismatch
         );
+    }
+
+    #[test]
+    fn what_postgresql_cannot_store_is_malformed() {
+        let unstorable = [
+            r#"{"key":"k","source":"s","payload":{"note":"a\u0000b"}}"#,
+            r#"{"key":"k","source":"s","payload":[{"\u0000":1}]}"#,
+            r#"{"key":"k\u0000","source":"s","payload":1}"#,
+            r#"{"key":"k","source":"s\u0000","payload":1}"#,
+            r#"{"key":"k","source":"s","type":"t\u0000","payload":1}"#,
+            r#"{"key":"k","source":"s","received_at":"-5000-01-01T00:00:00Z","payload":1}"#,
+        ];
+        for value in unstorable {
+            assert!(
+                matches!(parse(value), Err(Malformed::Unstorable(_))),
+                "{value}"
+            );
+        }
+        assert!(parse(r#"{"key":"k","source":"s","payload":"\\u0000 is text"}"#).is_ok());
     }
 
     #[test]

@@ -5,8 +5,8 @@ mod common;
 
 use async_trait::async_trait;
 use common::{envelope, TestDb};
-use replayproof::consume::{BatchProcessor, EffectRetry, RawMessage};
-use replayproof::effect::{Effect, Ledger, Tx};
+use replayproof::consume::{BatchError, BatchProcessor, EffectRetry, RawMessage};
+use replayproof::effect::{Effect, Ledger, Permanent, Tx};
 use replayproof::envelope::Event;
 use serde_json::json;
 use std::sync::Arc;
@@ -258,4 +258,204 @@ async fn database_error_is_an_error_not_a_duplicate() {
         result.is_err(),
         "a missing claims table must fail the batch, got {result:?}"
     );
+}
+
+#[tokio::test]
+async fn messages_postgresql_refuses_become_dead_letters_and_the_rest_commits() {
+    let db = TestDb::new().await;
+    // A refusal the envelope's own checks cannot know about: PostgreSQL's word is final.
+    sqlx::query(
+        "ALTER TABLE processed_events ADD CONSTRAINT refuse_poison \
+         CHECK (event_key NOT LIKE 'poison%')",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let p = processor(&db, Arc::new(Ledger));
+    let batch: Vec<RawMessage> = (0..40)
+        .map(|i| match i {
+            7 => message(i, "poison-7", json!(i)),
+            19 => message(i, "nul-19", json!({"note": "a\u{0}b"})),
+            31 => message(i, "poison-31", json!(i)),
+            _ => message(i, &format!("good-{i}"), json!(i)),
+        })
+        .collect();
+    let report = p.process("t", 0, &batch).await.unwrap();
+    assert_eq!((report.applied, report.dead_letters.len()), (37, 3));
+    let counts = db.ledger_counts().await;
+    assert_eq!(counts.len(), 37);
+    assert!(counts.values().all(|n| *n == 1));
+    let reasons: Vec<(i64, String)> =
+        sqlx::query_as("SELECT kafka_offset, reason FROM dead_letters ORDER BY kafka_offset")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        reasons.iter().map(|(o, _)| *o).collect::<Vec<_>>(),
+        [7, 19, 31]
+    );
+    assert!(reasons[0].1.contains("refuse_poison"), "{reasons:?}");
+    assert!(reasons[0].1.contains("SQLSTATE 23514"), "{reasons:?}");
+    assert!(reasons[1].1.contains("NUL"), "{reasons:?}");
+    // The raw bytes are kept, and a replay of the batch changes nothing.
+    let raw: Option<Vec<u8>> =
+        sqlx::query_scalar("SELECT raw_value FROM dead_letters WHERE kafka_offset = 31")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(raw, batch[31].value);
+    let replay = p.process("t", 0, &batch).await.unwrap();
+    assert_eq!(replay.applied, 0);
+    assert_eq!(db.count("SELECT count(*) FROM dead_letters").await, 3);
+    assert_eq!(db.count("SELECT count(*) FROM ledger").await, 37);
+}
+
+/// Writes each event to a table of its own, which a test may drop, lock or leave missing.
+struct WritesTo(&'static str);
+
+#[async_trait]
+impl Effect for WritesTo {
+    fn name(&self) -> &'static str {
+        "writes-to"
+    }
+
+    async fn apply(&self, tx: &mut Tx<'_>, event: &Event) -> anyhow::Result<()> {
+        sqlx::query("SET LOCAL lock_timeout = '200ms'")
+            .execute(&mut **tx)
+            .await?;
+        sqlx::query(&format!("INSERT INTO {} (event_key) VALUES ($1)", self.0))
+            .bind(event.key.as_str())
+            .execute(&mut **tx)
+            .await?;
+        Ok(())
+    }
+}
+
+async fn claims_by_status(db: &TestDb) -> Vec<(String, i64)> {
+    sqlx::query_as("SELECT status, count(*) FROM processed_events GROUP BY status ORDER BY 1")
+        .fetch_all(&db.pool)
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn missing_table_or_lock_timeout_in_an_effect_settles_nothing_and_retries() {
+    let db = TestDb::new().await;
+    let p = processor(&db, Arc::new(WritesTo("effect_rows")));
+    let batch = [message(0, "a", json!(1)), message(1, "b", json!(2))];
+
+    // A bad deploy: the effect's table is missing. Nothing may settle as failed.
+    let result = p.process("t", 0, &batch).await;
+    assert!(
+        matches!(result, Err(BatchError::Transient(_))),
+        "{result:?}"
+    );
+    assert_eq!(claims_by_status(&db).await, []);
+
+    // A lock held elsewhere: the effect's lock timeout is transient too.
+    sqlx::query("CREATE TABLE effect_rows (event_key text NOT NULL)")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let mut holder = db.pool.begin().await.unwrap();
+    sqlx::query("LOCK TABLE effect_rows IN ACCESS EXCLUSIVE MODE")
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    let result = p.process("t", 0, &batch).await;
+    assert!(
+        matches!(result, Err(BatchError::Transient(_))),
+        "{result:?}"
+    );
+    assert_eq!(claims_by_status(&db).await, []);
+    holder.rollback().await.unwrap();
+
+    // Repaired: the same batch applies, once each.
+    let report = p.process("t", 0, &batch).await.unwrap();
+    assert_eq!((report.applied, report.failed), (2, 0));
+    assert_eq!(claims_by_status(&db).await, [("done".to_owned(), 2)]);
+    assert_eq!(db.count("SELECT count(*) FROM effect_rows").await, 2);
+}
+
+#[tokio::test]
+async fn read_only_database_fails_the_batch_and_settles_nothing() {
+    let db = TestDb::new().await;
+    let name: String = sqlx::query_scalar("SELECT current_database()")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    // A connection opened before the switch stays writable, to switch back.
+    let mut admin = <sqlx::PgConnection as sqlx::Connection>::connect(&db.url)
+        .await
+        .unwrap();
+    sqlx::query(&format!(
+        "ALTER DATABASE {name} SET default_transaction_read_only = on"
+    ))
+    .execute(&mut admin)
+    .await
+    .unwrap();
+    let read_only = sqlx::PgPool::connect(&db.url).await.unwrap();
+    let p = BatchProcessor {
+        pool: read_only,
+        ..processor(&db, Arc::new(Ledger))
+    };
+    let batch = [message(0, "a", json!(1))];
+    let result = p.process("t", 0, &batch).await;
+    assert!(matches!(result, Err(BatchError::Database(_))), "{result:?}");
+    let settled: i64 = sqlx::query_scalar(
+        "SELECT (SELECT count(*) FROM processed_events) + (SELECT count(*) FROM dead_letters)",
+    )
+    .fetch_one(&mut admin)
+    .await
+    .unwrap();
+    assert_eq!(settled, 0, "nothing settles and nothing is dead-lettered");
+
+    sqlx::query(&format!(
+        "ALTER DATABASE {name} RESET default_transaction_read_only"
+    ))
+    .execute(&mut admin)
+    .await
+    .unwrap();
+    let writable = BatchProcessor {
+        pool: sqlx::PgPool::connect(&db.url).await.unwrap(),
+        ..processor(&db, Arc::new(Ledger))
+    };
+    assert_eq!(writable.process("t", 0, &batch).await.unwrap().applied, 1);
+}
+
+/// Refuses one key for good, declaring it permanent.
+struct RefusesFor(&'static str);
+
+#[async_trait]
+impl Effect for RefusesFor {
+    fn name(&self) -> &'static str {
+        "refuses-for"
+    }
+
+    async fn apply(&self, tx: &mut Tx<'_>, event: &Event) -> anyhow::Result<()> {
+        if event.key.as_str() == self.0 {
+            return Err(Permanent(anyhow::anyhow!("the amount does not match the order")).into());
+        }
+        Ledger.apply(tx, event).await
+    }
+}
+
+#[tokio::test]
+async fn permanent_effect_error_settles_failed_without_retries() {
+    let db = TestDb::new().await;
+    let p = processor(&db, Arc::new(RefusesFor("bad")));
+    let batch = [message(0, "a", json!(1)), message(1, "bad", json!(2))];
+    let report = p.process("t", 0, &batch).await.unwrap();
+    assert_eq!(
+        (report.applied, report.failed, report.effect_errors),
+        (1, 1, 1)
+    );
+    let (attempts, error): (i32, String) = sqlx::query_as(
+        "SELECT attempts, last_error FROM processed_events WHERE event_key = 'bad' AND status = 'failed'",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(attempts, 1);
+    assert!(error.contains("does not match"), "{error}");
 }

@@ -391,3 +391,36 @@ async fn broker_down_gives_503_with_retry_after_and_back_up_gives_2xx() {
         HashSet::from(["github:before".to_owned(), "github:during".to_owned()])
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn text_postgresql_cannot_store_gets_400_with_a_reason_and_produces_nothing() {
+    let kafka = TestKafka::mock();
+    let brokers = kafka.brokers();
+    let topic = kafka.topic(1).await;
+    let ingress = Ingress::start(&brokers, &topic, |_| {}).await;
+    let nul_in_json = br#"{"id":"evt_nul","type":"customer.updated","name":"a\u0000b"}"#;
+    let stripe = ingress.stripe("secret-of-STRIPE", now(), nul_in_json).await;
+    assert_eq!(stripe.status(), 400);
+    let said: serde_json::Value = stripe.json().await.unwrap();
+    assert!(
+        said["error"].as_str().unwrap().contains("NUL"),
+        "the reason is named: {said}"
+    );
+    // A body that is not JSON is kept as text; a NUL byte in it cannot be stored either.
+    assert_eq!(ingress.github("nul-bytes", b"a\0b").await.status(), 400);
+    // An escaped backslash is ordinary text.
+    let fine = br#"{"id":"evt_ok","name":"a\\u0000b"}"#;
+    assert_eq!(
+        ingress
+            .stripe("secret-of-STRIPE", now(), fine)
+            .await
+            .status(),
+        200
+    );
+    ingress.stop().await;
+    let recs = tokio::task::spawn_blocking(move || records(&brokers, &topic))
+        .await
+        .unwrap();
+    let keys: Vec<String> = recs.into_iter().map(|(k, _)| k).collect();
+    assert_eq!(keys, ["stripe:evt_ok"]);
+}

@@ -3,13 +3,19 @@
 //! The fast path applies every claimed event's effect directly in the batch transaction. When
 //! an effect fails, that transaction is rolled back and the batch runs again with a savepoint
 //! around each effect, so the failing event is retried and, at worst, recorded as `failed`
-//! while the rest of the batch commits once.
+//! while the rest of the batch commits once. An effect failing for a reason that says nothing
+//! about the event (a timeout, a lost connection, a missing table) settles nothing: the batch
+//! rolls back and is retried whole.
+//!
+//! When PostgreSQL refuses the batch's own rows (a data error, SQLSTATE classes 22 and 23), the
+//! batch is split in halves until the refused messages are found; each becomes a dead letter
+//! with PostgreSQL's message and the rest commits, so one bad message never stalls a partition.
 
 use crate::claims::{self, ClaimStatus, DeadLetter, Origin, Settlement};
-use crate::effect::Effect;
+use crate::effect::{self, Effect, FailureKind};
 use crate::envelope::Event;
 use sqlx::{Acquire, PgPool, Postgres, Transaction};
-use std::collections::{HashMap, HashSet};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -38,6 +44,30 @@ pub struct BatchReport {
     pub failed: usize,
     /// Effect attempts that failed, including those retried successfully.
     pub effect_errors: usize,
+}
+
+impl BatchReport {
+    /// Adds the report of a later part of the same batch.
+    fn merge(&mut self, other: BatchReport) {
+        self.applied += other.applied;
+        self.applied_events.extend(other.applied_events);
+        self.duplicates += other.duplicates;
+        self.conflicts += other.conflicts;
+        self.dead_letters.extend(other.dead_letters);
+        self.failed += other.failed;
+        self.effect_errors += other.effect_errors;
+    }
+}
+
+/// Why a batch did not commit. Nothing of it committed, or (for an error from COMMIT itself) the
+/// outcome is unknown; either way the offset must not move, and a retry is harmless.
+#[derive(Debug, thiserror::Error)]
+pub enum BatchError {
+    #[error("database error: {0}")]
+    Database(#[from] sqlx::Error),
+    /// An effect failed for a reason that says nothing about its event.
+    #[error("an effect failed transiently: {0:#}")]
+    Transient(anyhow::Error),
 }
 
 /// How effects are retried when they fail.
@@ -103,7 +133,19 @@ impl<'m> Plan<'m> {
 enum RunError {
     /// An effect failed on the fast path: run again with savepoints.
     EffectFailed,
+    /// An effect failed transiently: roll back and retry the batch later.
+    Transient(anyhow::Error),
     Database(sqlx::Error),
+}
+
+impl From<RunError> for BatchError {
+    fn from(e: RunError) -> Self {
+        match e {
+            RunError::Database(e) => Self::Database(e),
+            RunError::Transient(e) => Self::Transient(e),
+            RunError::EffectFailed => unreachable!("isolated runs settle failures"),
+        }
+    }
 }
 
 impl From<sqlx::Error> for RunError {
@@ -122,27 +164,109 @@ impl BatchProcessor {
     /// Applies a batch in one transaction and commits it. An error means nothing of the batch
     /// committed, or (for an error from COMMIT itself) that the outcome is unknown; either way
     /// the caller must not move the offset and should retry, which the claims make harmless.
+    /// Messages PostgreSQL refuses are dead-lettered, not returned as an error.
     #[tracing::instrument(name = "batch", skip_all, fields(topic, partition, messages = messages.len()))]
     pub async fn process(
         &self,
         topic: &str,
         partition: i32,
         messages: &[RawMessage],
-    ) -> Result<BatchReport, sqlx::Error> {
+    ) -> Result<BatchReport, BatchError> {
         let origin = Origin { topic, partition };
+        match self.process_part(origin, messages).await {
+            Err(BatchError::Database(e)) if effect::is_data_db_error(&e) => {
+                tracing::warn!(partition, error = %e, "PostgreSQL refused part of a batch; splitting it to find the messages.");
+                self.split_out_refused(origin, messages, e).await
+            }
+            other => other,
+        }
+    }
+
+    /// Runs part of a batch in one transaction: fast, then isolated if an effect failed.
+    async fn process_part(
+        &self,
+        origin: Origin<'_>,
+        messages: &[RawMessage],
+    ) -> Result<BatchReport, BatchError> {
         let plan = Plan::new(messages);
         match self.run_and_commit(origin, &plan, Mode::Fast).await {
             Err(RunError::EffectFailed) => {
-                tracing::debug!(partition, "An effect failed; isolating the batch's events.");
-                match self.run_and_commit(origin, &plan, Mode::Isolated).await {
-                    Ok(report) => Ok(report),
-                    Err(RunError::Database(e)) => Err(e),
-                    Err(RunError::EffectFailed) => unreachable!("isolated runs settle failures"),
+                tracing::debug!(
+                    partition = origin.partition,
+                    "An effect failed; isolating the batch's events."
+                );
+                Ok(self.run_and_commit(origin, &plan, Mode::Isolated).await?)
+            }
+            other => Ok(other?),
+        }
+    }
+
+    /// Commits a refused batch part by part, in offset order: a part PostgreSQL refuses is
+    /// halved, and a single refused message becomes a dead letter with PostgreSQL's message.
+    /// Any other error stops the split; the parts that committed replay harmlessly.
+    async fn split_out_refused(
+        &self,
+        origin: Origin<'_>,
+        messages: &[RawMessage],
+        refusal: sqlx::Error,
+    ) -> Result<BatchReport, BatchError> {
+        let mut report = BatchReport::default();
+        let mut parts = VecDeque::from([(messages, Some(refusal))]);
+        while let Some((part, refusal)) = parts.pop_front() {
+            let refusal = match refusal {
+                Some(e) => e,
+                None => match self.process_part(origin, part).await {
+                    Ok(r) => {
+                        report.merge(r);
+                        continue;
+                    }
+                    Err(BatchError::Database(e)) if effect::is_data_db_error(&e) => e,
+                    Err(e) => return Err(e),
+                },
+            };
+            match part {
+                [message] => {
+                    let letter = self.dead_letter_refused(origin, message, &refusal).await?;
+                    report.merge(letter);
+                }
+                _ => {
+                    let (left, right) = part.split_at(part.len() / 2);
+                    parts.push_front((right, None));
+                    parts.push_front((left, None));
                 }
             }
-            Err(RunError::Database(e)) => Err(e),
-            Ok(report) => Ok(report),
         }
+        Ok(report)
+    }
+
+    /// Dead-letters one message whose rows PostgreSQL refused, with PostgreSQL's own message.
+    async fn dead_letter_refused(
+        &self,
+        origin: Origin<'_>,
+        message: &RawMessage,
+        refusal: &sqlx::Error,
+    ) -> Result<BatchReport, BatchError> {
+        let reason = match refusal {
+            sqlx::Error::Database(db) => format!(
+                "PostgreSQL refused the event: {} (SQLSTATE {})",
+                db.message(),
+                db.code().as_deref().unwrap_or("?")
+            ),
+            e => format!("PostgreSQL refused the event: {e}"),
+        };
+        let letter = DeadLetter {
+            offset: message.offset,
+            key: message.key.as_deref(),
+            value: message.value.as_deref(),
+            reason: reason.replace('\0', ""),
+        };
+        let mut tx = self.pool.begin().await?;
+        claims::insert_dead_letters(&mut tx, origin, std::slice::from_ref(&letter)).await?;
+        tx.commit().await?;
+        Ok(BatchReport {
+            dead_letters: vec![(letter.offset, letter.reason)],
+            ..BatchReport::default()
+        })
     }
 
     async fn run_and_commit(
@@ -279,6 +403,9 @@ impl BatchProcessor {
         if mode == Mode::Fast {
             return match self.effect.apply(tx, event).await {
                 Ok(()) => Ok(done(key, 1)),
+                Err(e) if effect::classify(&e) == FailureKind::Transient => {
+                    Err(RunError::Transient(e))
+                }
                 Err(_) => Err(RunError::EffectFailed),
             };
         }
@@ -294,20 +421,31 @@ impl BatchProcessor {
                 Err(e) => {
                     savepoint.rollback().await?;
                     report.effect_errors += 1;
+                    let kind = effect::classify(&e);
+                    if kind == FailureKind::Transient {
+                        return Err(RunError::Transient(e));
+                    }
                     last_error = format!("{e:#}");
                     tracing::warn!(key, attempt, effect = self.effect.name(), error = %last_error, "An effect failed.");
+                    if kind == FailureKind::Permanent {
+                        return Ok(failed(key, attempt as i32, last_error));
+                    }
                 }
             }
             if attempt < attempts {
                 tokio::time::sleep(self.retry.backoff * 2u32.pow(attempt - 1)).await;
             }
         }
-        Ok(Settlement {
-            key,
-            status: ClaimStatus::Failed,
-            attempts: attempts as i32,
-            last_error: Some(last_error),
-        })
+        Ok(failed(key, attempts as i32, last_error))
+    }
+}
+
+fn failed(key: &str, attempts: i32, error: String) -> Settlement<'_> {
+    Settlement {
+        key,
+        status: ClaimStatus::Failed,
+        attempts,
+        last_error: Some(error),
     }
 }
 

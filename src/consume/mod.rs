@@ -10,7 +10,7 @@
 
 mod batch;
 
-pub use batch::{BatchProcessor, BatchReport, EffectRetry, RawMessage};
+pub use batch::{BatchError, BatchProcessor, BatchReport, EffectRetry, RawMessage};
 
 use crate::telemetry::ConsumeMetrics;
 use anyhow::Context as _;
@@ -499,7 +499,7 @@ impl LaneWorker {
                 }
                 Err(e) => {
                     self.metrics.batch_retries.inc();
-                    tracing::warn!(partition = self.partition, error = %e, retry_in_ms = backoff.as_millis() as u64, "A batch failed on a database error; retrying it.");
+                    tracing::warn!(partition = self.partition, error = %e, retry_in_ms = backoff.as_millis() as u64, "A batch did not commit; retrying it.");
                     let jitter =
                         Duration::from_millis(fastrand::u64(0..=backoff.as_millis() as u64 / 4));
                     tokio::select! {

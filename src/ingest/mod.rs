@@ -348,6 +348,9 @@ async fn accept(state: &AppState, source: &Source, request: Request) -> Outcome 
         received_at: Some(chrono::Utc::now()),
         payload: identity.payload,
     };
+    if let Err(unstorable) = envelope.check_storable() {
+        return Outcome::BadRequest(unstorable.to_string());
+    }
     produce(state, envelope).await
 }
 
