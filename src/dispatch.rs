@@ -135,7 +135,10 @@ impl Dispatcher {
         pool: PgPool,
         metrics: DispatchMetrics,
     ) -> anyhow::Result<Self> {
+        // A redirect would turn a POST into a body-less GET and carry the Idempotency-Key to
+        // another host: a 3xx is an answer to record, never to follow.
         let http = reqwest::Client::builder()
+            .redirect(reqwest::redirect::Policy::none())
             .timeout(settings.request_timeout)
             .connect_timeout(settings.request_timeout.min(Duration::from_secs(5)))
             .build()?;
@@ -298,13 +301,30 @@ impl Dispatcher {
             .headers()
             .get("retry-after")
             .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.trim().parse::<u64>().ok())
-            .map(Duration::from_secs);
+            .and_then(parse_retry_after);
+        let location = response
+            .headers()
+            .get("location")
+            .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned());
         let body = response.text().await.unwrap_or_default();
         let body: String = body.chars().take(2_000).collect();
         let code = Some(i32::from(status));
         match status {
             200..=299 => ("done", settled("done", code, None)),
+            300..=399 => (
+                "redirected",
+                Settlement {
+                    response: Some(body),
+                    ..settled(
+                        "failed",
+                        code,
+                        Some(format!(
+                            "redirected to {}; redirects are not followed, so nothing was delivered",
+                            location.as_deref().unwrap_or("(no Location)")
+                        )),
+                    )
+                },
+            ),
             400 | 401 | 403 | 404 | 410 | 422 => (
                 "failed",
                 Settlement {
@@ -363,8 +383,13 @@ impl Dispatcher {
             .saturating_mul(1 << row.attempts.clamp(1, 20).saturating_sub(1));
         let backoff = exp.min(self.settings.backoff_max);
         let jitter = backoff.mul_f64(fastrand::f64() * 0.25);
-        let delay = retry_after.unwrap_or(Duration::ZERO).max(backoff + jitter);
-        chrono::Utc::now() + chrono::Duration::from_std(delay).unwrap_or(chrono::Duration::MAX)
+        let asked = retry_after.unwrap_or(Duration::ZERO).min(MAX_RETRY_AFTER);
+        let delay = asked.max(backoff + jitter);
+        let now = chrono::Utc::now();
+        chrono::Duration::from_std(delay)
+            .ok()
+            .and_then(|d| now.checked_add_signed(d))
+            .unwrap_or(now + chrono::Duration::seconds(MAX_RETRY_AFTER.as_secs() as i64))
     }
 
     async fn settle(
@@ -393,6 +418,20 @@ impl Dispatcher {
         }
         Ok(())
     }
+}
+
+/// The longest `Retry-After` honoured; a downstream asking for more is asked again after this.
+pub const MAX_RETRY_AFTER: Duration = Duration::from_secs(24 * 3600);
+
+/// A `Retry-After` value: delay seconds or an HTTP date. Anything else is ignored.
+fn parse_retry_after(value: &str) -> Option<Duration> {
+    let value = value.trim();
+    if let Ok(secs) = value.parse::<u64>() {
+        return Some(Duration::from_secs(secs));
+    }
+    let at = chrono::DateTime::parse_from_rfc2822(value).ok()?;
+    let wait = at.with_timezone(&chrono::Utc) - chrono::Utc::now();
+    Some(wait.to_std().unwrap_or(Duration::ZERO))
 }
 
 fn settled(state: &'static str, status: Option<i32>, error: Option<String>) -> Settlement {

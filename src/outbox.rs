@@ -70,13 +70,26 @@ pub struct Leased {
 
 /// Leases up to `limit` due rows: pending, retryable or uncertain ones whose time has come, and
 /// in-progress ones whose lease expired. Rows another worker is leasing are skipped, not
-/// waited for.
+/// waited for. Every lease counts as an attempt, so a row whose worker dies or hangs on it each
+/// time goes `dead` once its attempts are spent, instead of taking down worker after worker.
 pub async fn lease(
     pool: &PgPool,
     worker: &str,
     limit: i64,
     lease: Duration,
 ) -> sqlx::Result<Vec<Leased>> {
+    let buried = sqlx::query(
+        "UPDATE outbox SET state = 'dead', lease_expires_at = NULL, updated_at = now(),          last_error = format('the lease expired on attempt %s of %s: its worker died or hung',                              attempts, max_attempts)          WHERE state = 'in_progress' AND lease_expires_at <= now() AND attempts >= max_attempts",
+    )
+    .execute(pool)
+    .await?
+    .rows_affected();
+    if buried > 0 {
+        tracing::warn!(
+            operations = buried,
+            "Operations whose lease expired on their last attempt are now dead."
+        );
+    }
     sqlx::query_as(
         r#"WITH due AS (
                SELECT id, state AS previous_state FROM outbox

@@ -399,3 +399,106 @@ async fn an_expired_lease_shows_in_the_metrics() {
     );
     assert_eq!(unsettled(&db).await, 0);
 }
+
+/// Leases and sends one round with a single dispatcher; returns the rows' (key, state, error).
+async fn one_round(db: &TestDb) -> Vec<(String, String, Option<String>)> {
+    let d = Dispatcher::new(
+        settings("w"),
+        db.pool.clone(),
+        DispatchMetrics::new(&prometheus::Registry::new()).unwrap(),
+    )
+    .unwrap();
+    d.dispatch_once().await.unwrap();
+    sqlx::query_as("SELECT event_key, state, last_error FROM outbox ORDER BY event_key")
+        .fetch_all(&db.pool)
+        .await
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retry_after_far_in_the_future_or_as_a_date_is_clamped_not_a_crash() {
+    let (db, downstream) = (TestDb::new().await, Downstream::start().await);
+    let keys = ["evt-date", "evt-huge", "evt-max"].map(String::from);
+    downstream.script(
+        "evt-huge#deliver",
+        &[Behaviour::RetryAfter("99999999999999")],
+    );
+    downstream.script(
+        "evt-max#deliver",
+        &[Behaviour::RetryAfter("18446744073709551615")],
+    );
+    let in_an_hour = (chrono::Utc::now() + chrono::Duration::hours(1)).to_rfc2822();
+    let in_an_hour: &'static str = Box::leak(in_an_hour.into_boxed_str());
+    downstream.script("evt-date#deliver", &[Behaviour::RetryAfter(in_an_hour)]);
+    enqueue(&db, &downstream, &keys, false).await;
+    let rows = one_round(&db).await;
+    assert!(
+        rows.iter().all(|(_, state, _)| state == "retryable"),
+        "{rows:?}"
+    );
+    let waits: Vec<(String, f64)> = sqlx::query_as(
+        "SELECT event_key, extract(epoch FROM next_attempt_at - now())::float8 FROM outbox \
+         ORDER BY event_key",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    let day = replayproof::dispatch::MAX_RETRY_AFTER.as_secs_f64();
+    assert!((3000.0..3700.0).contains(&waits[0].1), "{waits:?}");
+    assert!((day - 60.0..=day + 1.0).contains(&waits[1].1), "{waits:?}");
+    assert!((day - 60.0..=day + 1.0).contains(&waits[2].1), "{waits:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redirects_are_failures_with_their_location_never_followed() {
+    let (db, downstream) = (TestDb::new().await, Downstream::start().await);
+    let keys = ["evt-301", "evt-302", "evt-303", "evt-307"].map(String::from);
+    for (key, status) in keys.iter().zip([301, 302, 303, 307]) {
+        downstream.script(&format!("{key}#deliver"), &[Behaviour::Redirect(status)]);
+    }
+    enqueue(&db, &downstream, &keys, false).await;
+    let rows = one_round(&db).await;
+    assert_eq!(downstream.followed_redirects(), 0);
+    assert!(downstream.applied().is_empty());
+    for (key, state, error) in &rows {
+        assert_eq!(state, "failed", "{key}");
+        let error = error.as_deref().unwrap_or_default();
+        assert!(error.contains("/elsewhere"), "{key}: {error}");
+    }
+    let statuses: Vec<Option<i32>> =
+        sqlx::query_scalar("SELECT last_status FROM outbox ORDER BY event_key")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(statuses, [Some(301), Some(302), Some(303), Some(307)]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_row_whose_worker_dies_every_time_goes_dead_after_its_attempts() {
+    let (db, downstream) = (TestDb::new().await, Downstream::start().await);
+    enqueue(&db, &downstream, &["evt-killer".to_owned()], false).await;
+    sqlx::query("UPDATE outbox SET max_attempts = 3")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    // Three workers lease the row and vanish without completing it.
+    for worker in ["w1", "w2", "w3"] {
+        let leased = outbox::lease(&db.pool, worker, 1, Duration::from_millis(50))
+            .await
+            .unwrap();
+        assert_eq!(leased.len(), 1, "{worker} leases the row");
+        tokio::time::sleep(Duration::from_millis(80)).await;
+    }
+    let fourth = outbox::lease(&db.pool, "w4", 1, Duration::from_secs(10))
+        .await
+        .unwrap();
+    assert!(fourth.is_empty(), "the row is not leased a fourth time");
+    let (state, attempts, error): (String, i32, String) =
+        sqlx::query_as("SELECT state, attempts, last_error FROM outbox")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!((state.as_str(), attempts), ("dead", 3));
+    assert!(error.contains("lease expired"), "{error}");
+    assert!(downstream.applied().is_empty());
+}

@@ -19,6 +19,10 @@ pub enum Behaviour {
     Refuse(u16),
     /// Applies the operation and never answers.
     Hang,
+    /// Answers 503 with this `Retry-After` value, applying nothing.
+    RetryAfter(&'static str),
+    /// Answers a redirect with this status to `/elsewhere`, applying nothing.
+    Redirect(u16),
 }
 
 #[derive(Default)]
@@ -32,6 +36,8 @@ struct State {
     in_flight: HashMap<String, u32>,
     max_in_flight: u32,
     reconciles: u32,
+    /// Requests that followed a redirect to `/elsewhere`.
+    followed_redirects: u32,
     script: HashMap<String, VecDeque<Behaviour>>,
 }
 
@@ -95,6 +101,10 @@ impl Downstream {
         self.state.lock().unwrap().in_flight.values().sum()
     }
 
+    pub fn followed_redirects(&self) -> u32 {
+        self.state.lock().unwrap().followed_redirects
+    }
+
     pub fn reconciles(&self) -> u32 {
         self.state.lock().unwrap().reconciles
     }
@@ -103,6 +113,11 @@ impl Downstream {
         let Some((method, path, key, body)) = read_request(&mut stream).await else {
             return;
         };
+        if path == "/elsewhere" {
+            self.state.lock().unwrap().followed_redirects += 1;
+            let _ = respond(&mut stream, 200).await;
+            return;
+        }
         if method == "GET" {
             let key = path.trim_start_matches("/ops/");
             let key = percent_encoding::percent_decode_str(key)
@@ -150,6 +165,15 @@ impl Downstream {
             Behaviour::Refuse(status) => {
                 self.done(&key);
                 let _ = respond(&mut stream, status).await;
+            }
+            Behaviour::RetryAfter(value) => {
+                self.done(&key);
+                let _ = respond_with(&mut stream, 503, &format!("Retry-After: {value}\r\n")).await;
+            }
+            Behaviour::Redirect(status) => {
+                self.done(&key);
+                let location = format!("Location: http://{}/elsewhere\r\n", self.addr);
+                let _ = respond_with(&mut stream, status, &location).await;
             }
             Behaviour::Hang => {
                 apply(&mut self.state.lock().unwrap());
@@ -213,6 +237,10 @@ async fn respond(stream: &mut TcpStream, status: u16) -> std::io::Result<()> {
     } else {
         ""
     };
+    respond_with(stream, status, extra).await
+}
+
+async fn respond_with(stream: &mut TcpStream, status: u16, extra: &str) -> std::io::Result<()> {
     let body = format!("{{\"status\":{status}}}");
     let response = format!(
         "HTTP/1.1 {status} X\r\nContent-Type: application/json\r\nContent-Length: {}\r\n{extra}Connection: close\r\n\r\n{body}",
