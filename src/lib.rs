@@ -17,6 +17,7 @@ pub mod effect;
 pub mod embedded;
 pub mod envelope;
 pub mod ingest;
+pub mod kafka;
 pub mod ops;
 pub mod outbox;
 pub mod shutdown;

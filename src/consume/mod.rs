@@ -94,6 +94,7 @@ pub async fn run(
     metrics: ConsumeMetrics,
     shutdown: CancellationToken,
 ) -> anyhow::Result<()> {
+    crate::kafka::check_options(crate::kafka::Role::Consumer, &settings.kafka_options)?;
     let context = LaneContext::new(settings.clone(), processor, metrics, Handle::current());
     let consumer: BaseConsumer<LaneContext> = settings
         .client_config()

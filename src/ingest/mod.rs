@@ -149,6 +149,7 @@ pub async fn start(
     registry: Registry,
     shutdown: CancellationToken,
 ) -> anyhow::Result<Running> {
+    crate::kafka::check_options(crate::kafka::Role::Producer, &settings.kafka_options)?;
     let producer: FutureProducer = settings
         .producer_config()
         .create()
