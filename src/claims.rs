@@ -154,7 +154,8 @@ pub struct DeadLetter<'a> {
     pub reason: String,
 }
 
-/// Stores dead letters; a redelivered message that is already dead-lettered is not stored twice.
+/// Stores dead letters; a redelivered message that is already dead-lettered is not stored twice,
+/// while a different message at a reused offset (a truncated or recreated topic) is stored too.
 #[tracing::instrument(skip_all, fields(dead_letters = letters.len()))]
 pub async fn insert_dead_letters(
     conn: &mut PgConnection,
@@ -170,7 +171,7 @@ pub async fn insert_dead_letters(
                 raw_value, reason)
            SELECT $5, $6, o, k, v, r
            FROM unnest($1::int8[], $2::bytea[], $3::bytea[], $4::text[]) AS u(o, k, v, r)
-           ON CONFLICT (kafka_topic, kafka_partition, kafka_offset) DO NOTHING"#,
+           ON CONFLICT (kafka_topic, kafka_partition, kafka_offset, message_sha256) DO NOTHING"#,
     )
     .bind(&offsets)
     .bind(&keys)

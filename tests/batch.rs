@@ -459,3 +459,23 @@ async fn permanent_effect_error_settles_failed_without_retries() {
     assert_eq!(attempts, 1);
     assert!(error.contains("does not match"), "{error}");
 }
+
+#[tokio::test]
+async fn a_new_bad_message_at_a_reused_offset_is_a_second_dead_letter() {
+    let db = TestDb::new().await;
+    let p = processor(&db, Arc::new(Ledger));
+    let bad = |value: &[u8]| RawMessage {
+        offset: 5,
+        key: Some(b"k".to_vec()),
+        value: Some(value.to_vec()),
+    };
+    p.process("t", 0, &[bad(b"first")]).await.unwrap();
+    p.process("t", 0, &[bad(b"first")]).await.unwrap();
+    // The topic was recreated: offset 5 now holds another message.
+    p.process("t", 0, &[bad(b"second")]).await.unwrap();
+    let values: Vec<Vec<u8>> = sqlx::query_scalar("SELECT raw_value FROM dead_letters ORDER BY id")
+        .fetch_all(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(values, [b"first".to_vec(), b"second".to_vec()]);
+}

@@ -161,11 +161,16 @@ async fn poison_message_is_dead_lettered_and_the_good_ones_applied() {
         Record::event("good-2", json!(2)),
         poison(br#"{"source":"s","payload":{}}"#),
         Record::event("good-3", json!(3)),
+        // Valid JSON that PostgreSQL cannot store: dead-lettered, the partition goes on.
+        Record::event("nul", json!({"note": "a\u{0}b"})),
+        Record::event("good-4", json!(4)),
     ];
     produce(&producer(&kafka.brokers()), &topic, &records).await;
-    wait_committed(&kafka, &group, &topic, &[5]).await;
+    wait_committed(&kafka, &group, &topic, &[7]).await;
 
-    let expected: HashSet<String> = ["good-1", "good-2", "good-3"].map(String::from).into();
+    let expected: HashSet<String> = ["good-1", "good-2", "good-3", "good-4"]
+        .map(String::from)
+        .into();
     assert_exactly_once(&db, &expected, WAIT).await;
     let letters: Vec<(i64, Vec<u8>, String)> = sqlx::query_as(
         "SELECT kafka_offset, raw_value, reason FROM dead_letters ORDER BY kafka_offset",
@@ -173,7 +178,8 @@ async fn poison_message_is_dead_lettered_and_the_good_ones_applied() {
     .fetch_all(&db.pool)
     .await
     .unwrap();
-    assert_eq!(letters.len(), 2);
+    assert_eq!(letters.len(), 3);
+    assert!(letters[2].2.contains("NUL"), "{}", letters[2].2);
     assert_eq!(
         (letters[0].0, letters[0].1.as_slice()),
         (1, &b"this is not json"[..])
@@ -183,7 +189,7 @@ async fn poison_message_is_dead_lettered_and_the_good_ones_applied() {
         "{}",
         letters[1].2
     );
-    assert_eq!(consumer.metric("replayproof_consume_events_total"), 5.0);
+    assert_eq!(consumer.metric("replayproof_consume_events_total"), 7.0);
     consumer.stop().await;
 }
 
@@ -296,4 +302,30 @@ async fn broker_restart_loses_nothing() {
     })
     .await;
     consumer.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn options_that_would_break_offset_safety_are_refused_at_start() {
+    let (kafka, db) = (TestKafka::mock(), TestDb::new().await);
+    let topic = kafka.topic(1).await;
+    for (key, value) in [
+        ("enable.auto.commit", "true"),
+        ("enable.auto.offset.store", "true"),
+        ("isolation.level", "read_uncommitted"),
+    ] {
+        let mut s = settings(&kafka.brokers(), &topic, &unique("group"));
+        s.kafka_options.push((key.into(), value.into()));
+        let processor = replayproof::consume::BatchProcessor {
+            pool: db.pool.clone(),
+            effect: std::sync::Arc::new(replayproof::effect::Ledger),
+            retry: replayproof::consume::EffectRetry::default(),
+        };
+        let metrics =
+            replayproof::telemetry::ConsumeMetrics::new(&prometheus::Registry::new()).unwrap();
+        let stop = tokio_util::sync::CancellationToken::new();
+        let run = replayproof::consume::run(s, processor, metrics, stop);
+        let result = tokio::time::timeout(Duration::from_secs(10), run).await;
+        let error = result.expect("refused at once").expect_err(key).to_string();
+        assert!(error.contains(key) && error.contains("refused"), "{error}");
+    }
 }

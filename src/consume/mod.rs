@@ -157,7 +157,7 @@ struct Lane {
     task: Option<tokio::task::JoinHandle<()>>,
     /// Messages sent to the lane and not yet taken into a batch.
     backlog: Arc<AtomicUsize>,
-    /// The next offset to route; anything below was routed already (a fetch rewound by a pause).
+    /// The next offset expected; a message below it means the partition's offsets went back.
     next_offset: i64,
     paused: bool,
 }
@@ -259,7 +259,14 @@ impl LaneContext {
             .entry(partition)
             .or_insert_with(|| self.start_lane(partition, message.offset()));
         if message.offset() < lane.next_offset {
-            return;
+            // A truncated or recreated topic, or an offset reset: these may be new messages at
+            // reused offsets. The claims make any replay among them harmless, so all are applied.
+            tracing::warn!(
+                partition,
+                offset = message.offset(),
+                expected = lane.next_offset,
+                "Offsets went backwards; processing the messages again."
+            );
         }
         lane.next_offset = message.offset() + 1;
         lane.backlog.fetch_add(1, Ordering::Relaxed);
