@@ -361,6 +361,33 @@ pub struct DatabaseArgs {
     /// PostgreSQL URL, for example postgres://user:password@localhost:5432/replayproof.
     #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
     pub database_url: DatabaseUrl,
+
+    /// PostgreSQL's statement_timeout for every session, in milliseconds.
+    #[arg(long, env = "REPLAYPROOF_STATEMENT_TIMEOUT_MS", default_value_t = db::DEFAULT_STATEMENT_TIMEOUT_MS)]
+    pub statement_timeout_ms: u64,
+
+    /// PostgreSQL's lock_timeout for every session, in milliseconds: how long a claim waits for
+    /// another transaction holding the same key.
+    #[arg(long, env = "REPLAYPROOF_LOCK_TIMEOUT_MS", default_value_t = db::DEFAULT_LOCK_TIMEOUT_MS)]
+    pub lock_timeout_ms: u64,
+
+    /// PostgreSQL's idle_in_transaction_session_timeout, in milliseconds: a paused or cut-off
+    /// process's open transaction (and the claims it holds) ends after this.
+    #[arg(long, env = "REPLAYPROOF_IDLE_IN_TRANSACTION_TIMEOUT_MS", default_value_t = db::DEFAULT_IDLE_IN_TRANSACTION_TIMEOUT_MS)]
+    pub idle_in_transaction_timeout_ms: u64,
+}
+
+impl DatabaseArgs {
+    /// A pool whose sessions run under the configured time limits.
+    pub fn pool(&self, max_connections: u32) -> anyhow::Result<sqlx::PgPool> {
+        let limits = db::Limits {
+            statement_timeout: Duration::from_millis(self.statement_timeout_ms),
+            lock_timeout: Duration::from_millis(self.lock_timeout_ms),
+            idle_in_transaction_timeout: Duration::from_millis(self.idle_in_transaction_timeout_ms),
+            ..db::Limits::default()
+        };
+        db::pool_with(&self.database_url, max_connections, limits)
+    }
 }
 
 #[derive(Debug, Args)]
@@ -437,6 +464,21 @@ pub struct ConsumeArgs {
     #[arg(long, env = "REPLAYPROOF_SHUTDOWN_GRACE_SECS", default_value_t = 20)]
     pub shutdown_grace_secs: u64,
 
+    /// The longest one attempt at a batch may take before it is abandoned (rolled back) and
+    /// retried, in seconds.
+    #[arg(long, env = "REPLAYPROOF_BATCH_TIMEOUT_SECS", default_value_t = consume::DEFAULT_BATCH_TIMEOUT_SECS, value_parser = clap::value_parser!(u64).range(1..))]
+    pub batch_timeout_secs: u64,
+
+    /// /healthz fails once a partition has not committed its batch for this long, or Kafka has
+    /// reported errors this long without a message, in seconds.
+    #[arg(long, env = "REPLAYPROOF_UNHEALTHY_AFTER_SECS", default_value_t = consume::DEFAULT_UNHEALTHY_AFTER_SECS, value_parser = clap::value_parser!(u64).range(1..))]
+    pub unhealthy_after_secs: u64,
+
+    /// The process exits non-zero once a partition has not committed its batch for this long,
+    /// so the group hands its partitions to another member, in seconds.
+    #[arg(long, env = "REPLAYPROOF_STALL_EXIT_SECS", default_value_t = consume::DEFAULT_STALL_EXIT_SECS, value_parser = clap::value_parser!(u64).range(1..))]
+    pub stall_exit_secs: u64,
+
     /// Connections in the PostgreSQL pool; each partition's batch uses one.
     #[arg(long, env = "REPLAYPROOF_DB_POOL_SIZE", default_value_t = 16)]
     pub db_pool_size: u32,
@@ -482,6 +524,9 @@ impl ConsumeArgs {
             commit_interval: Duration::from_millis(self.commit_interval_ms),
             shutdown_grace: Duration::from_secs(self.shutdown_grace_secs),
             max_retry_backoff: Duration::from_millis(self.max_retry_backoff_ms),
+            batch_timeout: Duration::from_secs(self.batch_timeout_secs),
+            unhealthy_after: Duration::from_secs(self.unhealthy_after_secs),
+            stall_exit_after: Duration::from_secs(self.stall_exit_secs),
             ..ConsumerSettings::new(&self.brokers, &self.topic, &self.group)
         }
     }
@@ -538,7 +583,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
             Ok(())
         }
         Command::Status(args) => {
-            let pool = db::pool(&args.database.database_url, 2)?;
+            let pool = args.database.pool(2)?;
             let kafka = args
                 .brokers
                 .clone()
@@ -561,27 +606,31 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
     }
 }
 
-/// Serves `/metrics` and `/healthz` until `shutdown`.
+/// Serves `/metrics` and `/healthz` until `shutdown`; returns what `/healthz` reads.
 async fn serve_metrics(
     addr: SocketAddr,
     registry: prometheus::Registry,
     shutdown: &tokio_util::sync::CancellationToken,
-) -> anyhow::Result<()> {
+) -> anyhow::Result<Health> {
     let health = Health::default();
-    health.set(true);
-    let addr = telemetry::serve_metrics(addr, registry, health, shutdown.clone().cancelled_owned())
-        .await
-        .context("starting the metrics server")?;
+    let addr = telemetry::serve_metrics(
+        addr,
+        registry,
+        health.clone(),
+        shutdown.clone().cancelled_owned(),
+    )
+    .await
+    .context("starting the metrics server")?;
     tracing::info!(%addr, "Serving /metrics and /healthz.");
-    Ok(())
+    Ok(health)
 }
 
 async fn run_consume(args: ConsumeArgs) -> anyhow::Result<()> {
     let shutdown = crate::shutdown::on_signal();
     let registry = prometheus::Registry::new();
     let metrics = ConsumeMetrics::new(&registry)?;
-    serve_metrics(args.metrics_addr, registry, &shutdown).await?;
-    let pool = db::pool(&args.database.database_url, args.db_pool_size)?;
+    let health = serve_metrics(args.metrics_addr, registry, &shutdown).await?;
+    let pool = args.database.pool(args.db_pool_size)?;
     if args.migrate {
         db::migrate(&pool).await?;
     }
@@ -593,7 +642,7 @@ async fn run_consume(args: ConsumeArgs) -> anyhow::Result<()> {
             ..EffectRetry::default()
         },
     };
-    consume::run(args.settings(), processor, metrics, shutdown).await
+    consume::run_with_health(args.settings(), processor, metrics, health, shutdown).await
 }
 
 async fn run_ingest(args: IngestArgs) -> anyhow::Result<()> {
@@ -615,11 +664,8 @@ async fn run_dispatch(args: DispatchArgs) -> anyhow::Result<()> {
     let shutdown = crate::shutdown::on_signal();
     let registry = prometheus::Registry::new();
     let metrics = crate::dispatch::DispatchMetrics::new(&registry)?;
-    serve_metrics(args.metrics_addr, registry, &shutdown).await?;
-    let pool = db::pool(
-        &args.database.database_url,
-        (args.batch_size as u32).clamp(2, 64),
-    )?;
+    let health = serve_metrics(args.metrics_addr, registry, &shutdown).await?;
+    let pool = args.database.pool((args.batch_size as u32).clamp(2, 64))?;
     let worker = args.worker.clone().unwrap_or_else(|| {
         let host = std::fs::read_to_string("/etc/hostname").unwrap_or_else(|_| "host".into());
         format!("{}-{}", host.trim(), std::process::id())
@@ -637,7 +683,7 @@ async fn run_dispatch(args: DispatchArgs) -> anyhow::Result<()> {
         settings.request_timeout < settings.lease,
         "--request-timeout-ms must be shorter than the lease"
     );
-    crate::dispatch::Dispatcher::new(settings, pool, metrics)?
-        .run(shutdown)
-        .await
+    let mut dispatcher = crate::dispatch::Dispatcher::new(settings, pool, metrics)?;
+    dispatcher.health = health;
+    dispatcher.run(shutdown).await
 }

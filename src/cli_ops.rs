@@ -6,7 +6,7 @@ use anyhow::Context as _;
 use std::time::Duration;
 
 fn pool(op: &OperatorArgs) -> anyhow::Result<sqlx::PgPool> {
-    crate::db::pool(&op.database.database_url, 2)
+    op.database.pool(2)
 }
 
 fn print_table(op: &OperatorArgs, table: &Table) {

@@ -35,11 +35,81 @@ impl fmt::Debug for DatabaseUrl {
     }
 }
 
+/// The time limits every replayproof session runs under, so that no stuck statement, lock wait
+/// or paused process holds claims for long: PostgreSQL itself ends what overstays, its locks
+/// are released, and the partition's next owner goes on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// `statement_timeout`: the longest one statement may run.
+    pub statement_timeout: Duration,
+    /// `lock_timeout`: the longest one statement may wait for a lock, such as a claim another
+    /// transaction holds.
+    pub lock_timeout: Duration,
+    /// `idle_in_transaction_session_timeout`: how long a session may sit inside a transaction
+    /// without sending anything (a paused or cut-off process) before PostgreSQL ends it.
+    pub idle_in_transaction_timeout: Duration,
+    /// `tcp_keepalives_idle`: how soon PostgreSQL probes a silent client's connection. Three
+    /// failed probes ten seconds apart end the session.
+    pub keepalive_idle: Duration,
+}
+
+/// The default of `--statement-timeout-ms`.
+pub const DEFAULT_STATEMENT_TIMEOUT_MS: u64 = 30_000;
+/// The default of `--lock-timeout-ms`.
+pub const DEFAULT_LOCK_TIMEOUT_MS: u64 = 10_000;
+/// The default of `--idle-in-transaction-timeout-ms`.
+pub const DEFAULT_IDLE_IN_TRANSACTION_TIMEOUT_MS: u64 = 30_000;
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            statement_timeout: Duration::from_millis(DEFAULT_STATEMENT_TIMEOUT_MS),
+            lock_timeout: Duration::from_millis(DEFAULT_LOCK_TIMEOUT_MS),
+            idle_in_transaction_timeout: Duration::from_millis(
+                DEFAULT_IDLE_IN_TRANSACTION_TIMEOUT_MS,
+            ),
+            keepalive_idle: Duration::from_secs(30),
+        }
+    }
+}
+
+impl Limits {
+    /// The session settings, as sent in the connection's startup packet.
+    fn settings(&self) -> [(&'static str, String); 6] {
+        let ms = |d: Duration| d.as_millis().to_string();
+        [
+            ("statement_timeout", ms(self.statement_timeout)),
+            ("lock_timeout", ms(self.lock_timeout)),
+            (
+                "idle_in_transaction_session_timeout",
+                ms(self.idle_in_transaction_timeout),
+            ),
+            (
+                "tcp_keepalives_idle",
+                self.keepalive_idle.as_secs().max(1).to_string(),
+            ),
+            ("tcp_keepalives_interval", "10".into()),
+            ("tcp_keepalives_count", "3".into()),
+        ]
+    }
+}
+
 /// A pool that connects lazily, so a process starts while PostgreSQL is down and carries on by
 /// itself once it is back. Acquiring a connection gives up after a few seconds, so a batch
-/// fails and is retried rather than hanging.
+/// fails and is retried rather than hanging. Sessions run under the default [`Limits`].
 pub fn pool(url: &DatabaseUrl, max_connections: u32) -> anyhow::Result<PgPool> {
-    let options = PgConnectOptions::from_str(url.expose())?.application_name("replayproof");
+    pool_with(url, max_connections, Limits::default())
+}
+
+/// Like [`pool`], with the given time limits.
+pub fn pool_with(
+    url: &DatabaseUrl,
+    max_connections: u32,
+    limits: Limits,
+) -> anyhow::Result<PgPool> {
+    let options = PgConnectOptions::from_str(url.expose())?
+        .application_name("replayproof")
+        .options(limits.settings());
     Ok(PgPoolOptions::new()
         .max_connections(max_connections)
         .acquire_timeout(Duration::from_secs(5))

@@ -7,10 +7,17 @@
 //! with the same key. Never a new key.
 
 use crate::outbox::{self, Attempt, Leased, Settlement};
+use crate::telemetry::Health;
 use prometheus::{Histogram, HistogramOpts, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry};
 use sqlx::PgPool;
 use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
+
+/// The dispatcher loop's heartbeat, as `/healthz` names it.
+const LOOP: &str = "dispatch loop";
+
+/// How long the outbox may be unreadable before `/healthz` fails.
+pub const UNHEALTHY_AFTER: Duration = Duration::from_secs(60);
 
 /// How a dispatcher leases and sends.
 #[derive(Debug, Clone)]
@@ -126,6 +133,8 @@ pub struct Dispatcher {
     pub settings: DispatchSettings,
     pub pool: PgPool,
     pub metrics: DispatchMetrics,
+    /// What `/healthz` says: the loop's heartbeat, and whether the outbox can be read.
+    pub health: Health,
     http: reqwest::Client,
 }
 
@@ -146,6 +155,7 @@ impl Dispatcher {
             settings,
             pool,
             metrics,
+            health: Health::default(),
             http,
         })
     }
@@ -153,7 +163,9 @@ impl Dispatcher {
     pub async fn run(&self, shutdown: CancellationToken) -> anyhow::Result<()> {
         tracing::info!(worker = %self.settings.worker, lease_secs = self.settings.lease.as_secs(), "Dispatching the outbox.");
         let mut last_refresh = Instant::now() - Duration::from_secs(60);
+        let mut failing_since: Option<Instant> = None;
         while !shutdown.is_cancelled() {
+            self.health.beat(LOOP, self.stuck_after());
             if last_refresh.elapsed() >= self.gauge_interval() {
                 if let Err(e) = self.metrics.refresh(&self.pool).await {
                     tracing::warn!(error = %e, "Could not read the outbox gauges.");
@@ -161,9 +173,21 @@ impl Dispatcher {
                 last_refresh = Instant::now();
             }
             let sent = match self.dispatch_once().await {
-                Ok(n) => n,
+                Ok(n) => {
+                    failing_since = None;
+                    self.health.report("database", None);
+                    n
+                }
                 Err(e) => {
                     tracing::warn!(error = %e, "Leasing from the outbox failed; retrying.");
+                    let since = *failing_since.get_or_insert_with(Instant::now);
+                    if since.elapsed() >= UNHEALTHY_AFTER {
+                        let problem = format!(
+                            "the outbox has been unreadable for {} s: {e}",
+                            since.elapsed().as_secs()
+                        );
+                        self.health.report("database", Some(problem));
+                    }
                     0
                 }
             };
@@ -174,8 +198,15 @@ impl Dispatcher {
                 }
             }
         }
+        self.health.forget(LOOP);
         tracing::info!(worker = %self.settings.worker, "The dispatcher stopped.");
         Ok(())
+    }
+
+    /// How long one turn of the loop may take before `/healthz` calls it stuck: a full batch of
+    /// requests (reconcile and delivery each), plus the database's own limits.
+    fn stuck_after(&self) -> Duration {
+        self.settings.request_timeout * 2 + self.settings.poll_interval + UNHEALTHY_AFTER
     }
 
     /// Often enough that a stuck lease shows within one lease.

@@ -231,6 +231,21 @@ impl EmbeddedKafka {
         result.context("changing the mock broker's state")
     }
 
+    /// Makes the next requests of one kind fail with the given errors, one error each, for
+    /// fault injection (for example an offset commit the broker refuses).
+    pub fn fail_requests(
+        &self,
+        api_key: rdkafka::types::RDKafkaApiKey,
+        errors: &[rdkafka::types::RDKafkaRespErr],
+    ) {
+        self.cluster().request_errors(api_key, errors);
+    }
+
+    /// Lets requests of this kind through again.
+    pub fn clear_request_errors(&self, api_key: rdkafka::types::RDKafkaApiKey) {
+        self.cluster().clear_request_errors(api_key);
+    }
+
     fn cluster(
         &self,
     ) -> rdkafka::mocking::MockCluster<'_, rdkafka::producer::DefaultProducerContext> {

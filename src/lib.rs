@@ -34,3 +34,23 @@ macro_rules! failpoint {
         fail::fail_point!($name);
     };
 }
+
+/// An asynchronous stall at a `fail` failpoint: configured as `NAME=return(MS)`, the task sleeps
+/// MS milliseconds without blocking a runtime thread, as a slow batch or a hung connection would.
+/// Compiled in only with the `failpoints` feature.
+#[macro_export]
+macro_rules! stallpoint {
+    ($name:literal) => {
+        #[cfg(feature = "failpoints")]
+        {
+            let stall = (|| {
+                fail::fail_point!($name, |ms: Option<String>| ms
+                    .and_then(|ms| ms.parse::<u64>().ok()));
+                None
+            })();
+            if let Some(ms) = stall {
+                tokio::time::sleep(std::time::Duration::from_millis(ms)).await;
+            }
+        }
+    };
+}

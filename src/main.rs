@@ -16,7 +16,10 @@ fn main() -> std::process::ExitCode {
             return std::process::ExitCode::FAILURE;
         }
     };
-    match runtime.block_on(replayproof::cli::run(cli)) {
+    let result = runtime.block_on(replayproof::cli::run(cli));
+    // A worker thread stuck in a call that never returns must not keep the process alive.
+    runtime.shutdown_timeout(std::time::Duration::from_secs(5));
+    match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
             tracing::error!(error = format!("{e:#}"), "replayproof stopped on an error.");

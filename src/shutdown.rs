@@ -2,7 +2,9 @@
 
 use tokio_util::sync::CancellationToken;
 
-/// A token cancelled on the first SIGTERM or SIGINT.
+/// A token cancelled on the first SIGTERM or SIGINT. A second one ends the process at once
+/// with status 130, for an operator who will not wait for the graceful stop: what was in flight
+/// is rolled back and replayed harmlessly by the next owner.
 pub fn on_signal() -> CancellationToken {
     let token = CancellationToken::new();
     let cancel = token.clone();
@@ -16,10 +18,21 @@ pub fn on_signal() -> CancellationToken {
                 }
             };
         tokio::select! {
-            _ = term.recv() => tracing::info!("SIGTERM received; shutting down."),
-            _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT received; shutting down."),
+            _ = term.recv() => tracing::info!("SIGTERM received; shutting down (a second signal stops at once)."),
+            _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT received; shutting down (a second signal stops at once)."),
         }
         cancel.cancel();
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = tokio::signal::ctrl_c() => {}
+        }
+        tracing::warn!(
+            "A second signal: stopping at once; work in flight will be replayed harmlessly."
+        );
+        std::process::exit(SECOND_SIGNAL_EXIT);
     });
     token
 }
+
+/// The exit status after a second SIGTERM or SIGINT.
+pub const SECOND_SIGNAL_EXIT: i32 = 130;

@@ -5,9 +5,10 @@ use prometheus::{
     Encoder, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
     Registry, TextEncoder,
 };
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 use tracing_subscriber::EnvFilter;
 
 /// Starts structured logging on stderr; `RUST_LOG` filters, `REPLAYPROOF_LOG_FORMAT=json`
@@ -47,6 +48,10 @@ pub struct ConsumeMetrics {
     pub assigned_partitions: IntGauge,
     /// Messages after the last applied batch, per partition.
     pub consumer_lag: IntGaugeVec,
+    /// Lanes that panicked; each stops the process so its partitions move on.
+    pub lane_panics: IntCounter,
+    /// Errors Kafka reported while consuming, by librdkafka's error code.
+    pub kafka_errors: IntCounterVec,
 }
 
 impl ConsumeMetrics {
@@ -96,6 +101,17 @@ impl ConsumeMetrics {
                 ),
                 &["partition"],
             )?,
+            lane_panics: IntCounter::new(
+                "replayproof_lane_panics_total",
+                "Partition lanes that panicked.",
+            )?,
+            kafka_errors: IntCounterVec::new(
+                Opts::new(
+                    "replayproof_kafka_consume_errors_total",
+                    "Errors Kafka reported while consuming, by error code.",
+                ),
+                &["code"],
+            )?,
         };
         registry.register(Box::new(m.events.clone()))?;
         registry.register(Box::new(m.effect_failures.clone()))?;
@@ -105,6 +121,8 @@ impl ConsumeMetrics {
         registry.register(Box::new(m.committed_offset.clone()))?;
         registry.register(Box::new(m.assigned_partitions.clone()))?;
         registry.register(Box::new(m.consumer_lag.clone()))?;
+        registry.register(Box::new(m.lane_panics.clone()))?;
+        registry.register(Box::new(m.kafka_errors.clone()))?;
         Ok(m)
     }
 
@@ -126,17 +144,58 @@ impl ConsumeMetrics {
     }
 }
 
-/// Whether the process is doing its job; `/healthz` answers 503 once it is false.
+/// Whether the process is doing its job. `/healthz` answers 503, naming each problem, while a
+/// check reports one or a heartbeat is overdue: a supervisor can restart what is stuck.
 #[derive(Clone, Default)]
-pub struct Health(Arc<AtomicBool>);
+pub struct Health(Arc<Mutex<Checks>>);
+
+#[derive(Default)]
+struct Checks {
+    /// Problems reported by name; a check clears its own with `None`.
+    problems: BTreeMap<&'static str, String>,
+    /// Heartbeats by name: the last beat and how old it may grow.
+    beats: BTreeMap<&'static str, (Instant, Duration)>,
+}
 
 impl Health {
-    pub fn set(&self, healthy: bool) {
-        self.0.store(healthy, Ordering::Relaxed);
+    /// Records a check's finding: `Some(problem)` makes the process unhealthy until the same
+    /// check reports `None`.
+    pub fn report(&self, check: &'static str, problem: Option<String>) {
+        let mut checks = self.0.lock().expect("health lock");
+        match problem {
+            Some(p) => checks.problems.insert(check, p),
+            None => checks.problems.remove(check),
+        };
     }
 
-    pub fn get(&self) -> bool {
-        self.0.load(Ordering::Relaxed)
+    /// Records that a loop turned; once a beat is older than `max_age`, the process is
+    /// unhealthy until the next one.
+    pub fn beat(&self, check: &'static str, max_age: Duration) {
+        let mut checks = self.0.lock().expect("health lock");
+        checks.beats.insert(check, (Instant::now(), max_age));
+    }
+
+    /// Forgets a heartbeat, for a loop that ended on purpose.
+    pub fn forget(&self, check: &'static str) {
+        self.0.lock().expect("health lock").beats.remove(check);
+    }
+
+    /// What is wrong now, one sentence each; empty when healthy.
+    pub fn problems(&self) -> Vec<String> {
+        let checks = self.0.lock().expect("health lock");
+        let stale = checks.beats.iter().filter_map(|(name, (at, max))| {
+            let age = at.elapsed();
+            (age > *max).then(|| format!("{name}: no progress for {} s", age.as_secs()))
+        });
+        let reported = checks
+            .problems
+            .iter()
+            .map(|(name, problem)| format!("{name}: {problem}"));
+        reported.chain(stale).collect()
+    }
+
+    pub fn is_healthy(&self) -> bool {
+        self.problems().is_empty()
     }
 }
 
@@ -179,10 +238,13 @@ async fn metrics(State(state): State<ServerState>) -> (StatusCode, String) {
     }
 }
 
-async fn healthz(State(state): State<ServerState>) -> (StatusCode, &'static str) {
-    if state.health.get() {
-        (StatusCode::OK, "ok\n")
+async fn healthz(State(state): State<ServerState>) -> (StatusCode, String) {
+    let problems = state.health.problems();
+    if problems.is_empty() {
+        (StatusCode::OK, "ok\n".into())
     } else {
-        (StatusCode::SERVICE_UNAVAILABLE, "unhealthy\n")
+        let mut body = problems.join("\n");
+        body.push('\n');
+        (StatusCode::SERVICE_UNAVAILABLE, body)
     }
 }

@@ -4,6 +4,7 @@
 mod common;
 
 use common::*;
+use replayproof::consume::ConsumerSettings;
 use serde_json::json;
 use std::collections::HashSet;
 use std::time::Duration;
@@ -328,4 +329,158 @@ async fn options_that_would_break_offset_safety_are_refused_at_start() {
         let error = result.expect("refused at once").expect_err(key).to_string();
         assert!(error.contains(key) && error.contains("refused"), "{error}");
     }
+}
+
+/// Panics on one key; the ledger effect for every other.
+struct PanicsOn(&'static str);
+
+#[async_trait::async_trait]
+impl replayproof::effect::Effect for PanicsOn {
+    fn name(&self) -> &'static str {
+        "panics-on"
+    }
+
+    async fn apply(
+        &self,
+        tx: &mut replayproof::effect::Tx<'_>,
+        event: &replayproof::envelope::Event,
+    ) -> anyhow::Result<()> {
+        assert_ne!(event.key.as_str(), self.0, "a bug in an effect");
+        replayproof::effect::Ledger.apply(tx, event).await
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn panicking_effect_stops_the_consumer_with_an_error_and_moves_no_offset() {
+    let (kafka, db) = (TestKafka::mock(), TestDb::new().await);
+    let (topic, group) = (kafka.topic(1).await, unique("group"));
+    let producer = producer(&kafka.brokers());
+    produce(&producer, &topic, &[Record::event("before", json!(1))]).await;
+    let consumer = InProcessConsumer::with_effect(
+        settings(&kafka.brokers(), &topic, &group),
+        db.pool.clone(),
+        std::sync::Arc::new(PanicsOn("boom")),
+    );
+    wait_committed(&kafka, &group, &topic, &[1]).await;
+    produce(
+        &producer,
+        &topic,
+        &[
+            Record::event("boom", json!(2)),
+            Record::event("after", json!(3)),
+        ],
+    )
+    .await;
+    let registry = consumer.registry.clone();
+    let ended = consumer.ended(WAIT).await;
+    let error = format!("{:#}", ended.expect_err("the consumer stops with an error"));
+    assert!(error.contains("panicked"), "{error}");
+    assert_eq!(
+        metric_value(&registry, "replayproof_lane_panics_total"),
+        1.0
+    );
+    assert_eq!(
+        committed(&kafka, &group, &topic, 1).await,
+        [1],
+        "the panicked batch's offset did not move"
+    );
+    assert_eq!(db.count("SELECT count(*) FROM processed_events").await, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn compressed_topics_are_read_with_every_codec() {
+    let (kafka, db) = (TestKafka::mock(), TestDb::new().await);
+    let (topic, group) = (kafka.topic(1).await, unique("group"));
+    let mut expected = HashSet::new();
+    for codec in ["zstd", "lz4", "snappy", "gzip"] {
+        let producer: rdkafka::producer::FutureProducer = client_config(&kafka.brokers())
+            .set("compression.type", codec)
+            .set("linger.ms", "5")
+            .create()
+            .expect("a producer with every codec");
+        let records: Vec<Record> = (0..20)
+            .map(|i| Record::event(&format!("{codec}-{i}"), json!({"codec": codec, "i": i})))
+            .collect();
+        expected.extend(
+            records
+                .iter()
+                .map(|r| String::from_utf8(r.key.clone().unwrap()).unwrap()),
+        );
+        produce(&producer, &topic, &records).await;
+    }
+    let consumer =
+        InProcessConsumer::start(settings(&kafka.brokers(), &topic, &group), db.pool.clone());
+    assert_exactly_once(&db, &expected, WAIT).await;
+    wait_committed(&kafka, &group, &topic, &[80]).await;
+    assert_eq!(
+        consumer.metric("replayproof_kafka_consume_errors_total"),
+        0.0
+    );
+    consumer.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_offset_commit_is_retried_while_the_partition_is_idle() {
+    let (kafka, db) = (TestKafka::mock(), TestDb::new().await);
+    let (topic, group) = (kafka.topic(1).await, unique("group"));
+    let TestKafka::Mock(mock) = &kafka else {
+        unreachable!()
+    };
+    let consumer =
+        InProcessConsumer::start(settings(&kafka.brokers(), &topic, &group), db.pool.clone());
+    let producer = producer(&kafka.brokers());
+    produce(&producer, &topic, &[Record::event("warm-up", json!(0))]).await;
+    wait_committed(&kafka, &group, &topic, &[1]).await;
+
+    // The broker refuses the next offset commits; then the partition goes quiet.
+    use rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr};
+    mock.fail_requests(
+        RDKafkaApiKey::OffsetCommit,
+        &[RDKafkaRespErr::RD_KAFKA_RESP_ERR_COORDINATOR_LOAD_IN_PROGRESS; 3],
+    );
+    let records: Vec<Record> = (0..10)
+        .map(|i| Record::event(&format!("evt-{i}"), json!(i)))
+        .collect();
+    produce(&producer, &topic, &records).await;
+    wait_committed(&kafka, &group, &topic, &[11]).await;
+    wait_for("the commit's outcome reported", WAIT, || async {
+        consumer.metric("replayproof_committed_offset") == 11.0
+    })
+    .await;
+    let mut expected: HashSet<String> = (0..10).map(|i| format!("evt-{i}")).collect();
+    expected.insert("warm-up".into());
+    assert_exactly_once(&db, &expected, WAIT).await;
+    consumer.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_final_offset_commit_that_fails_makes_the_stop_an_error() {
+    let (kafka, db) = (TestKafka::mock(), TestDb::new().await);
+    let (topic, group) = (kafka.topic(1).await, unique("group"));
+    let TestKafka::Mock(mock) = &kafka else {
+        unreachable!()
+    };
+    let s = ConsumerSettings {
+        // Only the final commit commits: the interval is longer than the test.
+        commit_interval: Duration::from_secs(600),
+        ..settings(&kafka.brokers(), &topic, &group)
+    };
+    let consumer = InProcessConsumer::start(s, db.pool.clone());
+    produce(
+        &producer(&kafka.brokers()),
+        &topic,
+        &[Record::event("evt-1", json!(1))],
+    )
+    .await;
+    assert_exactly_once(&db, &HashSet::from(["evt-1".to_owned()]), WAIT).await;
+    use rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr};
+    mock.fail_requests(
+        RDKafkaApiKey::OffsetCommit,
+        &[RDKafkaRespErr::RD_KAFKA_RESP_ERR_COORDINATOR_LOAD_IN_PROGRESS; 50],
+    );
+    let stopped = consumer.stop_result().await;
+    let error = format!("{:#}", stopped.expect_err("the final commit failed"));
+    assert!(error.contains("final offset commit failed"), "{error}");
+    mock.clear_request_errors(RDKafkaApiKey::OffsetCommit);
+    assert_eq!(committed(&kafka, &group, &topic, 1).await, [-1]);
 }

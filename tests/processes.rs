@@ -361,3 +361,143 @@ async fn killed_consumer_leaves_no_orphan_outbox_operation() {
     })
     .await;
 }
+
+/// The partitions a consumer process owns, read from its metrics.
+async fn assigned(port: u16) -> Option<f64> {
+    let (_, page) = http_get(port, "/metrics").await?;
+    Some(scraped(&page, "replayproof_assigned_partitions"))
+}
+
+#[cfg(feature = "failpoints")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn consumer_stopped_with_sigstop_mid_batch_is_taken_over_and_nothing_doubles() {
+    const EVENTS: usize = 400;
+    let (kafka, db) = (TestKafka::for_processes(), TestDb::new().await);
+    let (topic, group) = (kafka.topic(2).await, unique("group"));
+    let ports = [free_port(), free_port()];
+    let spawn_on = |port: u16| {
+        let addr: &'static str = Box::leak(format!("127.0.0.1:{port}").into_boxed_str());
+        ConsumerProcess::spawn_with(
+            &kafka.brokers(),
+            &topic,
+            &group,
+            &db.url,
+            // Each holds its first batch's transaction open for 8 s: long enough to stop it there.
+            Some("consume::stall_before_commit=1*return(8000)"),
+            &[
+                "--metrics-addr",
+                addr,
+                "--idle-in-transaction-timeout-ms",
+                "3000",
+                "--lock-timeout-ms",
+                "2000",
+            ],
+        )
+    };
+    let (stopped, survivor) = (spawn_on(ports[0]), spawn_on(ports[1]));
+    wait_for("each consumer to own one partition", WAIT, || async {
+        assigned(ports[0]).await == Some(1.0) && assigned(ports[1]).await == Some(1.0)
+    })
+    .await;
+    let keys: Vec<String> = (0..EVENTS).map(|i| format!("evt-{i}")).collect();
+    let records: Vec<Record> = keys
+        .iter()
+        .enumerate()
+        .map(|(i, k)| Record::event(k, json!(i)).on(i as i32 % 2))
+        .collect();
+    produce(&producer(&kafka.brokers()), &topic, &records).await;
+    wait_for("both consumers inside a batch", WAIT, || async {
+        open_transactions(&db).await == 2
+    })
+    .await;
+
+    stopped.signal(nix::sys::signal::Signal::SIGSTOP);
+    // The stopped member's claims end with its session, its partition moves to the survivor.
+    wait_for(
+        "the survivor to apply every event",
+        Duration::from_secs(90),
+        || async { db.count("SELECT count(*) FROM ledger").await == EVENTS as i64 },
+    )
+    .await;
+    stopped.signal(nix::sys::signal::Signal::SIGCONT);
+
+    let expected: HashSet<String> = keys.into_iter().collect();
+    wait_committed_total(&kafka, &group, &topic, 2, EVENTS as i64).await;
+    assert_exactly_once(&db, &expected, WAIT).await;
+    survivor.terminate(Duration::from_secs(30)).await;
+    stopped.terminate(Duration::from_secs(30)).await;
+    assert_exactly_once(&db, &expected, WAIT).await;
+}
+
+#[cfg(feature = "failpoints")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lane_stuck_past_its_limits_fails_health_then_exits_non_zero() {
+    let t = OneEvent::start(&[]).await;
+    let port = free_port();
+    let addr = format!("127.0.0.1:{port}");
+    let stuck = ConsumerProcess::spawn_with(
+        &t.kafka.brokers(),
+        &t.topic,
+        &t.group,
+        &t.db.url,
+        Some("consume::stall_before_commit=return(600000)"),
+        &[
+            "--metrics-addr",
+            &addr,
+            "--unhealthy-after-secs",
+            "2",
+            "--stall-exit-secs",
+            "8",
+            "--shutdown-grace-secs",
+            "2",
+        ],
+    );
+    wait_for("healthy at first", WAIT, || async {
+        http_get(port, "/healthz")
+            .await
+            .is_some_and(|(s, _)| s == 200)
+    })
+    .await;
+    t.produce("evt-stuck").await;
+    wait_for_open_transaction(&t.db).await;
+    wait_for("/healthz to name the stuck lane", WAIT, || async {
+        http_get(port, "/healthz")
+            .await
+            .is_some_and(|(s, body)| s == 503 && body.contains("has not committed its batch"))
+    })
+    .await;
+    let status = stuck.exited(Duration::from_secs(60)).await;
+    assert!(
+        !status.success(),
+        "a stalled consumer exits non-zero: {status:?}"
+    );
+    assert_eq!(t.committed().await, [-1], "no offset was committed");
+
+    let once = HashSet::from(["evt-stuck".to_owned()]);
+    t.restart_until_committed(assert_exactly_once(&t.db, &once, WAIT))
+        .await;
+}
+
+#[cfg(feature = "failpoints")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_sigterm_stops_at_once_and_the_event_is_applied_once_later() {
+    let t = OneEvent::start(&[]).await;
+    let stuck = ConsumerProcess::spawn_with(
+        &t.kafka.brokers(),
+        &t.topic,
+        &t.group,
+        &t.db.url,
+        Some("consume::stall_before_commit=return(600000)"),
+        &["--shutdown-grace-secs", "600"],
+    );
+    t.produce("evt-impatient").await;
+    wait_for_open_transaction(&t.db).await;
+    stuck.signal(nix::sys::signal::Signal::SIGTERM);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    stuck.signal(nix::sys::signal::Signal::SIGTERM);
+    let status = stuck.exited(Duration::from_secs(10)).await;
+    assert_eq!(status.code(), Some(130), "{status:?}");
+    let once = HashSet::from(["evt-impatient".to_owned()]);
+    t.restart_until_committed(assert_exactly_once(&t.db, &once, WAIT))
+        .await;
+}

@@ -14,7 +14,6 @@ async fn metrics_and_health_are_served() {
         ..BatchReport::default()
     });
     let health = Health::default();
-    health.set(true);
     let stop = tokio_util::sync::CancellationToken::new();
     let addr = serve_metrics(
         "127.0.0.1:0".parse().unwrap(),
@@ -37,7 +36,22 @@ async fn metrics_and_health_are_served() {
     assert!(body.contains(r#"replayproof_consume_events_total{outcome="duplicate"} 2"#));
     assert!(body.contains(r#"replayproof_consume_events_total{outcome="dead_letter"} 1"#));
     assert_eq!(get("/healthz").await.0, 200);
-    health.set(false);
-    assert_eq!(get("/healthz").await.0, 503);
+    health.report("database", Some("unreachable for 61 s".into()));
+    let (status, body) = get("/healthz").await;
+    assert_eq!(
+        (status, body.as_str()),
+        (503, "database: unreachable for 61 s\n")
+    );
+    health.report("database", None);
+    assert_eq!(get("/healthz").await.0, 200);
+    // A loop whose heartbeat is overdue is unhealthy until it beats again.
+    health.beat("poll loop", std::time::Duration::from_millis(50));
+    assert_eq!(get("/healthz").await.0, 200);
+    tokio::time::sleep(std::time::Duration::from_millis(120)).await;
+    let (status, body) = get("/healthz").await;
+    assert_eq!(status, 503);
+    assert!(body.starts_with("poll loop: no progress"), "{body}");
+    health.beat("poll loop", std::time::Duration::from_secs(60));
+    assert_eq!(get("/healthz").await.0, 200);
     stop.cancel();
 }

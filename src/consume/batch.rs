@@ -279,6 +279,7 @@ impl BatchProcessor {
         match self.run(&mut tx, origin, plan, mode).await {
             Ok(report) => {
                 crate::failpoint!("consume::before_commit");
+                crate::stallpoint!("consume::stall_before_commit");
                 tx.commit().await?;
                 Ok(report)
             }

@@ -12,7 +12,7 @@ mod batch;
 
 pub use batch::{BatchError, BatchProcessor, BatchReport, EffectRetry, RawMessage};
 
-use crate::telemetry::ConsumeMetrics;
+use crate::telemetry::{ConsumeMetrics, Health};
 use anyhow::Context as _;
 use rdkafka::config::ClientConfig;
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance};
@@ -26,6 +26,17 @@ use std::time::{Duration, Instant};
 use tokio::runtime::Handle;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
+
+/// The default of `--batch-timeout-secs`.
+pub const DEFAULT_BATCH_TIMEOUT_SECS: u64 = 60;
+/// The default of `--unhealthy-after-secs`.
+pub const DEFAULT_UNHEALTHY_AFTER_SECS: u64 = 60;
+/// The default of `--stall-exit-secs`.
+pub const DEFAULT_STALL_EXIT_SECS: u64 = 300;
+/// Tries of the synchronous commit on a revoke or a stop.
+const FINAL_COMMIT_ATTEMPTS: u32 = 3;
+/// Kafka errors closer together than this make one streak.
+const ERROR_STREAK_GAP: Duration = Duration::from_secs(10);
 
 /// How the consumer reads, batches and commits.
 #[derive(Debug, Clone)]
@@ -47,6 +58,15 @@ pub struct ConsumerSettings {
     pub shutdown_grace: Duration,
     /// The longest pause between retries of a batch that failed on a database error.
     pub max_retry_backoff: Duration,
+    /// The longest one attempt at a batch may take; past it the attempt is abandoned (its
+    /// transaction rolls back) and retried, so a hung connection cannot hold a lane forever.
+    pub batch_timeout: Duration,
+    /// A lane that has not committed its batch for this long (the database unreachable, a batch
+    /// stuck), or Kafka reporting errors this long without a message, makes `/healthz` fail.
+    pub unhealthy_after: Duration,
+    /// A lane that has not committed its batch for this long stops the process with an error,
+    /// so that the group hands its partitions to a member that can make progress.
+    pub stall_exit_after: Duration,
     /// Log one line for each applied event (for `replayproof dev`).
     pub log_events: bool,
 }
@@ -65,6 +85,9 @@ impl ConsumerSettings {
             commit_interval: Duration::from_millis(200),
             shutdown_grace: Duration::from_secs(20),
             max_retry_backoff: Duration::from_secs(5),
+            batch_timeout: Duration::from_secs(DEFAULT_BATCH_TIMEOUT_SECS),
+            unhealthy_after: Duration::from_secs(DEFAULT_UNHEALTHY_AFTER_SECS),
+            stall_exit_after: Duration::from_secs(DEFAULT_STALL_EXIT_SECS),
             log_events: false,
         }
     }
@@ -94,8 +117,30 @@ pub async fn run(
     metrics: ConsumeMetrics,
     shutdown: CancellationToken,
 ) -> anyhow::Result<()> {
+    run_with_health(settings, processor, metrics, Health::default(), shutdown).await
+}
+
+/// Like [`run`], reporting to `health` what `/healthz` should say. Returns an error, after
+/// leaving the group cleanly, when a lane panicked or stalled past
+/// [`ConsumerSettings::stall_exit_after`]: the process should exit non-zero so the group
+/// reassigns its partitions.
+pub async fn run_with_health(
+    settings: ConsumerSettings,
+    processor: BatchProcessor,
+    metrics: ConsumeMetrics,
+    health: Health,
+    shutdown: CancellationToken,
+) -> anyhow::Result<()> {
     crate::kafka::check_options(crate::kafka::Role::Consumer, &settings.kafka_options)?;
-    let context = LaneContext::new(settings.clone(), processor, metrics, Handle::current());
+    let vitals = Arc::new(Vitals::new(shutdown.child_token()));
+    let context = LaneContext::new(
+        settings.clone(),
+        processor,
+        metrics,
+        Handle::current(),
+        vitals.clone(),
+        health.clone(),
+    );
     let consumer: BaseConsumer<LaneContext> = settings
         .client_config()
         .create_with_context(context)
@@ -104,25 +149,190 @@ pub async fn run(
         .subscribe(&[&settings.topic])
         .context("subscribing to the topic")?;
     tracing::info!(topic = %settings.topic, group = %settings.group, brokers = %settings.brokers, "Joined the consumer group.");
+    let watchdog = tokio::spawn(watch(vitals.clone(), health.clone(), settings));
     let (done_tx, done_rx) = tokio::sync::oneshot::channel();
+    let stop = vitals.stop.clone();
     std::thread::Builder::new()
         .name("kafka-poll".into())
         .spawn(move || {
-            poll_until(&consumer, &shutdown);
+            poll_until(&consumer, &stop);
             leave(consumer);
             let _ = done_tx.send(());
         })
         .context("starting the Kafka poll thread")?;
-    done_rx.await.context("the Kafka poll thread panicked")?;
-    Ok(())
+    let polled = done_rx.await;
+    vitals.stop.cancel();
+    let _ = watchdog.await;
+    health.forget(POLL_LOOP);
+    polled.context("the Kafka poll thread panicked")?;
+    match vitals.fatal() {
+        Some(reason) => Err(anyhow::anyhow!(reason)),
+        None => Ok(()),
+    }
+}
+
+/// The poll loop's heartbeat, as `/healthz` names it.
+const POLL_LOOP: &str = "kafka poll loop";
+
+/// What the lanes and the poll loop tell the watchdog, and how the process is stopped when
+/// something cannot go on.
+struct Vitals {
+    /// Stops the poll loop: cancelled on shutdown or on a fatal problem.
+    stop: CancellationToken,
+    epoch: Instant,
+    fatal: Mutex<Option<String>>,
+    /// Per running lane (by id): its partition, and when its unfinished batch started (ms
+    /// since `epoch`, 0 when it has none).
+    busy: Mutex<HashMap<u64, (i32, Arc<AtomicU64>)>>,
+    /// Kafka errors: when the current streak started and when the last one came.
+    errors: Mutex<Option<ErrorStreak>>,
+}
+
+#[derive(Debug, Clone)]
+struct ErrorStreak {
+    since: Instant,
+    last: Instant,
+    error: String,
+}
+
+impl Vitals {
+    fn new(stop: CancellationToken) -> Self {
+        Self {
+            stop,
+            epoch: Instant::now(),
+            fatal: Mutex::new(None),
+            busy: Mutex::new(HashMap::new()),
+            errors: Mutex::new(None),
+        }
+    }
+
+    /// Milliseconds since the epoch, never 0 (which means idle).
+    fn now_ms(&self) -> u64 {
+        self.epoch.elapsed().as_millis() as u64 + 1
+    }
+
+    /// Stops the process's consumer on a problem it cannot get past by itself.
+    fn fail(&self, reason: String) {
+        tracing::error!(reason, "Stopping the consumer: it cannot go on by itself.");
+        self.fatal.lock().expect("fatal lock").get_or_insert(reason);
+        self.stop.cancel();
+    }
+
+    fn fatal(&self) -> Option<String> {
+        self.fatal.lock().expect("fatal lock").clone()
+    }
+
+    fn kafka_error(&self, error: String) {
+        let now = Instant::now();
+        let mut errors = self.errors.lock().expect("errors lock");
+        match errors.as_mut() {
+            Some(streak) if now - streak.last < ERROR_STREAK_GAP => {
+                streak.last = now;
+                streak.error = error;
+            }
+            _ => {
+                *errors = Some(ErrorStreak {
+                    since: now,
+                    last: now,
+                    error,
+                })
+            }
+        }
+    }
+
+    fn kafka_message(&self) {
+        *self.errors.lock().expect("errors lock") = None;
+    }
+
+    /// The partition whose unfinished batch is oldest, and how long it has been going.
+    fn oldest_batch(&self) -> Option<(i32, Duration)> {
+        let now = self.now_ms();
+        let busy = self.busy.lock().expect("busy lock");
+        busy.values()
+            .filter_map(|(partition, since)| match since.load(Ordering::Relaxed) {
+                0 => None,
+                at => Some((*partition, Duration::from_millis(now.saturating_sub(at)))),
+            })
+            .max_by_key(|(_, age)| *age)
+    }
+}
+
+/// What the watchdog concluded.
+#[derive(Debug, Default, PartialEq, Eq)]
+struct Assessment {
+    lanes: Option<String>,
+    kafka: Option<String>,
+    fatal: Option<String>,
+}
+
+/// Judges the vitals against the limits; a pure function, so the thresholds can be tested.
+fn assess(
+    oldest_batch: Option<(i32, Duration)>,
+    errors: Option<&ErrorStreak>,
+    now: Instant,
+    settings: &ConsumerSettings,
+) -> Assessment {
+    let mut verdict = Assessment::default();
+    if let Some((partition, age)) = oldest_batch {
+        let said = format!(
+            "partition {partition} has not committed its batch for {} s (is the database \
+             reachable? is a batch stuck?)",
+            age.as_secs()
+        );
+        if age >= settings.stall_exit_after {
+            verdict.fatal = Some(said.clone());
+        }
+        if age >= settings.unhealthy_after {
+            verdict.lanes = Some(said);
+        }
+    }
+    if let Some(streak) = errors {
+        let repeating = now.saturating_duration_since(streak.last) < ERROR_STREAK_GAP;
+        let lasting = now.saturating_duration_since(streak.since);
+        if repeating && lasting >= settings.unhealthy_after {
+            verdict.kafka = Some(format!(
+                "Kafka has reported errors for {} s without a message: {}",
+                lasting.as_secs(),
+                streak.error
+            ));
+        }
+    }
+    verdict
+}
+
+/// Every second: reports stalled lanes and repeating Kafka errors to `/healthz`, and stops the
+/// process when a lane has stalled past the exit limit.
+async fn watch(vitals: Arc<Vitals>, health: Health, settings: ConsumerSettings) {
+    while !vitals.stop.is_cancelled() {
+        let streak = vitals.errors.lock().expect("errors lock").clone();
+        let verdict = assess(
+            vitals.oldest_batch(),
+            streak.as_ref(),
+            Instant::now(),
+            &settings,
+        );
+        health.report("lanes", verdict.lanes);
+        health.report("kafka", verdict.kafka);
+        if let Some(reason) = verdict.fatal {
+            vitals.fail(reason);
+        }
+        tokio::select! {
+            _ = vitals.stop.cancelled() => {}
+            _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+        }
+    }
 }
 
 fn poll_until(consumer: &BaseConsumer<LaneContext>, shutdown: &CancellationToken) {
     let ctx = consumer.context();
     while !shutdown.is_cancelled() {
+        ctx.health.beat(POLL_LOOP, ctx.settings.unhealthy_after);
         match consumer.poll(Duration::from_millis(20)) {
-            Some(Ok(message)) => ctx.route(&message),
-            Some(Err(e)) => tracing::warn!(error = %e, "Kafka reported an error."),
+            Some(Ok(message)) => {
+                ctx.vitals.kafka_message();
+                ctx.route(&message)
+            }
+            Some(Err(e)) => ctx.kafka_error(&e),
             None => {}
         }
         ctx.store_completed(consumer);
@@ -174,6 +384,8 @@ struct LaneContext {
     completions: Mutex<std_mpsc::Receiver<Completion>>,
     /// When offsets were last committed, and whether some were stored since.
     commit_state: Mutex<(Instant, bool)>,
+    vitals: Arc<Vitals>,
+    health: Health,
 }
 
 impl ClientContext for LaneContext {}
@@ -211,20 +423,27 @@ impl ConsumerContext for LaneContext {
     }
 
     fn commit_callback(&self, result: KafkaResult<()>, offsets: &TopicPartitionList) {
-        match result {
-            Ok(()) => {
-                for e in offsets.elements_for_topic(&self.settings.topic) {
-                    if let Offset::Offset(o) = e.offset() {
-                        self.metrics
-                            .committed_offset
-                            .with_label_values(&[&e.partition().to_string()])
-                            .set(o);
-                    }
-                }
-            }
-            Err(KafkaError::ConsumerCommit(RDKafkaErrorCode::NoOffset)) => {}
-            Err(e) => {
-                tracing::warn!(error = %e, "An offset commit failed; its messages will be replayed harmlessly.")
+        // A commit can succeed as a request and still fail for some partitions.
+        let failed = match result {
+            Ok(()) => offsets
+                .elements_for_topic(&self.settings.topic)
+                .iter()
+                .find_map(|e| e.error().err()),
+            Err(KafkaError::ConsumerCommit(RDKafkaErrorCode::NoOffset)) => return,
+            Err(e) => Some(e),
+        };
+        if let Some(e) = failed {
+            // Retried at the next interval even if the partition stays idle.
+            self.commit_state.lock().expect("commit lock").1 = true;
+            tracing::warn!(error = %e, "An offset commit failed; retrying it. Until it succeeds, its messages would be replayed harmlessly.");
+            return;
+        }
+        for e in offsets.elements_for_topic(&self.settings.topic) {
+            if let Offset::Offset(o) = e.offset() {
+                self.metrics
+                    .committed_offset
+                    .with_label_values(&[&e.partition().to_string()])
+                    .set(o);
             }
         }
     }
@@ -236,6 +455,8 @@ impl LaneContext {
         processor: BatchProcessor,
         metrics: ConsumeMetrics,
         runtime: Handle,
+        vitals: Arc<Vitals>,
+        health: Health,
     ) -> Self {
         let (completions_tx, completions) = std_mpsc::channel();
         Self {
@@ -248,7 +469,19 @@ impl LaneContext {
             completions_tx,
             completions: Mutex::new(completions),
             commit_state: Mutex::new((Instant::now(), false)),
+            vitals,
+            health,
         }
+    }
+
+    /// Counts and logs an error Kafka reported; a streak of them shows in `/healthz`.
+    fn kafka_error(&self, error: &KafkaError) {
+        let code = error
+            .rdkafka_error_code()
+            .map_or_else(|| "other".to_owned(), |c| format!("{c:?}"));
+        self.metrics.kafka_errors.with_label_values(&[&code]).inc();
+        tracing::warn!(error = %error, "Kafka reported an error.");
+        self.vitals.kafka_error(error.to_string());
     }
 
     /// Hands a message to its partition's lane, starting the lane on its first message.
@@ -282,6 +515,12 @@ impl LaneContext {
         let (messages, rx) = mpsc::unbounded_channel();
         let stop = CancellationToken::new();
         let backlog = Arc::new(AtomicUsize::new(0));
+        let busy_since = Arc::new(AtomicU64::new(0));
+        self.vitals
+            .busy
+            .lock()
+            .expect("busy lock")
+            .insert(id, (partition, busy_since.clone()));
         let worker = LaneWorker {
             id,
             partition,
@@ -289,12 +528,15 @@ impl LaneContext {
             batch_size: self.settings.batch_size.max(1),
             linger: self.settings.linger,
             max_retry_backoff: self.settings.max_retry_backoff,
+            batch_timeout: self.settings.batch_timeout,
             log_events: self.settings.log_events,
             processor: self.processor.clone(),
             metrics: self.metrics.clone(),
             stop: stop.clone(),
             backlog: backlog.clone(),
             completions: self.completions_tx.clone(),
+            busy_since,
+            vitals: self.vitals.clone(),
         };
         tracing::debug!(partition, lane = id, first_offset, "Started a lane.");
         Lane {
@@ -356,21 +598,43 @@ impl LaneContext {
         }
     }
 
+    /// Commits asynchronously when offsets were stored (or a commit failed) since the last one
+    /// and the interval has passed. A failure reported later marks the commit due again.
     fn commit_if_due(&self, consumer: &BaseConsumer<Self>) {
-        let mut state = self.commit_state.lock().expect("commit lock");
-        if state.1 && state.0.elapsed() >= self.settings.commit_interval {
-            self.commit(consumer, CommitMode::Async);
+        {
+            let mut state = self.commit_state.lock().expect("commit lock");
+            if !(state.1 && state.0.elapsed() >= self.settings.commit_interval) {
+                return;
+            }
             *state = (Instant::now(), false);
+        }
+        if !commit_async(consumer) {
+            self.commit_state.lock().expect("commit lock").1 = true;
         }
     }
 
-    fn commit(&self, consumer: &BaseConsumer<Self>, mode: CommitMode) {
+    /// Commits the stored offsets; false when the commit failed (logged).
+    fn commit(&self, consumer: &BaseConsumer<Self>, mode: CommitMode) -> bool {
         match consumer.commit_consumer_state(mode) {
-            Ok(()) | Err(KafkaError::ConsumerCommit(RDKafkaErrorCode::NoOffset)) => {}
+            Ok(()) | Err(KafkaError::ConsumerCommit(RDKafkaErrorCode::NoOffset)) => true,
             Err(e) => {
-                tracing::warn!(error = %e, "An offset commit failed; its messages will be replayed harmlessly.")
+                tracing::warn!(error = %e, "An offset commit failed; its messages will be replayed harmlessly.");
+                false
             }
         }
+    }
+
+    /// Commits synchronously, trying a few times: the last commit before a revoke or a stop.
+    fn commit_now(&self, consumer: &BaseConsumer<Self>) -> bool {
+        for attempt in 1..=FINAL_COMMIT_ATTEMPTS {
+            if self.commit(consumer, CommitMode::Sync) {
+                return true;
+            }
+            if attempt < FINAL_COMMIT_ATTEMPTS {
+                std::thread::sleep(Duration::from_millis(200));
+            }
+        }
+        false
     }
 
     /// Pauses a partition whose lane has fallen behind and resumes it once the lane catches up,
@@ -432,10 +696,55 @@ impl LaneContext {
             );
         }
         self.store_completed(consumer);
-        self.commit(consumer, CommitMode::Sync);
-        *self.commit_state.lock().expect("commit lock") = (Instant::now(), false);
+        let committed = self.commit_now(consumer);
+        *self.commit_state.lock().expect("commit lock") = (Instant::now(), !committed);
+        if !committed && partitions.is_none() {
+            self.vitals.fail(
+                "the final offset commit failed; the last batches will be replayed harmlessly \
+                 by the next owner"
+                    .into(),
+            );
+        }
         let mut lanes = self.lanes.lock().expect("lanes lock");
-        lanes.retain(|p, _| partitions.is_some_and(|ps| !ps.contains(p)));
+        let mut busy = self.vitals.busy.lock().expect("busy lock");
+        lanes.retain(|p, lane| {
+            let keep = partitions.is_some_and(|ps| !ps.contains(p));
+            if !keep {
+                busy.remove(&lane.id);
+            }
+            keep
+        });
+    }
+}
+
+/// Commits the stored offsets without waiting, the outcome reported to
+/// [`ConsumerContext::commit_callback`] by a later poll. (`commit_consumer_state(Async)` posts
+/// its outcome nowhere when the consumer uses librdkafka's event API: a failure would be only
+/// logged, and never retried.) False when the commit could not even be started.
+fn commit_async(consumer: &BaseConsumer<LaneContext>) -> bool {
+    use rdkafka::bindings as rd;
+    let rk = consumer.client().native_ptr();
+    // SAFETY: `rk` is this live consumer's handle. The consumer queue is a new reference that is
+    // released right after the call; a null offsets list means the stored offsets, and without a
+    // callback the outcome is posted as an event on that queue, which `poll` serves.
+    let err = unsafe {
+        let queue = rd::rd_kafka_queue_get_consumer(rk);
+        if queue.is_null() {
+            return false;
+        }
+        let err =
+            rd::rd_kafka_commit_queue(rk, std::ptr::null(), queue, None, std::ptr::null_mut());
+        rd::rd_kafka_queue_destroy(queue);
+        err
+    };
+    match err {
+        rd::rd_kafka_resp_err_t::RD_KAFKA_RESP_ERR_NO_ERROR
+        | rd::rd_kafka_resp_err_t::RD_KAFKA_RESP_ERR__NO_OFFSET => true,
+        e => {
+            let e = KafkaError::ConsumerCommit(e.into());
+            tracing::warn!(error = %e, "An offset commit could not be started; retrying it.");
+            false
+        }
     }
 }
 
@@ -447,22 +756,50 @@ struct LaneWorker {
     batch_size: usize,
     linger: Duration,
     max_retry_backoff: Duration,
+    batch_timeout: Duration,
     log_events: bool,
     processor: BatchProcessor,
     metrics: ConsumeMetrics,
     stop: CancellationToken,
     backlog: Arc<AtomicUsize>,
     completions: std_mpsc::Sender<Completion>,
+    /// When the batch in hand started (ms since the vitals' epoch), 0 when there is none.
+    busy_since: Arc<AtomicU64>,
+    vitals: Arc<Vitals>,
 }
 
 impl LaneWorker {
     async fn run(self, mut rx: mpsc::UnboundedReceiver<RawMessage>) {
+        use futures_util::FutureExt as _;
         while let Some(batch) = self.next_batch(&mut rx).await {
             self.backlog.fetch_sub(batch.len(), Ordering::Relaxed);
-            if self.stop.is_cancelled() || !self.apply(&batch).await {
+            if self.stop.is_cancelled() {
                 return;
             }
+            match std::panic::AssertUnwindSafe(self.apply(&batch))
+                .catch_unwind()
+                .await
+            {
+                Ok(true) => {}
+                Ok(false) => return,
+                Err(panic) => return self.panicked(panic.as_ref()),
+            }
         }
+    }
+
+    /// A lane that panicked cannot go on: its batch did not commit and its offset must not move.
+    /// The process stops, so the partition moves to a member that replays the batch.
+    fn panicked(&self, panic: &(dyn std::any::Any + Send)) {
+        let message = panic
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| panic.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "a panic without a message".into());
+        self.metrics.lane_panics.inc();
+        self.vitals.fail(format!(
+            "the lane of partition {} panicked: {message}",
+            self.partition
+        ));
     }
 
     /// Waits for a first message, then takes more until the batch is full or the linger ends.
@@ -493,21 +830,33 @@ impl LaneWorker {
     /// lane is stopped (false, nothing committed).
     async fn apply(&self, batch: &[RawMessage]) -> bool {
         let started = Instant::now();
+        self.busy_since
+            .store(self.vitals.now_ms(), Ordering::Relaxed);
         let mut backoff = Duration::from_millis(100);
         loop {
-            match self
-                .processor
-                .process(&self.topic, self.partition, batch)
-                .await
-            {
+            let attempt = self.processor.process(&self.topic, self.partition, batch);
+            let result = match tokio::time::timeout(self.batch_timeout, attempt).await {
+                Ok(result) => result.map_err(anyhow::Error::from),
+                Err(_) => Err(anyhow::anyhow!(
+                    "the batch took longer than {} s; abandoned, its transaction rolls back",
+                    self.batch_timeout.as_secs()
+                )),
+            };
+            match result {
                 Ok(report) => {
                     crate::failpoint!("consume::after_commit");
+                    self.busy_since.store(0, Ordering::Relaxed);
                     self.report(batch, &report, started);
                     return true;
                 }
                 Err(e) => {
                     self.metrics.batch_retries.inc();
-                    tracing::warn!(partition = self.partition, error = %e, retry_in_ms = backoff.as_millis() as u64, "A batch did not commit; retrying it.");
+                    tracing::warn!(
+                        partition = self.partition,
+                        error = format!("{e:#}"),
+                        retry_in_ms = backoff.as_millis() as u64,
+                        "A batch did not commit; retrying it."
+                    );
                     let jitter =
                         Duration::from_millis(fastrand::u64(0..=backoff.as_millis() as u64 / 4));
                     tokio::select! {
@@ -560,6 +909,58 @@ impl LaneWorker {
             duplicates = report.duplicates,
             failed = report.failed,
             "Committed a batch."
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn limits() -> ConsumerSettings {
+        ConsumerSettings {
+            unhealthy_after: Duration::from_secs(60),
+            stall_exit_after: Duration::from_secs(300),
+            ..ConsumerSettings::new("b", "t", "g")
+        }
+    }
+
+    #[test]
+    fn a_lane_without_a_commit_is_unhealthy_then_fatal() {
+        let now = Instant::now();
+        let quiet = assess(Some((3, Duration::from_secs(59))), None, now, &limits());
+        assert_eq!(quiet, Assessment::default());
+        let stuck = assess(Some((3, Duration::from_secs(61))), None, now, &limits());
+        assert!(stuck
+            .lanes
+            .unwrap()
+            .starts_with("partition 3 has not committed"));
+        assert_eq!(stuck.fatal, None);
+        let stalled = assess(Some((3, Duration::from_secs(300))), None, now, &limits());
+        assert!(stalled.fatal.is_some() && stalled.lanes.is_some());
+    }
+
+    #[test]
+    fn only_a_lasting_streak_of_kafka_errors_is_unhealthy() {
+        let now = Instant::now();
+        let streak = |since: u64, last: u64| ErrorStreak {
+            since: now - Duration::from_secs(since),
+            last: now - Duration::from_secs(last),
+            error: "Decompression failed".into(),
+        };
+        let young = streak(30, 0);
+        assert_eq!(assess(None, Some(&young), now, &limits()).kafka, None);
+        let lasting = streak(90, 1);
+        let said = assess(None, Some(&lasting), now, &limits()).kafka.unwrap();
+        assert!(
+            said.contains("90 s") && said.contains("Decompression"),
+            "{said}"
+        );
+        // An old streak that stopped repeating (the broker came back, the topic is idle).
+        let over = streak(90, 30);
+        assert_eq!(
+            assess(None, Some(&over), now, &limits()),
+            Assessment::default()
         );
     }
 }

@@ -302,6 +302,20 @@ impl InProcessConsumer {
         metric_value(&self.registry, name)
     }
 
+    /// Waits for the consumer to stop by itself, and returns how it ended.
+    pub async fn ended(self, timeout: Duration) -> anyhow::Result<()> {
+        tokio::time::timeout(timeout, self.task)
+            .await
+            .expect("the consumer stops by itself")
+            .expect("consumer task")
+    }
+
+    /// Stops it like a SIGTERM would, and returns how it ended.
+    pub async fn stop_result(self) -> anyhow::Result<()> {
+        self.shutdown.cancel();
+        self.task.await.expect("consumer task")
+    }
+
     pub async fn stop(self) {
         self.shutdown.cancel();
         self.task
@@ -447,7 +461,7 @@ impl ConsumerProcess {
         cmd.arg("consume")
             .args(["--brokers", brokers, "--topic", topic, "--group", group])
             .args(["--database-url", database_url])
-            .args(["--metrics-addr", "127.0.0.1:0", "--batch-size", "200"])
+            .args(["--batch-size", "200"])
             .args([
                 "--commit-interval-ms",
                 "50",
@@ -461,6 +475,9 @@ impl ConsumerProcess {
             .kill_on_drop(true);
         for (k, v) in test_kafka_options() {
             cmd.arg("--kafka-option").arg(format!("{k}={v}"));
+        }
+        if !extra.contains(&"--metrics-addr") {
+            cmd.args(["--metrics-addr", "127.0.0.1:0"]);
         }
         if let Some(f) = failpoints {
             cmd.env("FAILPOINTS", f);
@@ -478,6 +495,19 @@ impl ConsumerProcess {
     pub async fn kill9(mut self) {
         nix::sys::signal::kill(self.pid(), nix::sys::signal::Signal::SIGKILL).expect("kill -9");
         self.child.wait().await.expect("reap");
+    }
+
+    /// Waits for the process to exit by itself.
+    pub async fn exited(mut self, timeout: Duration) -> std::process::ExitStatus {
+        tokio::time::timeout(timeout, self.child.wait())
+            .await
+            .expect("exits by itself in time")
+            .expect("exit status")
+    }
+
+    /// Sends a signal, such as SIGSTOP or SIGCONT.
+    pub fn signal(&self, signal: nix::sys::signal::Signal) {
+        nix::sys::signal::kill(self.pid(), signal).expect("signal");
     }
 
     /// SIGTERM, then wait for the exit status.
@@ -508,6 +538,41 @@ pub async fn kill_inside_transaction(consumer: ConsumerProcess, db: &TestDb) {
         },
     )
     .await;
+}
+
+/// A free TCP port on 127.0.0.1, for a process's metrics server.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// GET `http://127.0.0.1:{port}{path}`: the status and body, or None when nothing answers.
+pub async fn http_get(port: u16, path: &str) -> Option<(u16, String)> {
+    let r = reqwest::get(format!("http://127.0.0.1:{port}{path}"))
+        .await
+        .ok()?;
+    Some((r.status().as_u16(), r.text().await.ok()?))
+}
+
+/// The value of an unlabelled (or summed) metric in a Prometheus text page.
+pub fn scraped(page: &str, name: &str) -> f64 {
+    page.lines()
+        .filter(|l| l.starts_with(name) && !l.starts_with('#'))
+        .filter(|l| l[name.len()..].starts_with([' ', '{']))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// Open transactions of `replayproof` sessions in this database.
+pub async fn open_transactions(db: &TestDb) -> i64 {
+    db.count(
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
+         AND application_name = 'replayproof' AND state = 'idle in transaction'",
+    )
+    .await
 }
 
 /// Waits until a `replayproof` connection of this database sits idle inside a transaction: the
