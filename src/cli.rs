@@ -294,9 +294,30 @@ pub struct IngestArgs {
     #[arg(long, env = "REPLAYPROOF_CONFIG")]
     pub config: std::path::PathBuf,
 
-    /// Where to listen for webhooks (and /healthz, /readyz, /metrics). [default: 0.0.0.0:8080]
+    /// Where to listen for webhooks (and /healthz, /readyz). [default: 0.0.0.0:8080]
     #[arg(long, env = "REPLAYPROOF_LISTEN")]
     pub listen: Option<SocketAddr>,
+
+    /// Where to serve Prometheus /metrics: a listener of its own, never the public webhook port.
+    #[arg(
+        long,
+        env = "REPLAYPROOF_METRICS_ADDR",
+        default_value = "127.0.0.1:9463"
+    )]
+    pub metrics_addr: SocketAddr,
+
+    /// Webhook requests handled at once; more get 503 with Retry-After.
+    #[arg(long, env = "REPLAYPROOF_MAX_IN_FLIGHT", default_value_t = crate::ingest::DEFAULT_MAX_IN_FLIGHT, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=1_000_000))]
+    pub max_in_flight: usize,
+
+    /// Open connections at once; more wait in the kernel's backlog.
+    #[arg(long, env = "REPLAYPROOF_MAX_CONNECTIONS", default_value_t = crate::ingest::DEFAULT_MAX_CONNECTIONS, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=1_000_000))]
+    pub max_connections: usize,
+
+    /// How long a sender has to deliver its whole body before the answer is 408, in
+    /// milliseconds.
+    #[arg(long, env = "REPLAYPROOF_BODY_TIMEOUT_MS", default_value_t = crate::ingest::DEFAULT_BODY_TIMEOUT_MS, value_parser = clap::value_parser!(u64).range(1..))]
+    pub body_timeout_ms: u64,
 
     /// Kafka bootstrap servers, comma-separated host:port.
     #[arg(long, env = "REPLAYPROOF_BROKERS")]
@@ -341,6 +362,10 @@ impl IngestArgs {
             .unwrap_or_else(|| "webhooks".into());
         let mut settings = crate::ingest::IngestSettings::new(listen, &brokers, &topic);
         settings.kafka_options = self.kafka_options.clone();
+        settings.metrics_listen = Some(self.metrics_addr);
+        settings.max_in_flight = self.max_in_flight;
+        settings.max_connections = self.max_connections;
+        settings.body_timeout = Duration::from_millis(self.body_timeout_ms);
         if let Some(n) = self.max_body_bytes.or(file.max_body_bytes) {
             anyhow::ensure!(
                 n > 0 && n <= 16 * 1024 * 1024,

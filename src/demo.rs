@@ -39,7 +39,7 @@ pub struct DemoOptions {
 }
 
 const GITHUB_SECRET: &str = "demo-github-secret";
-const STRIPE_SECRET: &str = "whsec_demo";
+const STRIPE_SECRET: &str = "whsec_demo-secret-for-replayproof";
 /// base64 of "demo-standard-webhooks-secret".
 const SVIX_SECRET: &str = "whsec_ZGVtby1zdGFuZGFyZC13ZWJob29rcy1zZWNyZXQ=";
 const SOURCES: &str = r#"

@@ -14,16 +14,36 @@ use std::time::Duration;
 
 /// The built-in development sources, each secret from its variable or a fixed development value.
 const DEV_SOURCES: &[(&str, &str, &str, &str)] = &[
-    ("stripe", "stripe", "STRIPE_WEBHOOK_SECRET", "whsec_dev"),
-    ("github", "github", "GITHUB_WEBHOOK_SECRET", "dev-secret"),
+    (
+        "stripe",
+        "stripe",
+        "STRIPE_WEBHOOK_SECRET",
+        "whsec_dev-secret-for-replayproof",
+    ),
+    (
+        "github",
+        "github",
+        "GITHUB_WEBHOOK_SECRET",
+        "dev-secret-for-replayproof",
+    ),
     (
         "svix",
         "standard-webhooks",
         "SVIX_WEBHOOK_SECRET",
         "whsec_ZGV2LXNlY3JldC1mb3ItcmVwbGF5cHJvb2Y=",
     ),
-    ("shopify", "shopify", "SHOPIFY_WEBHOOK_SECRET", "dev-secret"),
-    ("slack", "slack", "SLACK_SIGNING_SECRET", "dev-secret"),
+    (
+        "shopify",
+        "shopify",
+        "SHOPIFY_WEBHOOK_SECRET",
+        "dev-secret-for-replayproof",
+    ),
+    (
+        "slack",
+        "slack",
+        "SLACK_SIGNING_SECRET",
+        "dev-secret-for-replayproof",
+    ),
 ];
 
 /// The development sources, and for each the secret in use and where it came from.

@@ -93,22 +93,57 @@ pub fn check_storable(
             "received_at is before 4713 BC, outside PostgreSQL's timestamps",
         ));
     }
-    if holds_nul(payload) {
-        return Err(Malformed::Unstorable(
-            "the payload holds a NUL character (\\u0000)",
-        ));
+    match unstorable_in(payload) {
+        Some(why) => Err(Malformed::Unstorable(why)),
+        None => Ok(()),
     }
-    Ok(())
 }
 
-fn holds_nul(value: &serde_json::Value) -> bool {
+/// The largest power of ten PostgreSQL's `numeric` (and so `jsonb`) holds is about 10^131071,
+/// the smallest about 10^-16383; these bounds leave room for the digits themselves.
+const NUMBER_EXPONENT_RANGE: std::ops::RangeInclusive<i64> = -16_000..=130_000;
+
+const NUL_IN_PAYLOAD: &str = "the payload holds a NUL character (\\u0000)";
+
+/// Why PostgreSQL would refuse something inside a payload, if it would.
+fn unstorable_in(value: &serde_json::Value) -> Option<&'static str> {
     use serde_json::Value;
     match value {
-        Value::String(s) => s.contains('\0'),
-        Value::Array(items) => items.iter().any(holds_nul),
-        Value::Object(map) => map.iter().any(|(k, v)| k.contains('\0') || holds_nul(v)),
-        Value::Null | Value::Bool(_) | Value::Number(_) => false,
+        Value::String(s) if s.contains('\0') => Some(NUL_IN_PAYLOAD),
+        Value::Number(n) if !NUMBER_EXPONENT_RANGE.contains(&decimal_exponent(&n.to_string())) => {
+            Some("the payload holds a number beyond PostgreSQL's numeric range")
+        }
+        Value::Array(items) => items.iter().find_map(unstorable_in),
+        Value::Object(map) => map.iter().find_map(|(k, v)| {
+            if k.contains('\0') {
+                Some(NUL_IN_PAYLOAD)
+            } else {
+                unstorable_in(v)
+            }
+        }),
+        _ => None,
     }
+}
+
+/// The power of ten of a JSON number's leading digit, from its text: 1234.5 is 3, 0.01 is -2,
+/// 5e7 is 7. Numbers keep their text exactly (serde_json's `arbitrary_precision`).
+fn decimal_exponent(text: &str) -> i64 {
+    let text = text.trim_start_matches('-');
+    let (mantissa, exponent) = match text.find(['e', 'E']) {
+        Some(i) => (&text[..i], text[i + 1..].parse::<i64>().unwrap_or(i64::MAX)),
+        None => (text, 0),
+    };
+    let (int, frac) = mantissa.split_once('.').unwrap_or((mantissa, ""));
+    let int = int.trim_start_matches('0');
+    let lead = if !int.is_empty() {
+        int.len() as i64 - 1
+    } else {
+        match frac.find(|c: char| c != '0') {
+            Some(zeros) => -(zeros as i64) - 1,
+            None => 0,
+        }
+    };
+    exponent.saturating_add(lead)
 }
 
 /// The envelope as written on the topic, for producers.
@@ -291,6 +326,30 @@ mod tests {
             );
         }
         assert!(parse(r#"{"key":"k","source":"s","payload":"\\u0000 is text"}"#).is_ok());
+        assert!(matches!(
+            parse(r#"{"key":"k","source":"s","payload":{"n":1e200000}}"#),
+            Err(Malformed::Unstorable(_))
+        ));
+        assert!(parse(r#"{"key":"k","source":"s","payload":{"n":1e400}}"#).is_ok());
+    }
+
+    #[test]
+    fn numbers_keep_their_exact_text() {
+        let e = parse(
+            r#"{"key":"k","source":"s","payload":{"amount":123456789012345678901234567890,
+               "rate":0.1000000000000000055511151231257827,"tiny":1.5e-300}}"#,
+        )
+        .unwrap();
+        let text = serde_json::to_string(&e.payload).unwrap();
+        assert!(text.contains("123456789012345678901234567890"), "{text}");
+        assert!(
+            text.contains("0.1000000000000000055511151231257827"),
+            "{text}"
+        );
+        assert_eq!(decimal_exponent("1234.5"), 3);
+        assert_eq!(decimal_exponent("-0.01"), -2);
+        assert_eq!(decimal_exponent("5e7"), 7);
+        assert_eq!(decimal_exponent("0.00E0"), 0);
     }
 
     #[test]

@@ -479,3 +479,24 @@ async fn a_new_bad_message_at_a_reused_offset_is_a_second_dead_letter() {
         .unwrap();
     assert_eq!(values, [b"first".to_vec(), b"second".to_vec()]);
 }
+
+#[tokio::test]
+async fn numbers_reach_the_effect_and_the_database_byte_for_byte() {
+    let db = TestDb::new().await;
+    let p = processor(&db, Arc::new(Ledger));
+    let raw = br#"{"key":"big","source":"stripe","payload":{"amount":123456789012345678901234567890,"rate":0.1000000000000000055511151231257827}}"#;
+    let m = RawMessage {
+        offset: 0,
+        key: Some(b"big".to_vec()),
+        value: Some(raw.to_vec()),
+    };
+    assert_eq!(p.process("t", 0, &[m]).await.unwrap().applied, 1);
+    let (amount, rate): (String, String) = sqlx::query_as(
+        "SELECT payload->>'amount', payload->>'rate' FROM ledger WHERE event_key = 'big'",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(amount, "123456789012345678901234567890");
+    assert_eq!(rate, "0.1000000000000000055511151231257827");
+}

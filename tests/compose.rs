@@ -130,10 +130,51 @@ fn ingest_gets_every_secret_its_sources_file_names() {
     let sources = file
         .sources_with(|var| {
             env.contains(&var.to_owned())
-                .then(|| "whsec_c2VjcmV0".to_owned())
+                .then(|| "whsec_c2VjcmV0LW9mLWF0LWxlYXN0LTE2LWJ5dGVz".to_owned())
         })
         .unwrap();
     assert_eq!(sources.len(), 6);
+}
+
+/// The ingest service's environment as written, before interpolation.
+fn ingest_environment() -> Vec<(String, String)> {
+    let script = r#"
+import json, yaml
+doc = yaml.safe_load(open("docker-compose.yml"))
+env = doc["services"]["ingest"]["environment"]
+print(json.dumps(sorted([k, str(v)] for k, v in env.items())))
+"#;
+    let out = Command::new("python3")
+        .args(["-c", script])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+#[test]
+fn compose_refuses_to_start_without_real_secrets() {
+    let secrets: Vec<(String, String)> = ingest_environment()
+        .into_iter()
+        .filter(|(k, _)| k.contains("SECRET"))
+        .collect();
+    assert_eq!(secrets.len(), 6, "{secrets:?}");
+    for (name, value) in secrets {
+        // `${VAR:?message}`: Compose stops with the message when VAR is unset or empty.
+        let required = format!("${{{name}:?");
+        assert!(
+            value.starts_with(&required)
+                && value.ends_with('}')
+                && value.len() > required.len() + 1,
+            "{name} must be required with a message, not defaulted: {value}"
+        );
+        assert!(value.contains(&name), "the message names {name}: {value}");
+    }
 }
 
 #[test]

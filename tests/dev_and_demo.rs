@@ -79,7 +79,7 @@ async fn dev_applies_a_signed_delivery_and_stops_on_sigint() {
     })
     .await;
     let body = br#"{"action":"opened","number":1}"#;
-    let mut mac = Hmac::<Sha256>::new_from_slice(b"dev-secret").unwrap();
+    let mut mac = Hmac::<Sha256>::new_from_slice(b"dev-secret-for-replayproof").unwrap();
     mac.update(body);
     let sig = format!("sha256={}", hex::encode(mac.finalize().into_bytes()));
     let r = http

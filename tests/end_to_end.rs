@@ -38,7 +38,10 @@ async fn deliver(http: &reqwest::Client, base: &str, n: usize) -> u16 {
         http.post(format!("{base}/webhooks/github"))
             .header(
                 "x-hub-signature-256",
-                format!("sha256={}", sign("gh-secret", &[body.as_bytes()])),
+                format!(
+                    "sha256={}",
+                    sign("gh-secret-for-the-e2e-test", &[body.as_bytes()])
+                ),
             )
             .header("x-github-delivery", format!("delivery-{n}"))
             .header("x-github-event", "pull_request")
@@ -46,7 +49,10 @@ async fn deliver(http: &reqwest::Client, base: &str, n: usize) -> u16 {
     } else {
         let body = format!(r#"{{"id":"evt_{n}","type":"charge.succeeded","object":"event"}}"#);
         let t = chrono::Utc::now().timestamp().to_string();
-        let sig = sign("whsec_e2e", &[t.as_bytes(), b".", body.as_bytes()]);
+        let sig = sign(
+            "whsec_e2e-secret-for-the-test",
+            &[t.as_bytes(), b".", body.as_bytes()],
+        );
         http.post(format!("{base}/webhooks/stripe"))
             .header("stripe-signature", format!("t={t},v1={sig}"))
             .body(body)
@@ -93,8 +99,9 @@ async fn two_thousand_signed_deliveries_with_redeliveries_have_one_effect_each()
             &topic,
         ])
         .args(["--kafka-option", "broker.address.family=v4"])
-        .env("E2E_GITHUB_SECRET", "gh-secret")
-        .env("E2E_STRIPE_SECRET", "whsec_e2e")
+        .args(["--metrics-addr", "127.0.0.1:0"])
+        .env("E2E_GITHUB_SECRET", "gh-secret-for-the-e2e-test")
+        .env("E2E_STRIPE_SECRET", "whsec_e2e-secret-for-the-test")
         .env("RUST_LOG", "warn")
         .stdin(Stdio::null())
         .kill_on_drop(true)

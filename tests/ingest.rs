@@ -3,6 +3,7 @@
 mod common;
 
 use common::*;
+use futures_util::StreamExt as _;
 use hmac::{Hmac, Mac};
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::message::Message;
@@ -29,7 +30,7 @@ secrets_env = ["STRIPE_OLD", "STRIPE"]
 [[sources]]
 name = "slack"
 kind = "slack"
-secrets_env = ["SLACK"]
+secrets_env = ["SLACK_SIGNING"]
 "#;
 
 fn secret(name: &str) -> Option<String> {
@@ -305,7 +306,7 @@ async fn bad_requests_get_their_status_and_produce_nothing() {
     let slack_sig = format!(
         "v0={}",
         hmac_hex(
-            "secret-of-SLACK",
+            "secret-of-SLACK_SIGNING",
             &[b"v0:", t.to_string().as_bytes(), b":", challenge]
         )
     );
@@ -423,4 +424,99 @@ async fn text_postgresql_cannot_store_gets_400_with_a_reason_and_produces_nothin
         .unwrap();
     let keys: Vec<String> = recs.into_iter().map(|(k, _)| k).collect();
     assert_eq!(keys, ["stripe:evt_ok"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_are_served_on_their_own_listener_not_the_webhook_port() {
+    let kafka = TestKafka::mock();
+    let topic = kafka.topic(1).await;
+    let mut ingress = Ingress::start(&kafka.brokers(), &topic, |s| {
+        s.metrics_listen = Some("127.0.0.1:0".parse().unwrap())
+    })
+    .await;
+    assert_eq!(ingress.github("m-1", b"{}").await.status(), 200);
+    let public = ingress
+        .http
+        .get(format!("{}/metrics", ingress.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(public.status(), 404, "no metrics on the public port");
+    let at = ingress.running.as_ref().unwrap().metrics_addr.unwrap();
+    let page = reqwest::get(format!("http://{at}/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        page.contains(r#"replayproof_ingest_requests_total{outcome="accepted",source="github"} 1"#),
+        "{page}"
+    );
+    ingress.shutdown.cancel();
+    ingress.running.take().unwrap().stopped().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn overload_gets_503_at_once_and_a_stalled_body_gets_408() {
+    let kafka = TestKafka::mock();
+    let topic = kafka.topic(1).await;
+    let ingress = Ingress::start(&kafka.brokers(), &topic, |s| {
+        s.max_in_flight = 1;
+        s.body_timeout = Duration::from_millis(1500);
+    })
+    .await;
+    // A sender that starts its body and never finishes it holds the only place.
+    let stalled_body = futures_util::stream::iter([Ok::<_, std::io::Error>(b"{\"id\":".to_vec())])
+        .chain(futures_util::stream::pending());
+    let stalled = ingress
+        .http
+        .post(format!("{}/webhooks/github", ingress.base))
+        .header("x-github-delivery", "stalled")
+        .body(reqwest::Body::wrap_stream(stalled_body))
+        .send();
+    let stalled = tokio::spawn(stalled);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let started = std::time::Instant::now();
+    let shed = ingress.github("shed", b"{}").await;
+    assert_eq!(shed.status(), 503);
+    assert_eq!(shed.headers()["retry-after"], "5");
+    assert!(
+        started.elapsed() < Duration::from_secs(1),
+        "answered at once"
+    );
+    let stalled = stalled.await.unwrap().unwrap();
+    assert_eq!(stalled.status(), 408);
+    // The place is free again.
+    assert_eq!(ingress.github("after", b"{}").await.status(), 200);
+    ingress.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn numbers_reach_the_topic_byte_for_byte() {
+    let kafka = TestKafka::mock();
+    let brokers = kafka.brokers();
+    let topic = kafka.topic(1).await;
+    let ingress = Ingress::start(&brokers, &topic, |_| {}).await;
+    let body = br#"{"id":"evt_big","amount":123456789012345678901234567890,"rate":0.1000000000000000055511151231257827}"#;
+    assert_eq!(
+        ingress
+            .stripe("secret-of-STRIPE", now(), body)
+            .await
+            .status(),
+        200
+    );
+    ingress.stop().await;
+    let recs = tokio::task::spawn_blocking(move || records(&brokers, &topic))
+        .await
+        .unwrap();
+    let text = serde_json::to_string(&recs[0].1["payload"]).unwrap();
+    assert!(
+        text.contains(r#""amount":123456789012345678901234567890"#),
+        "{text}"
+    );
+    assert!(
+        text.contains(r#""rate":0.1000000000000000055511151231257827"#),
+        "{text}"
+    );
 }

@@ -194,7 +194,7 @@ async fn resolve_settles_by_hand_and_refuses_a_live_lease() {
     );
 }
 
-/// Fails until `ledger_ok` exists, then writes the ledger row.
+/// Fails until `fixes` has a row, then writes the ledger row.
 struct FailsUntilFixed;
 
 #[async_trait]
@@ -204,9 +204,10 @@ impl Effect for FailsUntilFixed {
     }
 
     async fn apply(&self, tx: &mut Tx<'_>, event: &Event) -> anyhow::Result<()> {
-        sqlx::query("SELECT 1 FROM ledger_ok")
-            .execute(&mut **tx)
+        let fixed: bool = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM fixes)")
+            .fetch_one(&mut **tx)
             .await?;
+        anyhow::ensure!(fixed, "not fixed yet: no row in fixes");
         Ledger.apply(tx, event).await
     }
 }
@@ -214,6 +215,10 @@ impl Effect for FailsUntilFixed {
 #[tokio::test]
 async fn retry_runs_a_failed_local_effect_again_from_its_stored_payload() {
     let db = TestDb::new().await;
+    sqlx::query("CREATE TABLE fixes (at timestamptz)")
+        .execute(&db.pool)
+        .await
+        .unwrap();
     process(&db, Arc::new(FailsUntilFixed), &[message(0, "evt-f")]).await;
     let status: String = sqlx::query_scalar("SELECT status FROM processed_events")
         .fetch_one(&db.pool)
@@ -231,8 +236,8 @@ async fn retry_runs_a_failed_local_effect_again_from_its_stored_payload() {
     )
     .await
     .unwrap_err();
-    assert!(format!("{err:#}").contains("ledger_ok"), "{err:#}");
-    sqlx::query("CREATE TABLE ledger_ok ()")
+    assert!(format!("{err:#}").contains("fixes"), "{err:#}");
+    sqlx::query("INSERT INTO fixes VALUES (now())")
         .execute(&db.pool)
         .await
         .unwrap();
@@ -242,7 +247,7 @@ async fn retry_runs_a_failed_local_effect_again_from_its_stored_payload() {
         "evt-f",
         None,
         "carol",
-        "table created",
+        "fixed",
     )
     .await
     .unwrap();

@@ -412,3 +412,15 @@ fn generic_hmac_reads_its_header_prefix_encoding_and_key() {
     ]);
     assert_eq!(id(verify(&by_header, &[b"k"], &h, b"plain")), "e-7");
 }
+
+#[test]
+fn extreme_timestamps_are_refused_not_an_overflow() {
+    let secret = b"whsec_a-long-enough-secret".as_slice();
+    let body = br#"{"id":"evt_1"}"#;
+    for t in [i64::MIN, i64::MIN + 1, i64::MAX, -1, 0] {
+        let h = headers(&[("stripe-signature", stripe_header(secret, t, body))]);
+        unauthorized(verify(&Scheme::Stripe, &[secret], &h, body));
+        let h = standard_headers("webhook", secret, "msg_1", t, body);
+        unauthorized(verify(&Scheme::StandardWebhooks, &[secret], &h, body));
+    }
+}

@@ -9,6 +9,9 @@
 //! ```
 
 use super::signature::{Encoding, KeyFrom, Scheme, Secret};
+
+/// The shortest secret accepted, in bytes (after base64 decoding for Standard Webhooks).
+pub const MIN_SECRET_BYTES: usize = 16;
 use anyhow::{bail, Context as _};
 use base64::Engine as _;
 use serde::Deserialize;
@@ -144,14 +147,22 @@ impl SourceConfig {
     }
 
     /// Standard Webhooks secrets are base64 after `whsec_`; every other kind uses the bytes.
+    /// A key under [`MIN_SECRET_BYTES`] is refused: `whsec_` alone would be an empty HMAC key,
+    /// and a short one can be guessed.
     fn secret(&self, value: &str) -> anyhow::Result<Secret> {
-        if self.kind != Kind::StandardWebhooks {
-            return Ok(Secret::new(value.as_bytes()));
-        }
-        let encoded = value.strip_prefix("whsec_").unwrap_or(value);
-        let bytes = base64::engine::general_purpose::STANDARD
-            .decode(encoded)
-            .context("a Standard Webhooks secret is base64 after whsec_")?;
+        let bytes = if self.kind == Kind::StandardWebhooks {
+            let encoded = value.strip_prefix("whsec_").unwrap_or(value);
+            base64::engine::general_purpose::STANDARD
+                .decode(encoded)
+                .context("a Standard Webhooks secret is base64 after whsec_")?
+        } else {
+            value.as_bytes().to_vec()
+        };
+        anyhow::ensure!(
+            bytes.len() >= MIN_SECRET_BYTES,
+            "the secret is {} bytes; at least {MIN_SECRET_BYTES} are required",
+            bytes.len()
+        );
         Ok(Secret::new(bytes))
     }
 
@@ -204,7 +215,7 @@ mod tests {
             secrets_env = ["A", "B"]
             "#,
         );
-        let env = |k: &str| (k == "A" || k == "B").then(|| format!("secret-{k}"));
+        let env = |k: &str| (k == "A" || k == "B").then(|| format!("a-long-enough-secret-{k}"));
         let sources = config.sources_with(env).unwrap();
         assert_eq!(sources["stripe"].secrets.len(), 2);
         assert_eq!(sources["stripe"].tolerance_secs, 300);
@@ -226,7 +237,9 @@ mod tests {
             key_from = { json_pointer = "/id" }
             "#,
         );
-        let sources = config.sources_with(|_| Some("s".into())).unwrap();
+        let sources = config
+            .sources_with(|_| Some("a-long-enough-secret".into()))
+            .unwrap();
         assert!(matches!(
             &sources["custom"].scheme,
             Scheme::Hmac {
@@ -240,7 +253,9 @@ mod tests {
             kind = "hmac"
             secrets_env = ["S"]"#,
         );
-        assert!(incomplete.sources_with(|_| Some("s".into())).is_err());
+        assert!(incomplete
+            .sources_with(|_| Some("a-long-enough-secret".into()))
+            .is_err());
     }
 
     #[test]
@@ -257,13 +272,44 @@ mod tests {
             secrets_env = ["S"]
             "#,
         );
-        assert!(dup.sources_with(|_| Some("s".into())).is_err());
+        assert!(dup
+            .sources_with(|_| Some("a-long-enough-secret".into()))
+            .is_err());
         let slash = parse(
             r#"[[sources]]
             name = "a/b"
             kind = "github"
             secrets_env = ["S"]"#,
         );
-        assert!(slash.sources_with(|_| Some("s".into())).is_err());
+        assert!(slash
+            .sources_with(|_| Some("a-long-enough-secret".into()))
+            .is_err());
+    }
+
+    #[test]
+    fn short_or_empty_secrets_are_refused_at_start() {
+        let config = |kind: &str| {
+            parse(&format!(
+                "[[sources]]\nname = \"s\"\nkind = \"{kind}\"\nsecrets_env = [\"S\"]"
+            ))
+        };
+        for (kind, secret) in [
+            ("standard-webhooks", "whsec_"),
+            ("standard-webhooks", "whsec_c2hvcnQ="),
+            ("github", "short-secret"),
+            ("stripe", "whsec_short"),
+        ] {
+            let refused = config(kind)
+                .sources_with(|_| Some(secret.into()))
+                .unwrap_err();
+            assert!(
+                format!("{refused:#}").contains("at least 16 are required"),
+                "{kind} {secret}: {refused:#}"
+            );
+        }
+        // base64 of 16 bytes passes.
+        let ok = config("standard-webhooks")
+            .sources_with(|_| Some("whsec_MDEyMzQ1Njc4OWFiY2RlZg==".into()));
+        assert!(ok.is_ok());
     }
 }

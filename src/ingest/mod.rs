@@ -47,7 +47,23 @@ pub struct IngestSettings {
     pub produce_timeout: Duration,
     /// The `Retry-After` sent with a 503, in seconds.
     pub retry_after_secs: u64,
+    /// Where `/metrics` is served; never on the public webhook port. None: not served.
+    pub metrics_listen: Option<SocketAddr>,
+    /// Webhook requests handled at once; more get 503 with `Retry-After` at once, so an
+    /// overload costs neither unbounded memory nor the broker's time.
+    pub max_in_flight: usize,
+    /// Open connections at once; past it, new connections wait in the kernel's backlog.
+    pub max_connections: usize,
+    /// How long a sender has to deliver its whole body; a slower one gets 408.
+    pub body_timeout: Duration,
 }
+
+/// The default of `--max-in-flight`.
+pub const DEFAULT_MAX_IN_FLIGHT: usize = 1024;
+/// The default of `--max-connections`.
+pub const DEFAULT_MAX_CONNECTIONS: usize = 4096;
+/// The default of `--body-timeout-ms`.
+pub const DEFAULT_BODY_TIMEOUT_MS: u64 = 30_000;
 
 impl IngestSettings {
     pub fn new(listen: SocketAddr, brokers: &str, topic: &str) -> Self {
@@ -59,6 +75,10 @@ impl IngestSettings {
             max_body_bytes: 1024 * 1024,
             produce_timeout: Duration::from_secs(5),
             retry_after_secs: 5,
+            metrics_listen: None,
+            max_in_flight: DEFAULT_MAX_IN_FLIGHT,
+            max_connections: DEFAULT_MAX_CONNECTIONS,
+            body_timeout: Duration::from_millis(DEFAULT_BODY_TIMEOUT_MS),
         }
     }
 
@@ -123,14 +143,17 @@ struct AppState {
     producer: FutureProducer,
     settings: IngestSettings,
     metrics: IngestMetrics,
-    registry: Registry,
     ready: AtomicBool,
+    /// One permit per webhook request being handled.
+    in_flight: Arc<tokio::sync::Semaphore>,
 }
 
 /// A running ingress.
 pub struct Running {
     /// Where it listens; useful when the configured port was 0.
     pub addr: SocketAddr,
+    /// Where `/metrics` is served, when it is.
+    pub metrics_addr: Option<SocketAddr>,
     task: tokio::task::JoinHandle<anyhow::Result<()>>,
 }
 
@@ -158,12 +181,27 @@ pub async fn start(
         .await
         .with_context(|| format!("listening on {}", settings.listen))?;
     let addr = listener.local_addr()?;
+    let metrics = IngestMetrics::new(&registry)?;
+    let metrics_addr = match settings.metrics_listen {
+        Some(at) => Some(
+            crate::telemetry::serve_metrics(
+                at,
+                registry,
+                crate::telemetry::Health::default(),
+                shutdown.clone().cancelled_owned(),
+            )
+            .await
+            .with_context(|| format!("serving /metrics on {at}"))?,
+        ),
+        None => None,
+    };
+    let listener = LimitedListener::new(listener, settings.max_connections);
     let state = Arc::new(AppState {
-        metrics: IngestMetrics::new(&registry)?,
+        metrics,
         sources,
         producer,
+        in_flight: Arc::new(tokio::sync::Semaphore::new(settings.max_in_flight.max(1))),
         settings,
-        registry,
         ready: AtomicBool::new(false),
     });
     tokio::spawn(watch_broker(state.clone(), shutdown.clone()));
@@ -183,7 +221,93 @@ pub async fn start(
         tracing::info!("The ingress stopped.");
         Ok(())
     });
-    Ok(Running { addr, task })
+    Ok(Running {
+        addr,
+        metrics_addr,
+        task,
+    })
+}
+
+/// A TCP listener that holds at most `max` connections open: past it, `accept` waits for one
+/// to close, and new connections queue in the kernel's backlog instead of in memory.
+struct LimitedListener {
+    inner: tokio::net::TcpListener,
+    open: Arc<tokio::sync::Semaphore>,
+}
+
+impl LimitedListener {
+    fn new(inner: tokio::net::TcpListener, max: usize) -> Self {
+        Self {
+            inner,
+            open: Arc::new(tokio::sync::Semaphore::new(max.max(1))),
+        }
+    }
+}
+
+/// A connection that gives its place back when it closes.
+struct Limited {
+    stream: tokio::net::TcpStream,
+    _place: tokio::sync::OwnedSemaphorePermit,
+}
+
+impl axum::serve::Listener for LimitedListener {
+    type Io = Limited;
+    type Addr = SocketAddr;
+
+    async fn accept(&mut self) -> (Self::Io, Self::Addr) {
+        let place = self
+            .open
+            .clone()
+            .acquire_owned()
+            .await
+            .expect("the semaphore is never closed");
+        let (stream, addr) = axum::serve::Listener::accept(&mut self.inner).await;
+        (
+            Limited {
+                stream,
+                _place: place,
+            },
+            addr,
+        )
+    }
+
+    fn local_addr(&self) -> std::io::Result<Self::Addr> {
+        self.inner.local_addr()
+    }
+}
+
+impl tokio::io::AsyncRead for Limited {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.stream).poll_read(cx, buf)
+    }
+}
+
+impl tokio::io::AsyncWrite for Limited {
+    fn poll_write(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        std::pin::Pin::new(&mut self.stream).poll_write(cx, buf)
+    }
+
+    fn poll_flush(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.stream).poll_flush(cx)
+    }
+
+    fn poll_shutdown(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.stream).poll_shutdown(cx)
+    }
 }
 
 fn router(state: Arc<AppState>) -> Router {
@@ -191,7 +315,6 @@ fn router(state: Arc<AppState>) -> Router {
         .route("/webhooks/{source}", post(webhook))
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
-        .route("/metrics", get(metrics))
         .with_state(state)
 }
 
@@ -233,15 +356,6 @@ async fn readyz(State(state): State<Arc<AppState>>) -> (StatusCode, &'static str
     }
 }
 
-async fn metrics(State(state): State<Arc<AppState>>) -> Response {
-    use prometheus::Encoder as _;
-    let mut buf = Vec::new();
-    match prometheus::TextEncoder::new().encode(&state.registry.gather(), &mut buf) {
-        Ok(()) => (StatusCode::OK, buf).into_response(),
-        Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()).into_response(),
-    }
-}
-
 /// The outcome of one webhook request, as answered and as counted.
 enum Outcome {
     Accepted {
@@ -255,6 +369,10 @@ enum Outcome {
     Unauthorized,
     BadRequest(String),
     Unavailable(u64),
+    /// More requests in flight than allowed: 503 at once.
+    Overloaded(u64),
+    /// The body did not arrive within the request timeout.
+    TimedOut,
 }
 
 impl Outcome {
@@ -267,6 +385,8 @@ impl Outcome {
             Self::Unauthorized => "unauthorized",
             Self::BadRequest(_) => "bad_request",
             Self::Unavailable(_) => "unavailable",
+            Self::Overloaded(_) => "overloaded",
+            Self::TimedOut => "timed_out",
         }
     }
 }
@@ -291,6 +411,12 @@ impl IntoResponse for Outcome {
                 r.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(retry_after));
                 r
             }
+            Self::Overloaded(retry_after) => {
+                let mut r = error(StatusCode::SERVICE_UNAVAILABLE, "too many requests in flight; retry later");
+                r.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(retry_after));
+                r
+            }
+            Self::TimedOut => error(StatusCode::REQUEST_TIMEOUT, "the body did not arrive in time"),
         }
     }
 }
@@ -302,9 +428,11 @@ async fn webhook(
 ) -> Response {
     let source = state.sources.get(&name);
     let label = source.map_or("unknown", |s| s.name.as_str());
-    let outcome = match source {
-        None => Outcome::NotFound,
-        Some(source) => accept(&state, source, request).await,
+    let permit = state.in_flight.clone().try_acquire_owned();
+    let outcome = match (source, permit) {
+        (None, _) => Outcome::NotFound,
+        (Some(_), Err(_)) => Outcome::Overloaded(state.settings.retry_after_secs),
+        (Some(source), Ok(_permit)) => accept(&state, source, request).await,
     };
     state
         .metrics
@@ -316,7 +444,11 @@ async fn webhook(
 
 async fn accept(state: &AppState, source: &Source, request: Request) -> Outcome {
     let (parts, body) = request.into_parts();
-    let Some(body) = read_body(body, &parts.headers, state.settings.max_body_bytes).await else {
+    let reading = read_body(body, &parts.headers, state.settings.max_body_bytes);
+    let Ok(body) = tokio::time::timeout(state.settings.body_timeout, reading).await else {
+        return Outcome::TimedOut;
+    };
+    let Some(body) = body else {
         return Outcome::TooLarge;
     };
     let req = signature::Request {

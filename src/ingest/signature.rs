@@ -168,7 +168,8 @@ fn check_timestamp(timestamp: &str, tolerance: i64, now: i64) -> Result<(), Reje
         .trim()
         .parse()
         .map_err(|_| Unauthorized("malformed timestamp"))?;
-    if (now - t).abs() > tolerance {
+    // abs_diff cannot overflow, whatever the sender wrote.
+    if now.abs_diff(t) > tolerance.unsigned_abs() {
         return Err(Unauthorized("timestamp outside the tolerance"));
     }
     Ok(())
