@@ -159,6 +159,7 @@ impl Effect for HttpOutbox {
             event_type: event.event_type.clone(),
             received_at: event.received_at,
             payload: event.payload.clone(),
+            unhashed: Vec::new(),
         };
         let op = crate::outbox::NewOperation {
             event_key: event.key.as_str(),

@@ -156,6 +156,11 @@ pub struct Envelope {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub received_at: Option<DateTime<Utc>>,
     pub payload: serde_json::Value,
+    /// Top-level payload fields the sender changes between deliveries of one event (Stripe's
+    /// `pending_webhooks`): left out of the payload hash, so a redelivery is a replay and not a
+    /// key conflict. They are still stored with the payload.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub unhashed: Vec<String>,
 }
 
 impl Envelope {
@@ -197,6 +202,8 @@ struct Wire {
     #[serde(default)]
     received_at: Option<DateTime<Utc>>,
     payload: serde_json::Value,
+    #[serde(default)]
+    unhashed: Vec<String>,
 }
 
 impl Event {
@@ -218,13 +225,25 @@ impl Event {
             &wire.payload,
         )?;
         Ok(Self {
-            payload_sha256: payload_hash(&wire.payload),
+            payload_sha256: payload_hash_without(&wire.payload, &wire.unhashed),
             key,
             source: wire.source,
             event_type: wire.event_type,
             received_at: wire.received_at,
             payload: wire.payload,
         })
+    }
+}
+
+/// [`payload_hash`] of the payload without the top-level fields named in `unhashed`.
+pub fn payload_hash_without(payload: &serde_json::Value, unhashed: &[String]) -> [u8; 32] {
+    match payload {
+        serde_json::Value::Object(map) if unhashed.iter().any(|f| map.contains_key(f)) => {
+            let mut kept = map.clone();
+            kept.retain(|field, _| !unhashed.contains(field));
+            payload_hash(&serde_json::Value::Object(kept))
+        }
+        _ => payload_hash(payload),
     }
 }
 
@@ -350,6 +369,31 @@ mod tests {
         assert_eq!(decimal_exponent("-0.01"), -2);
         assert_eq!(decimal_exponent("5e7"), 7);
         assert_eq!(decimal_exponent("0.00E0"), 0);
+    }
+
+    #[test]
+    fn unhashed_fields_do_not_change_the_hash() {
+        let a = parse(
+            r#"{"key":"k","source":"s","unhashed":["pending_webhooks"],
+                "payload":{"id":"evt_1","pending_webhooks":1,"amount":5}}"#,
+        )
+        .unwrap();
+        let b = parse(
+            r#"{"key":"k","source":"s","unhashed":["pending_webhooks"],
+                "payload":{"id":"evt_1","pending_webhooks":3,"amount":5}}"#,
+        )
+        .unwrap();
+        let c = parse(
+            r#"{"key":"k","source":"s","unhashed":["pending_webhooks"],
+                "payload":{"id":"evt_1","pending_webhooks":3,"amount":6}}"#,
+        )
+        .unwrap();
+        assert_eq!(a.payload_sha256, b.payload_sha256);
+        assert_ne!(b.payload_sha256, c.payload_sha256);
+        assert_eq!(
+            b.payload["pending_webhooks"], 3,
+            "the field is still stored"
+        );
     }
 
     #[test]

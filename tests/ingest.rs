@@ -31,10 +31,30 @@ secrets_env = ["STRIPE_OLD", "STRIPE"]
 name = "slack"
 kind = "slack"
 secrets_env = ["SLACK_SIGNING"]
+
+[[sources]]
+name = "svix"
+kind = "standard-webhooks"
+secrets_env = ["SVIX"]
+
+[[sources]]
+name = "shopify"
+kind = "shopify"
+secrets_env = ["SHOPIFY"]
 "#;
 
+/// The Standard Webhooks source's key, before base64.
+const SVIX_KEY: &[u8] = b"secret-of-SVIX-standard";
+
 fn secret(name: &str) -> Option<String> {
-    Some(format!("secret-of-{name}"))
+    use base64::Engine as _;
+    Some(match name {
+        "SVIX" => format!(
+            "whsec_{}",
+            base64::engine::general_purpose::STANDARD.encode(SVIX_KEY)
+        ),
+        _ => format!("secret-of-{name}"),
+    })
 }
 
 fn hmac_hex(secret: &str, parts: &[&[u8]]) -> String {
@@ -519,4 +539,131 @@ async fn numbers_reach_the_topic_byte_for_byte() {
         text.contains(r#""rate":0.1000000000000000055511151231257827"#),
         "{text}"
     );
+}
+
+/// Delivers `body` as `kind`'s sender would, with the event id `id`.
+async fn deliver(ingress: &Ingress, kind: &str, id: &str, body: &[u8]) -> u16 {
+    use base64::Engine as _;
+    let b64 = |bytes: Vec<u8>| base64::engine::general_purpose::STANDARD.encode(bytes);
+    let mac = |secret: &[u8], parts: &[&[u8]]| {
+        let mut m = Hmac::<Sha256>::new_from_slice(secret).unwrap();
+        parts.iter().for_each(|p| m.update(p));
+        m.finalize().into_bytes().to_vec()
+    };
+    let t = now().to_string();
+    let post = |path: &str| {
+        ingress
+            .http
+            .post(format!("{}/webhooks/{path}", ingress.base))
+            .body(body.to_vec())
+    };
+    let response = match kind {
+        "stripe" => {
+            return ingress
+                .stripe("secret-of-STRIPE", now(), body)
+                .await
+                .status()
+                .as_u16()
+        }
+        "github" => return ingress.github(id, body).await.status().as_u16(),
+        "svix" => post("svix")
+            .header("webhook-id", id)
+            .header("webhook-timestamp", &t)
+            .header(
+                "webhook-signature",
+                format!(
+                    "v1,{}",
+                    b64(mac(
+                        SVIX_KEY,
+                        &[id.as_bytes(), b".", t.as_bytes(), b".", body]
+                    ))
+                ),
+            ),
+        "shopify" => post("shopify")
+            .header(
+                "x-shopify-hmac-sha256",
+                b64(mac(b"secret-of-SHOPIFY", &[body])),
+            )
+            .header("x-shopify-shop-domain", "shop.myshopify.com")
+            .header("x-shopify-event-id", id),
+        "slack" => post("slack")
+            .header("x-slack-request-timestamp", &t)
+            .header("x-slack-retry-num", "1")
+            .header(
+                "x-slack-signature",
+                format!(
+                    "v0={}",
+                    hex::encode(mac(
+                        b"secret-of-SLACK_SIGNING",
+                        &[b"v0:", t.as_bytes(), b":", body]
+                    ))
+                ),
+            ),
+        other => panic!("no sender for {other}"),
+    };
+    response.send().await.unwrap().status().as_u16()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redelivery_is_a_duplicate_and_a_changed_business_field_is_a_conflict_for_every_kind() {
+    let (kafka, db) = (TestKafka::mock(), TestDb::new().await);
+    let brokers = kafka.brokers();
+    let topic = kafka.topic(1).await;
+    let ingress = Ingress::start(&brokers, &topic, |_| {}).await;
+    // (kind, id, first delivery, the provider's redelivery, the same id with another amount)
+    let cases: [(&str, &str, String, String, String); 5] = [
+        (
+            "stripe",
+            "evt_r",
+            r#"{"id":"evt_r","type":"invoice.paid","pending_webhooks":2,"request":{"id":null},"data":{"amount":100}}"#.into(),
+            r#"{"id":"evt_r","type":"invoice.paid","pending_webhooks":1,"request":{"id":"req_9","idempotency_key":null},"data":{"amount":100}}"#.into(),
+            r#"{"id":"evt_r","type":"invoice.paid","pending_webhooks":1,"request":{"id":null},"data":{"amount":200}}"#.into(),
+        ),
+        ("github", "d-1", r#"{"action":"opened","amount":100}"#.into(), r#"{"action":"opened","amount":100}"#.into(), r#"{"action":"opened","amount":200}"#.into()),
+        ("svix", "msg_1", r#"{"type":"x","amount":100}"#.into(), r#"{"type":"x","amount":100}"#.into(), r#"{"type":"x","amount":200}"#.into()),
+        ("shopify", "e-1", r#"{"id":1,"amount":100}"#.into(), r#"{"id":1,"amount":100}"#.into(), r#"{"id":1,"amount":200}"#.into()),
+        (
+            "slack",
+            "Ev1",
+            r#"{"type":"event_callback","team_id":"T1","event_id":"Ev1","event_time":1,"amount":100}"#.into(),
+            r#"{"type":"event_callback","team_id":"T1","event_id":"Ev1","event_time":1,"amount":100}"#.into(),
+            r#"{"type":"event_callback","team_id":"T1","event_id":"Ev1","event_time":1,"amount":200}"#.into(),
+        ),
+    ];
+    for (kind, id, first, again, changed) in &cases {
+        for body in [first, again, changed] {
+            assert_eq!(
+                deliver(&ingress, kind, id, body.as_bytes()).await,
+                200,
+                "{kind}"
+            );
+        }
+    }
+    ingress.stop().await;
+    let recs = tokio::task::spawn_blocking(move || records(&brokers, &topic))
+        .await
+        .unwrap();
+    assert_eq!(recs.len(), 15);
+    let processor = replayproof::consume::BatchProcessor {
+        pool: db.pool.clone(),
+        effect: std::sync::Arc::new(replayproof::effect::Ledger),
+        retry: replayproof::consume::EffectRetry::default(),
+    };
+    for (i, ((kind, ..), three)) in cases.iter().zip(recs.chunks(3)).enumerate() {
+        let messages: Vec<replayproof::consume::RawMessage> = three
+            .iter()
+            .enumerate()
+            .map(|(j, (key, value))| replayproof::consume::RawMessage {
+                offset: (i * 3 + j) as i64,
+                key: Some(key.as_bytes().to_vec()),
+                value: Some(serde_json::to_vec(value).unwrap()),
+            })
+            .collect();
+        let report = processor.process("webhooks", 0, &messages).await.unwrap();
+        assert_eq!(
+            (report.applied, report.duplicates, report.conflicts),
+            (1, 1, 1),
+            "{kind}"
+        );
+    }
 }

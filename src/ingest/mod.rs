@@ -480,6 +480,12 @@ async fn accept(state: &AppState, source: &Source, request: Request) -> Outcome 
         event_type: identity.event_type,
         received_at: Some(chrono::Utc::now()),
         payload: identity.payload,
+        unhashed: source
+            .scheme
+            .unhashed_fields()
+            .iter()
+            .map(|f| f.to_string())
+            .collect(),
     };
     if let Err(unstorable) = envelope.check_storable() {
         return Outcome::BadRequest(unstorable.to_string());

@@ -68,6 +68,20 @@ pub enum Scheme {
     },
 }
 
+impl Scheme {
+    /// Top-level payload fields the provider changes between deliveries of one event, left out
+    /// of the payload hash so a redelivery is a replay, not a key conflict. Stripe counts the
+    /// endpoints still to be notified in `pending_webhooks`, and some API versions rewrite
+    /// `request`; the other providers resend the same body (their retry counters travel in
+    /// headers: `X-Slack-Retry-Num`, `webhook-timestamp`).
+    pub fn unhashed_fields(&self) -> &'static [&'static str] {
+        match self {
+            Self::Stripe => &["pending_webhooks", "request"],
+            _ => &[],
+        }
+    }
+}
+
 /// Why a request is refused. Callers answer with the status only: the detail is for logs and
 /// never says which part of a signature failed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

@@ -199,6 +199,7 @@ pub fn envelope(key: &str, payload: serde_json::Value) -> Vec<u8> {
         event_type: Some("test.event".into()),
         received_at: None,
         payload,
+        unhashed: Vec::new(),
     }
     .to_bytes()
 }
