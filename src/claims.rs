@@ -1,4 +1,5 @@
-//! All SQL for the claim tables: `processed_events`, `key_conflicts` and `dead_letters`.
+//! All SQL for the claim tables: `processed_events`, `key_conflicts`, `dead_letters` and the
+//! replay guard's `delivery_fingerprints`.
 //!
 //! Every statement here runs inside the batch transaction, so claims, conflicts and dead letters
 //! commit together with the effects or not at all.
@@ -140,6 +141,113 @@ pub async fn record_conflicts(
     .bind(&offsets)
     .bind(origin.topic)
     .bind(origin.partition)
+    .execute(conn)
+    .await?;
+    Ok(())
+}
+
+/// A signed body as the replay guard knows it: its source and payload hash.
+pub type Fingerprint = (String, Vec<u8>);
+
+/// The key a signed body was first delivered under, and how many seconds ago.
+pub type FirstDelivery = (String, f64);
+
+/// For each guarded event, the key its signed body was first delivered under and how many
+/// seconds ago. Records the fingerprints of bodies seen for the first time (the earliest offset
+/// wins within a batch), and moves to the new key a fingerprint older than that event's window.
+///
+/// Lock order: fingerprints are inserted sorted by (source, hash) and always before the claims,
+/// so two batches can wait on each other's fingerprints but never deadlock.
+#[tracing::instrument(skip_all, fields(events = events.len()))]
+pub async fn fingerprints(
+    conn: &mut PgConnection,
+    events: &[(i64, &Event)],
+) -> sqlx::Result<HashMap<Fingerprint, FirstDelivery>> {
+    let sources: Vec<&str> = events.iter().map(|(_, e)| e.source.as_str()).collect();
+    let hashes: Vec<&[u8]> = events.iter().map(|(_, e)| &e.payload_sha256[..]).collect();
+    let keys: Vec<&str> = events.iter().map(|(_, e)| e.key.as_str()).collect();
+    let offsets: Vec<i64> = events.iter().map(|(o, _)| *o).collect();
+    let windows: Vec<f64> = events
+        .iter()
+        .map(|(_, e)| e.replay_window_secs.unwrap_or(0) as f64)
+        .collect();
+    sqlx::query(
+        r#"INSERT INTO delivery_fingerprints AS f (source, payload_sha256, event_key)
+           SELECT s, h, k FROM unnest($1::text[], $2::bytea[], $3::text[], $4::int8[])
+                AS u(s, h, k, o)
+           ORDER BY s COLLATE "C", h, o
+           ON CONFLICT (source, payload_sha256) DO NOTHING"#,
+    )
+    .bind(&sources)
+    .bind(&hashes)
+    .bind(&keys)
+    .bind(&offsets)
+    .execute(&mut *conn)
+    .await?;
+    sqlx::query(
+        r#"UPDATE delivery_fingerprints AS f SET event_key = u.k, first_seen_at = now()
+           FROM unnest($1::text[], $2::bytea[], $3::text[], $4::float8[]) AS u(s, h, k, w)
+           WHERE f.source = u.s AND f.payload_sha256 = u.h AND f.event_key <> u.k
+             AND f.first_seen_at < now() - make_interval(secs => u.w)"#,
+    )
+    .bind(&sources)
+    .bind(&hashes)
+    .bind(&keys)
+    .bind(&windows)
+    .execute(&mut *conn)
+    .await?;
+    let rows: Vec<(String, Vec<u8>, String, f64)> = sqlx::query_as(
+        r#"SELECT f.source, f.payload_sha256, f.event_key,
+                  extract(epoch FROM now() - f.first_seen_at)::float8
+           FROM delivery_fingerprints f
+           JOIN unnest($1::text[], $2::bytea[]) AS u(s, h)
+             ON f.source = u.s AND f.payload_sha256 = u.h"#,
+    )
+    .bind(&sources)
+    .bind(&hashes)
+    .fetch_all(&mut *conn)
+    .await?;
+    Ok(rows
+        .into_iter()
+        .map(|(s, h, k, age)| ((s, h), (k, age)))
+        .collect())
+}
+
+/// Records replayed captures: events whose signed body was delivered under another key within
+/// the window. Each is a key conflict with its reason; none is claimed or applied.
+#[tracing::instrument(skip_all, fields(replays = replays.len()))]
+pub async fn record_replays(
+    conn: &mut PgConnection,
+    origin: Origin<'_>,
+    replays: &[(i64, &Event, String)],
+) -> sqlx::Result<()> {
+    let keys: Vec<&str> = replays.iter().map(|(_, e, _)| e.key.as_str()).collect();
+    let hashes: Vec<&[u8]> = replays
+        .iter()
+        .map(|(_, e, _)| &e.payload_sha256[..])
+        .collect();
+    let payloads: Vec<&serde_json::Value> = replays.iter().map(|(_, e, _)| &e.payload).collect();
+    let sources: Vec<&str> = replays.iter().map(|(_, e, _)| e.source.as_str()).collect();
+    let offsets: Vec<i64> = replays.iter().map(|(o, _, _)| *o).collect();
+    let reasons: Vec<&str> = replays.iter().map(|(_, _, r)| r.as_str()).collect();
+    sqlx::query(
+        r#"INSERT INTO key_conflicts (event_key, payload_sha256, payload, source, kafka_topic,
+                kafka_partition, kafka_offset, reason)
+           SELECT k, h, p, s, $6, $7, o, r
+           FROM unnest($1::text[], $2::bytea[], $3::jsonb[], $4::text[], $5::int8[], $8::text[])
+                AS u(k, h, p, s, o, r)
+           ORDER BY k COLLATE "C", h
+           ON CONFLICT (event_key, payload_sha256) DO UPDATE
+           SET last_seen_at = now(), times_seen = key_conflicts.times_seen + 1"#,
+    )
+    .bind(&keys)
+    .bind(&hashes)
+    .bind(&payloads)
+    .bind(&sources)
+    .bind(&offsets)
+    .bind(origin.topic)
+    .bind(origin.partition)
+    .bind(&reasons)
     .execute(conn)
     .await?;
     Ok(())

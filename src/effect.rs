@@ -160,6 +160,7 @@ impl Effect for HttpOutbox {
             received_at: event.received_at,
             payload: event.payload.clone(),
             unhashed: Vec::new(),
+            replay_window_secs: None,
         };
         let op = crate::outbox::NewOperation {
             event_key: event.key.as_str(),

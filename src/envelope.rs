@@ -161,6 +161,11 @@ pub struct Envelope {
     /// key conflict. They are still stored with the payload.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub unhashed: Vec<String>,
+    /// Set by sources whose signature covers only the body while the key comes from an
+    /// unsigned header: the same payload under another key within this many seconds is a
+    /// replayed capture, recorded as a key conflict and not applied.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replay_window_secs: Option<u64>,
 }
 
 impl Envelope {
@@ -190,6 +195,8 @@ pub struct Event {
     pub received_at: Option<DateTime<Utc>>,
     pub payload: serde_json::Value,
     pub payload_sha256: [u8; 32],
+    /// The replay guard's window, for sources that sign only the body; see [`Envelope`].
+    pub replay_window_secs: Option<u64>,
 }
 
 /// The envelope as read: `payload` is required, though it may be `null`.
@@ -204,6 +211,8 @@ struct Wire {
     payload: serde_json::Value,
     #[serde(default)]
     unhashed: Vec<String>,
+    #[serde(default)]
+    replay_window_secs: Option<u64>,
 }
 
 impl Event {
@@ -231,6 +240,7 @@ impl Event {
             event_type: wire.event_type,
             received_at: wire.received_at,
             payload: wire.payload,
+            replay_window_secs: wire.replay_window_secs.filter(|secs| *secs > 0),
         })
     }
 }

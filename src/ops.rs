@@ -293,6 +293,7 @@ async fn retry_local(
             .payload_sha256
             .try_into()
             .map_err(|_| anyhow::anyhow!("a stored payload hash is not 32 bytes"))?,
+        replay_window_secs: None,
     };
     let mut savepoint = sqlx::Acquire::begin(&mut *tx).await?;
     if let Err(e) = effect.apply(&mut savepoint, &event).await {

@@ -41,6 +41,12 @@ secrets_env = ["SVIX"]
 name = "shopify"
 kind = "shopify"
 secrets_env = ["SHOPIFY"]
+
+[[sources]]
+name = "github-unguarded"
+kind = "github"
+secrets_env = ["GITHUB"]
+replay_window_secs = 0
 "#;
 
 /// The Standard Webhooks source's key, before base64.
@@ -666,4 +672,80 @@ async fn a_redelivery_is_a_duplicate_and_a_changed_business_field_is_a_conflict_
             "{kind}"
         );
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_captured_delivery_resent_under_forged_ids_has_one_effect() {
+    let (kafka, db) = (TestKafka::mock(), TestDb::new().await);
+    let brokers = kafka.brokers();
+    let topic = kafka.topic(1).await;
+    let ingress = Ingress::start(&brokers, &topic, |_| {}).await;
+    let capture = br#"{"action":"completed","check_run":{"id":7}}"#;
+    // The real delivery, GitHub's own redelivery, then the capture under three forged ids.
+    for delivery in ["real", "real", "forged-1", "forged-2", "forged-3"] {
+        assert_eq!(ingress.github(delivery, capture).await.status(), 200);
+    }
+    // The same capture at a source whose guard is off is applied under each id.
+    for delivery in ["open-1", "open-2"] {
+        let sig = format!("sha256={}", hmac_hex("secret-of-GITHUB", &[capture]));
+        let r = ingress
+            .http
+            .post(format!("{}/webhooks/github-unguarded", ingress.base))
+            .header("x-hub-signature-256", sig)
+            .header("x-github-delivery", delivery)
+            .body(capture.to_vec())
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+    }
+    ingress.stop().await;
+    let recs = tokio::task::spawn_blocking(move || records(&brokers, &topic))
+        .await
+        .unwrap();
+    let messages: Vec<replayproof::consume::RawMessage> = recs
+        .iter()
+        .enumerate()
+        .map(|(i, (key, value))| replayproof::consume::RawMessage {
+            offset: i as i64,
+            key: Some(key.as_bytes().to_vec()),
+            value: Some(serde_json::to_vec(value).unwrap()),
+        })
+        .collect();
+    let processor = replayproof::consume::BatchProcessor {
+        pool: db.pool.clone(),
+        effect: std::sync::Arc::new(replayproof::effect::Ledger),
+        retry: replayproof::consume::EffectRetry::default(),
+    };
+    // One batch, then the forged ones again one by one: neither way gets past the guard.
+    processor.process("webhooks", 0, &messages).await.unwrap();
+    for m in &messages[2..5] {
+        processor
+            .process("webhooks", 0, std::slice::from_ref(m))
+            .await
+            .unwrap();
+    }
+    let counts = db.ledger_counts().await;
+    let mut keys: Vec<&str> = counts.keys().map(String::as_str).collect();
+    keys.sort();
+    assert_eq!(
+        keys,
+        [
+            "github-unguarded:open-1",
+            "github-unguarded:open-2",
+            "github:real"
+        ]
+    );
+    assert!(counts.values().all(|n| *n == 1));
+    let forged: Vec<(String, String)> =
+        sqlx::query_as("SELECT event_key, reason FROM key_conflicts ORDER BY event_key")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(forged.len(), 3, "{forged:?}");
+    assert!(forged[0].0.ends_with("forged-1"));
+    assert!(
+        forged[0].1.contains("delivered as github:real"),
+        "{forged:?}"
+    );
 }

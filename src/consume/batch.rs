@@ -312,7 +312,15 @@ impl BatchProcessor {
         if plan.firsts.is_empty() {
             return Ok(report);
         }
-        let firsts: Vec<(i64, &Event)> = plan.firsts.iter().map(|(o, e)| (*o, e)).collect();
+        let mut firsts: Vec<(i64, &Event)> = plan.firsts.iter().map(|(o, e)| (*o, e)).collect();
+        let replays = self.sort_out_captures(tx, &mut firsts).await?;
+        if !replays.is_empty() {
+            report.conflicts += replays.len();
+            claims::record_replays(tx, origin, &replays).await?;
+        }
+        if firsts.is_empty() {
+            return Ok(report);
+        }
         let claimed: HashSet<String> = claims::claim(tx, origin, &firsts)
             .await?
             .into_iter()
@@ -338,6 +346,46 @@ impl BatchProcessor {
         }
         claims::settle(tx, &settlements).await?;
         Ok(report)
+    }
+
+    /// Takes out of `firsts` the replayed captures: guarded events whose signed body was first
+    /// delivered under another key within the window. They are returned with the reason.
+    async fn sort_out_captures<'e>(
+        &self,
+        tx: &mut Transaction<'static, Postgres>,
+        firsts: &mut Vec<(i64, &'e Event)>,
+    ) -> Result<Vec<(i64, &'e Event, String)>, RunError> {
+        let guarded: Vec<(i64, &Event)> = firsts
+            .iter()
+            .filter(|(_, e)| e.replay_window_secs.is_some())
+            .copied()
+            .collect();
+        if guarded.is_empty() {
+            return Ok(Vec::new());
+        }
+        let seen = claims::fingerprints(tx, &guarded).await?;
+        let mut replays = Vec::new();
+        firsts.retain(|(offset, e)| {
+            let Some(window) = e.replay_window_secs else {
+                return true;
+            };
+            let fingerprint = (e.source.clone(), e.payload_sha256.to_vec());
+            match seen.get(&fingerprint) {
+                Some((first_key, age)) if first_key != e.key.as_str() && *age <= window as f64 => {
+                    replays.push((
+                        *offset,
+                        *e,
+                        format!(
+                            "replayed capture: the same signed body was delivered as {first_key} \
+                             {age:.0} s earlier (replay window {window} s)"
+                        ),
+                    ));
+                    false
+                }
+                _ => true,
+            }
+        });
+        Ok(replays)
     }
 
     /// Counts replays and records key conflicts: every event that was not claimed here is
@@ -384,7 +432,7 @@ impl BatchProcessor {
                 _ => report.duplicates += 1,
             }
         }
-        report.conflicts = conflicts.len();
+        report.conflicts += conflicts.len();
         if !conflicts.is_empty() {
             claims::record_conflicts(tx, origin, &conflicts).await?;
         }

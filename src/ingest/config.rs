@@ -69,6 +69,12 @@ pub struct SourceConfig {
     /// `hmac` only: `{ header = "X-Event-Id" }` or `{ json_pointer = "/id" }`.
     #[serde(default)]
     pub key_from: Option<KeyFrom>,
+    /// For kinds that sign only the body while the key comes from an unsigned header (github,
+    /// shopify, hmac keyed by a header): how long the same signed body under another id is
+    /// taken for a replayed capture and recorded as a key conflict instead of applied. Defaults
+    /// to the provider's redelivery window; 0 turns the guard off.
+    #[serde(default)]
+    pub replay_window_secs: Option<u64>,
 }
 
 fn default_tolerance() -> i64 {
@@ -82,6 +88,8 @@ pub struct Source {
     pub scheme: Scheme,
     pub secrets: Vec<Secret>,
     pub tolerance_secs: i64,
+    /// The replay guard's window (see [`SourceConfig::replay_window_secs`]); None when off.
+    pub replay_window_secs: Option<u64>,
 }
 
 impl FileConfig {
@@ -138,11 +146,20 @@ impl SourceConfig {
                     .with_context(|| format!("environment variable {var}"))
             })
             .collect::<anyhow::Result<_>>()?;
+        let scheme = self.scheme()?;
+        let replay_window_secs =
+            match (self.replay_window_secs, scheme.default_replay_window_secs()) {
+                (_, None) => None,
+                (Some(0), Some(_)) => None,
+                (Some(secs), Some(_)) => Some(secs),
+                (None, default) => default,
+            };
         Ok(Source {
             name: self.name.clone(),
-            scheme: self.scheme()?,
+            scheme,
             secrets,
             tolerance_secs: self.tolerance_secs,
+            replay_window_secs,
         })
     }
 

@@ -486,6 +486,7 @@ async fn accept(state: &AppState, source: &Source, request: Request) -> Outcome 
             .iter()
             .map(|f| f.to_string())
             .collect(),
+        replay_window_secs: source.replay_window_secs,
     };
     if let Err(unstorable) = envelope.check_storable() {
         return Outcome::BadRequest(unstorable.to_string());

@@ -80,6 +80,24 @@ impl Scheme {
             _ => &[],
         }
     }
+
+    /// For schemes that sign only the body while the key comes from an unsigned header, the
+    /// provider's redelivery window: a captured request resent under a new id within it is a
+    /// replay, not a new event. GitHub lets deliveries be redelivered for 3 days, Shopify
+    /// retries for 48 hours; a generic sender gets 3 days. Schemes that sign the id (Stripe's
+    /// body `id`, Standard Webhooks, Slack) need no guard.
+    pub fn default_replay_window_secs(&self) -> Option<u64> {
+        const DAY: u64 = 24 * 3600;
+        match self {
+            Self::Github => Some(3 * DAY),
+            Self::Shopify => Some(2 * DAY),
+            Self::Hmac {
+                key_from: KeyFrom::Header(_),
+                ..
+            } => Some(3 * DAY),
+            _ => None,
+        }
+    }
 }
 
 /// Why a request is refused. Callers answer with the status only: the detail is for logs and

@@ -200,6 +200,7 @@ pub fn envelope(key: &str, payload: serde_json::Value) -> Vec<u8> {
         received_at: None,
         payload,
         unhashed: Vec::new(),
+        replay_window_secs: None,
     }
     .to_bytes()
 }
