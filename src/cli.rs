@@ -704,10 +704,6 @@ async fn run_dispatch(args: DispatchArgs) -> anyhow::Result<()> {
         backoff_max: Duration::from_millis(args.max_backoff_ms),
         ..crate::dispatch::DispatchSettings::new(&worker)
     };
-    anyhow::ensure!(
-        settings.request_timeout < settings.lease,
-        "--request-timeout-ms must be shorter than the lease"
-    );
     let mut dispatcher = crate::dispatch::Dispatcher::new(settings, pool, metrics)?;
     dispatcher.health = health;
     dispatcher.run(shutdown).await

@@ -144,6 +144,13 @@ impl Dispatcher {
         pool: PgPool,
         metrics: DispatchMetrics,
     ) -> anyhow::Result<Self> {
+        anyhow::ensure!(
+            settings.lease > settings.request_timeout * 2,
+            "the lease ({} ms) must be longer than two request timeouts ({} ms each): one attempt \
+             may reconcile and then deliver, and both must end before the lease does",
+            settings.lease.as_millis(),
+            settings.request_timeout.as_millis()
+        );
         // A redirect would turn a POST into a body-less GET and carry the Idempotency-Key to
         // another host: a 3xx is an answer to record, never to follow.
         let http = reqwest::Client::builder()
@@ -216,6 +223,9 @@ impl Dispatcher {
 
     /// Leases one batch and delivers it; returns how many rows it leased.
     pub async fn dispatch_once(&self) -> sqlx::Result<usize> {
+        // Measured before the lease is asked for, so the local deadline is never later than
+        // the one the database holds.
+        let lease_deadline = Instant::now() + self.settings.lease;
         let leased = outbox::lease(
             &self.pool,
             &self.settings.worker,
@@ -225,7 +235,7 @@ impl Dispatcher {
         .await?;
         let n = leased.len();
         let attempts = leased.into_iter().map(|row| async move {
-            if let Err(e) = self.attempt(&row).await {
+            if let Err(e) = self.attempt(&row, lease_deadline).await {
                 // The lease expires and another attempt follows: nothing is lost.
                 tracing::warn!(operation = %row.operation_key, error = %e, "Could not record an attempt.");
             }
@@ -234,7 +244,10 @@ impl Dispatcher {
         Ok(n)
     }
 
-    async fn attempt(&self, row: &Leased) -> sqlx::Result<()> {
+    /// One attempt: a reconcile when the operation may already have been applied, then the
+    /// delivery, both within the lease. A delivery is never started with less than a request
+    /// timeout left on the lease: the row would be taken over with the request still in flight.
+    async fn attempt(&self, row: &Leased, lease_deadline: Instant) -> sqlx::Result<()> {
         let maybe_applied =
             row.previous_state == "uncertain" || row.previous_state == "in_progress";
         if maybe_applied {
@@ -243,6 +256,14 @@ impl Dispatcher {
                     return Ok(settled);
                 }
             }
+        }
+        crate::stallpoint!("dispatch::before_delivery");
+        if !may_start_request(
+            lease_deadline,
+            Instant::now(),
+            self.settings.request_timeout,
+        ) {
+            return self.give_back(row).await;
         }
         let started_at = chrono::Utc::now();
         let timer = Instant::now();
@@ -265,6 +286,35 @@ impl Dispatcher {
             started_at,
             timer.elapsed(),
             outcome,
+        )
+        .await
+    }
+
+    /// Ends an attempt that did not send its delivery because too little of the lease was left:
+    /// the row goes back as it was (uncertain if it may have been applied, else retryable), due
+    /// at once, for an attempt with a fresh lease.
+    async fn give_back(&self, row: &Leased) -> sqlx::Result<()> {
+        let state = if row.previous_state == "uncertain" || row.previous_state == "in_progress" {
+            "uncertain"
+        } else {
+            "retryable"
+        };
+        let settlement = Settlement {
+            next_attempt_at: Some(chrono::Utc::now()),
+            ..settled(
+                state,
+                None,
+                Some("not sent: less than a request timeout was left on the lease".into()),
+            )
+        };
+        tracing::warn!(operation = %row.operation_key, "Too little of the lease was left to send a delivery; giving it back.");
+        self.settle(
+            row,
+            &settlement,
+            "deliver",
+            chrono::Utc::now(),
+            Duration::ZERO,
+            "lease_short",
         )
         .await
     }
@@ -451,6 +501,11 @@ impl Dispatcher {
     }
 }
 
+/// Whether a request may start: it must be able to time out before the lease runs out.
+fn may_start_request(lease_deadline: Instant, now: Instant, request_timeout: Duration) -> bool {
+    lease_deadline.saturating_duration_since(now) > request_timeout
+}
+
 /// The longest `Retry-After` honoured; a downstream asking for more is asked again after this.
 pub const MAX_RETRY_AFTER: Duration = Duration::from_secs(24 * 3600);
 
@@ -472,5 +527,50 @@ fn settled(state: &'static str, status: Option<i32>, error: Option<String>) -> S
         status,
         error,
         response: None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_request_starts_only_with_a_full_timeout_left_on_the_lease() {
+        let now = Instant::now();
+        let timeout = Duration::from_secs(10);
+        assert!(may_start_request(
+            now + Duration::from_secs(11),
+            now,
+            timeout
+        ));
+        assert!(!may_start_request(
+            now + Duration::from_secs(10),
+            now,
+            timeout
+        ));
+        assert!(!may_start_request(
+            now + Duration::from_secs(3),
+            now,
+            timeout
+        ));
+        assert!(!may_start_request(
+            now,
+            now + Duration::from_secs(1),
+            timeout
+        ));
+    }
+
+    #[tokio::test]
+    async fn a_lease_shorter_than_two_request_timeouts_is_refused() {
+        let metrics = DispatchMetrics::new(&Registry::new()).unwrap();
+        let pool = sqlx::PgPool::connect_lazy("postgres://localhost/none").unwrap();
+        let settings = |lease_ms, timeout_ms| DispatchSettings {
+            lease: Duration::from_millis(lease_ms),
+            request_timeout: Duration::from_millis(timeout_ms),
+            ..DispatchSettings::new("w")
+        };
+        let refused = Dispatcher::new(settings(1500, 1000), pool.clone(), metrics.clone());
+        assert!(refused.is_err());
+        assert!(Dispatcher::new(settings(2500, 1000), pool, metrics).is_ok());
     }
 }

@@ -241,7 +241,7 @@ async fn dispatcher_killed_mid_request_is_taken_over_and_its_late_completion_cha
             "--lease-secs",
             "2",
             "--request-timeout-ms",
-            "1500",
+            "900",
         ])
         .args([
             "--poll-ms",
