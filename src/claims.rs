@@ -292,9 +292,14 @@ pub async fn insert_dead_letters(
     Ok(())
 }
 
-/// Writes each claimed event's outcome to its claim.
+/// Writes each claimed event's outcome to its claim; a failed one also records `effect_spec`,
+/// the effects to run again on an operator's retry.
 #[tracing::instrument(skip_all, fields(claims = settlements.len()))]
-pub async fn settle(conn: &mut PgConnection, settlements: &[Settlement<'_>]) -> sqlx::Result<()> {
+pub async fn settle(
+    conn: &mut PgConnection,
+    settlements: &[Settlement<'_>],
+    effect_spec: Option<&serde_json::Value>,
+) -> sqlx::Result<()> {
     let keys: Vec<&str> = settlements.iter().map(|s| s.key).collect();
     let statuses: Vec<&str> = settlements.iter().map(|s| s.status.as_str()).collect();
     let attempts: Vec<i32> = settlements.iter().map(|s| s.attempts).collect();
@@ -305,7 +310,8 @@ pub async fn settle(conn: &mut PgConnection, settlements: &[Settlement<'_>]) -> 
     sqlx::query(
         r#"UPDATE processed_events AS p
            SET status = u.status, attempts = u.attempts, last_error = u.err,
-               completed_at = CASE WHEN u.status = 'done' THEN clock_timestamp() END
+               completed_at = CASE WHEN u.status = 'done' THEN clock_timestamp() END,
+               effect_spec = CASE WHEN u.status = 'failed' THEN $5::jsonb END
            FROM unnest($1::text[], $2::text[], $3::int4[], $4::text[]) AS u(k, status, attempts, err)
            WHERE p.event_key = u.k"#,
     )
@@ -313,6 +319,7 @@ pub async fn settle(conn: &mut PgConnection, settlements: &[Settlement<'_>]) -> 
     .bind(&statuses)
     .bind(&attempts)
     .bind(&errors)
+    .bind(effect_spec)
     .execute(conn)
     .await?;
     Ok(())

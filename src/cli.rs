@@ -229,13 +229,31 @@ pub enum EventsCommand {
     Retry {
         #[command(flatten)]
         op: OperatorArgs,
-        key: String,
+        /// The event to retry; without it, every event matching --state (and --source, --since).
+        #[arg(required_unless_present = "state")]
+        key: Option<String>,
         /// Only this operation of the event.
         #[arg(long)]
         operation: Option<String>,
-        /// The effect to run again, for a failed local effect.
+        /// The effect to run again for a failed local effect, instead of the effects recorded on
+        /// its claim (needed only for an event whose consumer ran a library effect).
         #[arg(long, value_enum)]
         effect: Option<BuiltinEffect>,
+        /// Bulk: retry every event whose claim or an operation is in this state.
+        #[arg(long, value_parser = ["failed", "uncertain", "dead"], conflicts_with = "key")]
+        state: Option<String>,
+        /// Bulk: only events of this source.
+        #[arg(long, requires = "state")]
+        source: Option<String>,
+        /// Bulk: only events claimed at or after this time (RFC 3339).
+        #[arg(long, requires = "state")]
+        since: Option<chrono::DateTime<chrono::Utc>>,
+        /// Bulk: at most this many events.
+        #[arg(long, default_value_t = 1000, requires = "state")]
+        limit: i64,
+        /// Bulk: list the events that would be retried, and change nothing.
+        #[arg(long, requires = "state")]
+        dry_run: bool,
         #[arg(long)]
         reason: String,
     },

@@ -68,19 +68,70 @@ pub async fn events(command: EventsCommand) -> anyhow::Result<()> {
             key,
             operation,
             effect,
+            state,
+            source,
+            since,
+            limit,
+            dry_run,
             reason,
         } => {
             let effect = effect.map(|e| e.build(None)).transpose()?;
-            let changes = ops::retry(
-                &pool(&op)?,
-                effect.as_deref(),
-                &key,
-                operation.as_deref(),
-                &op.actor(),
-                &reason,
-            )
-            .await?;
-            print_changes(&op, &changes);
+            let pool = pool(&op)?;
+            let Some(state) = state else {
+                let key = key.context("an event key, or --state for a bulk retry")?;
+                let changes = ops::retry(
+                    &pool,
+                    effect.as_deref(),
+                    &key,
+                    operation.as_deref(),
+                    &op.actor(),
+                    &reason,
+                )
+                .await?;
+                print_changes(&op, &changes);
+                return Ok(());
+            };
+            let filter = ops::RetryFilter {
+                state,
+                source,
+                since,
+                limit,
+            };
+            let keys = ops::events_to_retry(&pool, &filter).await?;
+            if dry_run {
+                for key in &keys {
+                    println!("{key}: would be retried");
+                }
+                println!(
+                    "{} events would be retried (dry run: nothing changed)",
+                    keys.len()
+                );
+                return Ok(());
+            }
+            let mut failures = 0;
+            for key in &keys {
+                let retried = ops::retry(
+                    &pool,
+                    effect.as_deref(),
+                    key,
+                    operation.as_deref(),
+                    &op.actor(),
+                    &reason,
+                )
+                .await;
+                match retried {
+                    Ok(changes) => print_changes(&op, &changes),
+                    Err(e) => {
+                        failures += 1;
+                        eprintln!("{key}: not retried: {e:#}");
+                    }
+                }
+            }
+            anyhow::ensure!(
+                failures == 0,
+                "{failures} of {} events were not retried",
+                keys.len()
+            );
         }
         EventsCommand::Resolve {
             op,

@@ -5,8 +5,10 @@
 //! effect, nor an effect without its claim.
 
 use crate::envelope::Event;
+use anyhow::Context as _;
 use async_trait::async_trait;
 use sqlx::{Postgres, Transaction};
+use std::sync::Arc;
 
 /// The transaction an effect writes in. It is a savepoint inside the batch transaction: when the
 /// effect fails, only this event's work is rolled back.
@@ -31,6 +33,42 @@ pub trait Effect: Send + Sync + 'static {
 
     /// Applies the event. Called at most once per committed claim.
     async fn apply(&self, tx: &mut Tx<'_>, event: &Event) -> anyhow::Result<()>;
+
+    /// How to build this effect again ([`from_spec`]), recorded on failed claims so that an
+    /// operator's retry runs the same effects. None (the default) for an effect that cannot be
+    /// rebuilt by name; its retries need the effect handed to [`crate::ops::retry`].
+    fn spec(&self) -> Option<serde_json::Value> {
+        None
+    }
+}
+
+/// Builds an effect from its [`Effect::spec`].
+pub fn from_spec(spec: &serde_json::Value) -> anyhow::Result<Arc<dyn Effect>> {
+    let field = |name: &str| spec.get(name).and_then(serde_json::Value::as_str);
+    match field("effect") {
+        Some("ledger") => Ok(Arc::new(Ledger)),
+        Some("http") => Ok(Arc::new(HttpOutbox {
+            target_url: field("target_url")
+                .context("an http effect spec names its target_url")?
+                .to_owned(),
+            reconcile_url: field("reconcile_url").map(str::to_owned),
+            max_attempts: spec
+                .get("max_attempts")
+                .and_then(serde_json::Value::as_i64)
+                .and_then(|n| i32::try_from(n).ok())
+                .context("an http effect spec names its max_attempts")?,
+        })),
+        Some("chain") => {
+            let parts = spec
+                .get("of")
+                .and_then(serde_json::Value::as_array)
+                .context("a chain spec lists its effects under `of`")?;
+            Ok(Arc::new(Chain(
+                parts.iter().map(from_spec).collect::<anyhow::Result<_>>()?,
+            )))
+        }
+        _ => anyhow::bail!("not an effect spec: {spec}"),
+    }
 }
 
 /// How an effect's error is handled; see [`Effect`].
@@ -133,6 +171,10 @@ impl Effect for Ledger {
         .await?;
         Ok(())
     }
+
+    fn spec(&self) -> Option<serde_json::Value> {
+        Some(serde_json::json!({ "effect": "ledger" }))
+    }
 }
 
 /// The built-in outbox effect: one `deliver` operation per event, a POST of the event's
@@ -173,11 +215,20 @@ impl Effect for HttpOutbox {
         crate::outbox::enqueue(tx, &op).await?;
         Ok(())
     }
+
+    fn spec(&self) -> Option<serde_json::Value> {
+        Some(serde_json::json!({
+            "effect": "http",
+            "target_url": self.target_url,
+            "reconcile_url": self.reconcile_url,
+            "max_attempts": self.max_attempts,
+        }))
+    }
 }
 
 /// Several effects applied in order in the same transaction, such as a ledger row and an
 /// outbox operation.
-pub struct Chain(pub Vec<std::sync::Arc<dyn Effect>>);
+pub struct Chain(pub Vec<Arc<dyn Effect>>);
 
 #[async_trait]
 impl Effect for Chain {
@@ -190,6 +241,11 @@ impl Effect for Chain {
             effect.apply(tx, event).await?;
         }
         Ok(())
+    }
+
+    fn spec(&self) -> Option<serde_json::Value> {
+        let parts: Option<Vec<_>> = self.0.iter().map(|e| e.spec()).collect();
+        Some(serde_json::json!({ "effect": "chain", "of": parts? }))
     }
 }
 

@@ -200,6 +200,36 @@ async fn audit(
     Ok(())
 }
 
+/// Which events a bulk retry takes.
+#[derive(Debug, Clone)]
+pub struct RetryFilter {
+    /// `failed`, `uncertain` or `dead`: of the claim or of one of its operations.
+    pub state: String,
+    pub source: Option<String>,
+    /// Only events claimed at or after this time.
+    pub since: Option<chrono::DateTime<chrono::Utc>>,
+    pub limit: i64,
+}
+
+/// The events a bulk retry takes, oldest claim first.
+pub async fn events_to_retry(pool: &PgPool, f: &RetryFilter) -> sqlx::Result<Vec<String>> {
+    sqlx::query_scalar(
+        r#"SELECT p.event_key FROM processed_events p
+           WHERE (p.status = $1
+                  OR EXISTS (SELECT 1 FROM outbox o WHERE o.event_key = p.event_key AND o.state = $1))
+             AND ($2::text IS NULL OR p.source = $2)
+             AND ($3::timestamptz IS NULL OR p.claimed_at >= $3)
+           ORDER BY p.claimed_at, p.event_key
+           LIMIT $4"#,
+    )
+    .bind(&f.state)
+    .bind(&f.source)
+    .bind(f.since)
+    .bind(f.limit)
+    .fetch_all(pool)
+    .await
+}
+
 /// What an operator change did: (target, state before, state after) for each row it moved.
 pub type Changes = Vec<(String, String, String)>;
 
@@ -256,6 +286,7 @@ struct StoredClaim {
     payload: serde_json::Value,
     payload_sha256: Vec<u8>,
     status: String,
+    effect_spec: Option<serde_json::Value>,
 }
 
 /// Runs a failed local effect again in one transaction with its claim's change and audit row.
@@ -268,7 +299,7 @@ async fn retry_local(
 ) -> anyhow::Result<Changes> {
     let mut tx = pool.begin().await?;
     let claim: Option<StoredClaim> = sqlx::query_as(
-        "SELECT source, event_type, received_at, payload, payload_sha256, status FROM processed_events WHERE event_key = $1 FOR UPDATE",
+        "SELECT source, event_type, received_at, payload, payload_sha256, status, effect_spec FROM processed_events WHERE event_key = $1 FOR UPDATE",
     )
     .bind(key)
     .fetch_optional(&mut *tx)
@@ -282,7 +313,24 @@ async fn retry_local(
             claim.status
         );
     }
-    let effect = effect.context("retrying a failed local effect needs --effect")?;
+    if let (Some(given), Some(spec)) = (effect.and_then(|e| e.spec()), &claim.effect_spec) {
+        if &given != spec {
+            bail!(
+                "{key} failed with the effects {spec}; --effect would run {given} instead and \
+                 skip some: retry without --effect"
+            );
+        }
+    }
+    let recorded = match (&effect, &claim.effect_spec) {
+        (None, Some(spec)) => Some(
+            crate::effect::from_spec(spec)
+                .with_context(|| format!("rebuilding the effects recorded on {key}"))?,
+        ),
+        _ => None,
+    };
+    let effect = effect.or(recorded.as_deref()).with_context(|| {
+        format!("the effects {key} failed with are not recorded (a library effect): pass --effect")
+    })?;
     let event = Event {
         key: EventKey::try_from(key.to_owned())?,
         source: claim.source,

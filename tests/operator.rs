@@ -389,3 +389,111 @@ async fn events_commands_print_tables_and_json() {
         "{stdout}"
     );
 }
+
+/// A ledger that refuses one source until the operator lifts the block, then an outbox
+/// operation: the chain a `--effect ledger,http` consumer runs.
+async fn failed_chain(db: &TestDb, downstream: &Downstream, keys: &[&str]) {
+    sqlx::query("ALTER TABLE ledger ADD CONSTRAINT blocked CHECK (source <> 'test')")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let http = HttpOutbox {
+        target_url: downstream.url(),
+        reconcile_url: None,
+        max_attempts: 4,
+    };
+    let chain = replayproof::effect::BuiltinEffect::build_all(
+        &[
+            replayproof::effect::BuiltinEffect::Ledger,
+            replayproof::effect::BuiltinEffect::Http,
+        ],
+        Some(http),
+    )
+    .unwrap();
+    let messages: Vec<_> = keys
+        .iter()
+        .enumerate()
+        .map(|(i, k)| message(i as i64, k))
+        .collect();
+    process(db, chain, &messages).await;
+    assert_eq!(
+        db.count("SELECT count(*) FROM processed_events WHERE status = 'failed'")
+            .await,
+        keys.len() as i64
+    );
+    assert_eq!(db.count("SELECT count(*) FROM outbox").await, 0);
+    sqlx::query("ALTER TABLE ledger DROP CONSTRAINT blocked")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+}
+
+#[tokio::test]
+async fn retry_runs_the_recorded_chain_again_outbox_operation_included() {
+    let db = TestDb::new().await;
+    let downstream = Downstream::start().await;
+    failed_chain(&db, &downstream, &["evt-chain"]).await;
+    // Naming only one of the recorded effects would skip the other: refused.
+    let partial = ops::retry(&db.pool, Some(&Ledger), "evt-chain", None, "erin", "try")
+        .await
+        .unwrap_err();
+    assert!(format!("{partial:#}").contains("skip some"), "{partial:#}");
+    assert_eq!(db.count("SELECT count(*) FROM ledger").await, 0);
+    // No effect named: the claim's recorded effects run again, both of them.
+    let changes = ops::retry(&db.pool, None, "evt-chain", None, "erin", "unblocked")
+        .await
+        .unwrap();
+    assert_eq!(
+        changes,
+        [("evt-chain".into(), "failed".into(), "done".into())]
+    );
+    assert_eq!(db.ledger_counts().await["evt-chain"], 1);
+    let (destination, state): (String, String) =
+        sqlx::query_as("SELECT destination, state FROM outbox WHERE event_key = 'evt-chain'")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!((destination, state.as_str()), (downstream.url(), "pending"));
+}
+
+#[tokio::test]
+async fn bulk_retry_dry_runs_then_retries_each_matching_event_with_an_audit_row() {
+    let db = TestDb::new().await;
+    let downstream = Downstream::start().await;
+    failed_chain(&db, &downstream, &["evt-b1", "evt-b2", "evt-b3"]).await;
+    let run = |extra: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_replayproof"))
+            .args(["events", "retry", "--state", "failed", "--source", "test"])
+            .args(["--since", "2000-01-01T00:00:00Z", "--reason", "unblocked"])
+            .args(["--actor", "frank", "--database-url", &db.url])
+            .args(extra)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let planned = run(&["--dry-run"]);
+    assert!(planned.contains("3 events would be retried"), "{planned}");
+    assert_eq!(
+        db.count("SELECT count(*) FROM ledger").await,
+        0,
+        "a dry run changes nothing"
+    );
+    assert!(audits(&db).await.is_empty());
+
+    let done = run(&[]);
+    assert_eq!(done.lines().count(), 3, "{done}");
+    assert_eq!(db.count("SELECT count(*) FROM ledger").await, 3);
+    assert_eq!(db.count("SELECT count(*) FROM outbox").await, 3);
+    let audit = audits(&db).await;
+    assert_eq!(audit.len(), 3);
+    assert!(audit
+        .iter()
+        .all(|a| a.0 == "frank" && a.1 == "retry" && a.4 == "failed"));
+    // Nothing is failed any more: a second bulk retry finds nothing.
+    assert!(run(&["--dry-run"]).contains("0 events would be retried"));
+}

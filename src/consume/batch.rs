@@ -344,7 +344,7 @@ impl BatchProcessor {
             }
             settlements.push(settlement);
         }
-        claims::settle(tx, &settlements).await?;
+        claims::settle(tx, &settlements, self.effect.spec().as_ref()).await?;
         Ok(report)
     }
 
