@@ -16,8 +16,8 @@ use tokio_util::sync::CancellationToken;
 /// The dispatcher loop's heartbeat, as `/healthz` names it.
 const LOOP: &str = "dispatch loop";
 
-/// How long the outbox may be unreadable before `/healthz` fails.
-pub const UNHEALTHY_AFTER: Duration = Duration::from_secs(60);
+/// The default of [`DispatchSettings::unhealthy_after`].
+pub const DEFAULT_UNHEALTHY_AFTER: Duration = Duration::from_secs(60);
 
 /// How a dispatcher leases and sends.
 #[derive(Debug, Clone)]
@@ -35,6 +35,8 @@ pub struct DispatchSettings {
     /// The first retry's delay; doubled for each further attempt, with jitter.
     pub backoff_base: Duration,
     pub backoff_max: Duration,
+    /// How long the outbox may be unreadable before `/healthz` fails.
+    pub unhealthy_after: Duration,
 }
 
 impl DispatchSettings {
@@ -47,6 +49,7 @@ impl DispatchSettings {
             poll_interval: Duration::from_millis(500),
             backoff_base: Duration::from_secs(1),
             backoff_max: Duration::from_secs(300),
+            unhealthy_after: DEFAULT_UNHEALTHY_AFTER,
         }
     }
 }
@@ -188,7 +191,7 @@ impl Dispatcher {
                 Err(e) => {
                     tracing::warn!(error = %e, "Leasing from the outbox failed; retrying.");
                     let since = *failing_since.get_or_insert_with(Instant::now);
-                    if since.elapsed() >= UNHEALTHY_AFTER {
+                    if since.elapsed() >= self.settings.unhealthy_after {
                         let problem = format!(
                             "the outbox has been unreadable for {} s: {e}",
                             since.elapsed().as_secs()
@@ -213,7 +216,9 @@ impl Dispatcher {
     /// How long one turn of the loop may take before `/healthz` calls it stuck: a full batch of
     /// requests (reconcile and delivery each), plus the database's own limits.
     fn stuck_after(&self) -> Duration {
-        self.settings.request_timeout * 2 + self.settings.poll_interval + UNHEALTHY_AFTER
+        self.settings.request_timeout * 2
+            + self.settings.poll_interval
+            + self.settings.unhealthy_after
     }
 
     /// Often enough that a stuck lease shows within one lease.

@@ -500,3 +500,44 @@ async fn numbers_reach_the_effect_and_the_database_byte_for_byte() {
     assert_eq!(amount, "123456789012345678901234567890");
     assert_eq!(rate, "0.1000000000000000055511151231257827");
 }
+
+/// Takes five seconds per event.
+struct Slow;
+
+#[async_trait]
+impl Effect for Slow {
+    fn name(&self) -> &'static str {
+        "slow"
+    }
+
+    async fn apply(&self, tx: &mut Tx<'_>, event: &Event) -> anyhow::Result<()> {
+        sqlx::query("SELECT pg_sleep(5)").execute(&mut **tx).await?;
+        Ledger.apply(tx, event).await
+    }
+}
+
+#[tokio::test]
+async fn a_slow_effect_is_ended_by_the_statement_timeout_and_settles_nothing() {
+    let db = TestDb::new().await;
+    let limits = replayproof::db::Limits {
+        statement_timeout: Duration::from_millis(300),
+        ..replayproof::db::Limits::default()
+    };
+    let pool = replayproof::db::pool_with(&db.url.parse().unwrap(), 2, limits).unwrap();
+    let p = BatchProcessor {
+        pool,
+        ..processor(&db, Arc::new(Slow))
+    };
+    let started = std::time::Instant::now();
+    let result = p.process("t", 0, &[message(0, "slow", json!(1))]).await;
+    assert!(
+        matches!(result, Err(BatchError::Transient(_))),
+        "{result:?}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(4),
+        "ended by the timeout, not by the sleep: {:?}",
+        started.elapsed()
+    );
+    assert_eq!(claims_by_status(&db).await, []);
+}

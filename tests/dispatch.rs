@@ -503,47 +503,46 @@ async fn a_row_whose_worker_dies_every_time_goes_dead_after_its_attempts() {
     assert!(downstream.applied().is_empty());
 }
 
-#[cfg(feature = "failpoints")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_delivery_is_not_started_with_less_than_a_request_timeout_left_on_the_lease() {
+async fn an_unreadable_outbox_fails_health_until_it_is_back() {
     let (db, downstream) = (TestDb::new().await, Downstream::start().await);
-    let op = outbox::operation_key("evt-slow", "deliver");
-    enqueue(&db, &downstream, &["evt-slow".to_owned()], true).await;
-    // The operation may have been applied: the attempt reconciles (404), then would deliver.
-    sqlx::query("UPDATE outbox SET state = 'uncertain'")
+    enqueue(&db, &downstream, &["evt-h".to_owned()], false).await;
+    sqlx::query("ALTER TABLE outbox RENAME TO outbox_away")
         .execute(&db.pool)
         .await
         .unwrap();
-    let tight = DispatchSettings {
-        lease: Duration::from_millis(2500),
-        request_timeout: Duration::from_millis(1000),
-        ..settings("tight")
-    };
-    let d = Dispatcher::new(
-        tight,
+    let mut d = Dispatcher::new(
+        DispatchSettings {
+            unhealthy_after: Duration::from_millis(500),
+            ..settings("h")
+        },
         db.pool.clone(),
         DispatchMetrics::new(&prometheus::Registry::new()).unwrap(),
     )
     .unwrap();
-    // Something slow between the reconcile and the delivery eats most of the lease.
-    fail::cfg("dispatch::before_delivery", "1*return(1800)").unwrap();
-    assert_eq!(d.dispatch_once().await.unwrap(), 1);
-    fail::remove("dispatch::before_delivery");
-    assert_eq!(downstream.bodies().get(&op), None, "nothing was sent");
-    let (state, error): (String, String) = sqlx::query_as("SELECT state, last_error FROM outbox")
-        .fetch_one(&db.pool)
+    let health = replayproof::telemetry::Health::default();
+    d.health = health.clone();
+    let stop = CancellationToken::new();
+    let task = tokio::spawn({
+        let stop = stop.clone();
+        async move { d.run(stop).await }
+    });
+    wait_for("/healthz to name the outbox", WAIT, || async {
+        health
+            .problems()
+            .iter()
+            .any(|p| p.starts_with("database: the outbox has been unreadable"))
+    })
+    .await;
+    sqlx::query("ALTER TABLE outbox_away RENAME TO outbox")
+        .execute(&db.pool)
         .await
         .unwrap();
-    assert_eq!(state, "uncertain");
-    assert!(error.contains("lease"), "{error}");
-    let outcome: String =
-        sqlx::query_scalar("SELECT outcome FROM outbox_attempts ORDER BY id DESC LIMIT 1")
-            .fetch_one(&db.pool)
-            .await
-            .unwrap();
-    assert_eq!(outcome, "lease_short");
-    // With a fresh lease the next attempt reconciles and delivers, once.
-    assert_eq!(d.dispatch_once().await.unwrap(), 1);
-    assert_eq!(downstream.applied().get(&op), Some(&1));
-    assert_eq!(downstream.max_in_flight(), 1);
+    wait_for("healthy again", WAIT, || async { health.is_healthy() }).await;
+    wait_for("the operation delivered", WAIT, || async {
+        downstream.applied().len() == 1
+    })
+    .await;
+    stop.cancel();
+    task.await.unwrap().unwrap();
 }

@@ -64,6 +64,54 @@ async fn deliver(http: &reqwest::Client, base: &str, n: usize) -> u16 {
         .unwrap_or(0)
 }
 
+/// A `replayproof ingest` process on a free port, with the two sources above.
+struct Ingress;
+
+impl Ingress {
+    fn spawn(
+        kafka: &TestKafka,
+        topic: &str,
+        failpoints: Option<&str>,
+    ) -> (tokio::process::Child, u16, tempfile::TempDir) {
+        let dir = tempfile::tempdir().unwrap();
+        let config = dir.path().join("replayproof.toml");
+        std::fs::write(&config, CONFIG).unwrap();
+        let port = free_port();
+        let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_replayproof"));
+        cmd.arg("ingest")
+            .arg("--config")
+            .arg(&config)
+            .args(["--listen", &format!("127.0.0.1:{port}")])
+            .args(["--brokers", &kafka.brokers(), "--topic", topic])
+            .args(["--kafka-option", "broker.address.family=v4"])
+            .args(["--metrics-addr", "127.0.0.1:0"])
+            .env("E2E_GITHUB_SECRET", "gh-secret-for-the-e2e-test")
+            .env("E2E_STRIPE_SECRET", "whsec_e2e-secret-for-the-test")
+            .env("RUST_LOG", "warn")
+            .env_remove("FAILPOINTS")
+            .stdin(Stdio::null())
+            .kill_on_drop(true);
+        if let Some(f) = failpoints {
+            cmd.env("FAILPOINTS", f);
+        }
+        (cmd.spawn().unwrap(), port, dir)
+    }
+}
+
+async fn wait_ready(http: &reqwest::Client, base: &str) {
+    wait_for(
+        "the ingress to be ready",
+        Duration::from_secs(60),
+        || async {
+            http.get(format!("{base}/readyz"))
+                .send()
+                .await
+                .is_ok_and(|r| r.status() == 200)
+        },
+    )
+    .await;
+}
+
 fn key(n: usize) -> String {
     if n.is_multiple_of(2) {
         format!("github:delivery-{n}")
@@ -78,49 +126,11 @@ async fn two_thousand_signed_deliveries_with_redeliveries_have_one_effect_each()
     const DELIVERIES: usize = 2_000;
     let (kafka, db) = (TestKafka::for_processes(), TestDb::new().await);
     let (topic, group) = (kafka.topic(4).await, unique("group"));
-    let dir = tempfile::tempdir().unwrap();
-    let config = dir.path().join("replayproof.toml");
-    std::fs::write(&config, CONFIG).unwrap();
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let mut ingest = tokio::process::Command::new(env!("CARGO_BIN_EXE_replayproof"))
-        .arg("ingest")
-        .arg("--config")
-        .arg(&config)
-        .args([
-            "--listen",
-            &format!("127.0.0.1:{port}"),
-            "--brokers",
-            &kafka.brokers(),
-            "--topic",
-            &topic,
-        ])
-        .args(["--kafka-option", "broker.address.family=v4"])
-        .args(["--metrics-addr", "127.0.0.1:0"])
-        .env("E2E_GITHUB_SECRET", "gh-secret-for-the-e2e-test")
-        .env("E2E_STRIPE_SECRET", "whsec_e2e-secret-for-the-test")
-        .env("RUST_LOG", "warn")
-        .stdin(Stdio::null())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
+    let (mut ingest, port, _dir) = Ingress::spawn(&kafka, &topic, None);
     let consumer = ConsumerProcess::spawn(&kafka.brokers(), &topic, &group, &db.url, None);
     let base = format!("http://127.0.0.1:{port}");
     let http = reqwest::Client::new();
-    wait_for(
-        "the ingress to be ready",
-        Duration::from_secs(60),
-        || async {
-            http.get(format!("{base}/readyz"))
-                .send()
-                .await
-                .is_ok_and(|r| r.status() == 200)
-        },
-    )
-    .await;
+    wait_ready(&http, &base).await;
 
     // Every event once, plus 600 redeliveries, shuffled over 8 concurrent senders so that some
     // copies of one event are in flight at the same time.
@@ -165,4 +175,56 @@ async fn two_thousand_signed_deliveries_with_redeliveries_have_one_effect_each()
         .unwrap();
     assert!(status.success(), "ingest exited with {status:?}");
     assert!(consumer.terminate(Duration::from_secs(30)).await.success());
+}
+
+#[cfg(feature = "failpoints")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ingress_killed_after_the_ack_before_the_answer_makes_the_retry_a_harmless_replay() {
+    let (kafka, db) = (TestKafka::for_processes(), TestDb::new().await);
+    let (topic, group) = (kafka.topic(1).await, unique("group"));
+    let http = reqwest::Client::new();
+    // The first ingress stops between the broker's acknowledgement and its answer.
+    let (mut first, port, _dir) = Ingress::spawn(&kafka, &topic, Some("ingest::after_ack=pause"));
+    let base = format!("http://127.0.0.1:{port}");
+    wait_ready(&http, &base).await;
+    let sent = tokio::spawn({
+        let (http, base) = (http.clone(), base.clone());
+        async move { deliver(&http, &base, 7).await }
+    });
+    let brokers = kafka.brokers();
+    let watermark = || {
+        let (brokers, topic) = (brokers.clone(), topic.clone());
+        async move {
+            tokio::task::spawn_blocking(move || {
+                use rdkafka::consumer::Consumer;
+                let c: rdkafka::consumer::BaseConsumer = client_config(&brokers).create().unwrap();
+                c.fetch_watermarks(&topic, 0, Duration::from_secs(5))
+                    .map(|(_, high)| high)
+                    .unwrap_or(0)
+            })
+            .await
+            .unwrap()
+        }
+    };
+    wait_for(
+        "the broker to have the record",
+        Duration::from_secs(60),
+        || async { watermark().await == 1 },
+    )
+    .await;
+    first.kill().await.unwrap();
+    assert_eq!(sent.await.unwrap(), 0, "the sender got no answer");
+
+    // The sender retries against a restarted ingress: a second record, a harmless replay.
+    let (mut second, port, _dir2) = Ingress::spawn(&kafka, &topic, None);
+    let base = format!("http://127.0.0.1:{port}");
+    wait_ready(&http, &base).await;
+    assert_eq!(deliver(&http, &base, 7).await, 200);
+    assert_eq!(watermark().await, 2);
+    let consumer = ConsumerProcess::spawn(&kafka.brokers(), &topic, &group, &db.url, None);
+    let once = HashSet::from([key(7)]);
+    assert_exactly_once(&db, &once, Duration::from_secs(60)).await;
+    wait_committed_total(&kafka, &group, &topic, 1, 2).await;
+    assert!(consumer.terminate(Duration::from_secs(30)).await.success());
+    second.kill().await.unwrap();
 }

@@ -501,3 +501,70 @@ async fn a_second_sigterm_stops_at_once_and_the_event_is_applied_once_later() {
     t.restart_until_committed(assert_exactly_once(&t.db, &once, WAIT))
         .await;
 }
+
+#[cfg(feature = "failpoints")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn consumer_cut_off_from_its_group_keeps_its_claims_and_the_new_owner_replays_harmlessly() {
+    const EVENTS: usize = 200;
+    let (kafka, db) = (TestKafka::for_processes(), TestDb::new().await);
+    let (topic, group) = (kafka.topic(2).await, unique("group"));
+    let ports = [free_port(), free_port()];
+    let addrs = ports.map(|p| format!("127.0.0.1:{p}"));
+    // The first member's poll thread stalls for 15 s right after its first batch committed:
+    // past max.poll.interval.ms, librdkafka takes it out of the group while its database work
+    // stands, and its offsets are never committed.
+    let cut = ConsumerProcess::spawn_with(
+        &kafka.brokers(),
+        &topic,
+        &group,
+        &db.url,
+        Some("consume::before_store=1*sleep(15000)"),
+        &[
+            "--metrics-addr",
+            &addrs[0],
+            "--kafka-option",
+            "max.poll.interval.ms=6000",
+        ],
+    );
+    let survivor = ConsumerProcess::spawn_with(
+        &kafka.brokers(),
+        &topic,
+        &group,
+        &db.url,
+        None,
+        &["--metrics-addr", &addrs[1]],
+    );
+    wait_for("each member to own one partition", WAIT, || async {
+        assigned(ports[0]).await == Some(1.0) && assigned(ports[1]).await == Some(1.0)
+    })
+    .await;
+    let keys: Vec<String> = (0..EVENTS).map(|i| format!("evt-{i}")).collect();
+    let records: Vec<Record> = keys
+        .iter()
+        .enumerate()
+        .map(|(i, k)| Record::event(k, json!(i)).on(i as i32 % 2))
+        .collect();
+    produce(&producer(&kafka.brokers()), &topic, &records).await;
+
+    let expected: HashSet<String> = keys.into_iter().collect();
+    wait_for("the survivor to own both partitions", WAIT, || async {
+        assigned(ports[1]).await == Some(2.0)
+    })
+    .await;
+    wait_committed_total(&kafka, &group, &topic, 2, EVENTS as i64).await;
+    assert_exactly_once(&db, &expected, WAIT).await;
+    // The new owner replayed what the cut-off member had committed to the database.
+    let (_, page) = http_get(ports[1], "/metrics").await.unwrap();
+    let duplicates: f64 = page
+        .lines()
+        .find_map(|l| l.strip_prefix(r#"replayproof_consume_events_total{outcome="duplicate"} "#))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0.0);
+    assert!(
+        duplicates > 0.0,
+        "the survivor replayed the cut-off member's batch: {page}"
+    );
+    survivor.terminate(Duration::from_secs(30)).await;
+    cut.terminate(Duration::from_secs(30)).await;
+    assert_exactly_once(&db, &expected, WAIT).await;
+}

@@ -553,9 +553,14 @@ impl LaneContext {
     /// Stores the offsets of committed batches whose lane still owns its partition.
     fn store_completed(&self, consumer: &BaseConsumer<Self>) {
         let completions = self.completions.lock().expect("completions lock");
+
         let lanes = self.lanes.lock().expect("lanes lock");
         let mut stored = false;
         for c in completions.try_iter() {
+            if !stored {
+                // Tests stall the poll thread here, with committed batches in hand.
+                crate::failpoint!("consume::before_store");
+            }
             if lanes.get(&c.partition).map(|l| l.id) != Some(c.lane) {
                 continue;
             }

@@ -535,11 +535,14 @@ async fn produce(state: &AppState, envelope: Envelope) -> Outcome {
         .produce_seconds
         .observe(started.elapsed().as_secs_f64());
     match delivery {
-        Ok(Ok(delivered)) => Outcome::Accepted {
-            key: envelope.key,
-            partition: delivered.partition,
-            offset: delivered.offset,
-        },
+        Ok(Ok(delivered)) => {
+            crate::failpoint!("ingest::after_ack");
+            Outcome::Accepted {
+                key: envelope.key,
+                partition: delivered.partition,
+                offset: delivered.offset,
+            }
+        }
         Ok(Err((
             rdkafka::error::KafkaError::MessageProduction(RDKafkaErrorCode::MessageSizeTooLarge),
             _,
