@@ -106,30 +106,38 @@ pub async fn stored_hashes(
     Ok(rows.into_iter().collect())
 }
 
-/// Records events whose key was already claimed with a different payload. Each distinct
-/// (key, payload) pair is one row; seeing it again bumps its count.
+/// An event recorded in `key_conflicts` instead of applied, with why when it is not a plain
+/// reuse of a claimed key (a replayed capture).
+pub type Conflict<'a> = (i64, &'a Event, Option<String>);
+
+/// Records events whose key was already claimed with a different payload, or that the replay
+/// guard caught. Each distinct (key, payload) pair is one row; seeing it again bumps its count.
 #[tracing::instrument(skip_all, fields(conflicts = conflicts.len()))]
 pub async fn record_conflicts(
     conn: &mut PgConnection,
     origin: Origin<'_>,
-    conflicts: &[(i64, &Event)],
+    conflicts: &[Conflict<'_>],
 ) -> sqlx::Result<()> {
     let mut seen = std::collections::HashSet::new();
     let unique: Vec<_> = conflicts
         .iter()
-        .filter(|(_, e)| seen.insert((e.key.as_str(), e.payload_sha256)))
+        .filter(|(_, e, _)| seen.insert((e.key.as_str(), e.payload_sha256)))
         .collect();
-    let keys: Vec<&str> = unique.iter().map(|(_, e)| e.key.as_str()).collect();
-    let hashes: Vec<&[u8]> = unique.iter().map(|(_, e)| &e.payload_sha256[..]).collect();
-    let payloads: Vec<&serde_json::Value> = unique.iter().map(|(_, e)| &e.payload).collect();
-    let sources: Vec<&str> = unique.iter().map(|(_, e)| e.source.as_str()).collect();
-    let offsets: Vec<i64> = unique.iter().map(|(o, _)| *o).collect();
+    let keys: Vec<&str> = unique.iter().map(|(_, e, _)| e.key.as_str()).collect();
+    let hashes: Vec<&[u8]> = unique
+        .iter()
+        .map(|(_, e, _)| &e.payload_sha256[..])
+        .collect();
+    let payloads: Vec<&serde_json::Value> = unique.iter().map(|(_, e, _)| &e.payload).collect();
+    let sources: Vec<&str> = unique.iter().map(|(_, e, _)| e.source.as_str()).collect();
+    let offsets: Vec<i64> = unique.iter().map(|(o, _, _)| *o).collect();
+    let reasons: Vec<Option<&str>> = unique.iter().map(|(_, _, r)| r.as_deref()).collect();
     sqlx::query(
         r#"INSERT INTO key_conflicts (event_key, payload_sha256, payload, source, kafka_topic,
-                kafka_partition, kafka_offset)
-           SELECT k, h, p, s, $6, $7, o
-           FROM unnest($1::text[], $2::bytea[], $3::jsonb[], $4::text[], $5::int8[])
-                AS u(k, h, p, s, o)
+                kafka_partition, kafka_offset, reason)
+           SELECT k, h, p, s, $6, $7, o, r
+           FROM unnest($1::text[], $2::bytea[], $3::jsonb[], $4::text[], $5::int8[], $8::text[])
+                AS u(k, h, p, s, o, r)
            ORDER BY k COLLATE "C", h
            ON CONFLICT (event_key, payload_sha256) DO UPDATE
            SET last_seen_at = now(), times_seen = key_conflicts.times_seen + 1"#,
@@ -141,6 +149,7 @@ pub async fn record_conflicts(
     .bind(&offsets)
     .bind(origin.topic)
     .bind(origin.partition)
+    .bind(&reasons)
     .execute(conn)
     .await?;
     Ok(())
@@ -211,46 +220,6 @@ pub async fn fingerprints(
         .into_iter()
         .map(|(s, h, k, age)| ((s, h), (k, age)))
         .collect())
-}
-
-/// Records replayed captures: events whose signed body was delivered under another key within
-/// the window. Each is a key conflict with its reason; none is claimed or applied.
-#[tracing::instrument(skip_all, fields(replays = replays.len()))]
-pub async fn record_replays(
-    conn: &mut PgConnection,
-    origin: Origin<'_>,
-    replays: &[(i64, &Event, String)],
-) -> sqlx::Result<()> {
-    let keys: Vec<&str> = replays.iter().map(|(_, e, _)| e.key.as_str()).collect();
-    let hashes: Vec<&[u8]> = replays
-        .iter()
-        .map(|(_, e, _)| &e.payload_sha256[..])
-        .collect();
-    let payloads: Vec<&serde_json::Value> = replays.iter().map(|(_, e, _)| &e.payload).collect();
-    let sources: Vec<&str> = replays.iter().map(|(_, e, _)| e.source.as_str()).collect();
-    let offsets: Vec<i64> = replays.iter().map(|(o, _, _)| *o).collect();
-    let reasons: Vec<&str> = replays.iter().map(|(_, _, r)| r.as_str()).collect();
-    sqlx::query(
-        r#"INSERT INTO key_conflicts (event_key, payload_sha256, payload, source, kafka_topic,
-                kafka_partition, kafka_offset, reason)
-           SELECT k, h, p, s, $6, $7, o, r
-           FROM unnest($1::text[], $2::bytea[], $3::jsonb[], $4::text[], $5::int8[], $8::text[])
-                AS u(k, h, p, s, o, r)
-           ORDER BY k COLLATE "C", h
-           ON CONFLICT (event_key, payload_sha256) DO UPDATE
-           SET last_seen_at = now(), times_seen = key_conflicts.times_seen + 1"#,
-    )
-    .bind(&keys)
-    .bind(&hashes)
-    .bind(&payloads)
-    .bind(&sources)
-    .bind(&offsets)
-    .bind(origin.topic)
-    .bind(origin.partition)
-    .bind(&reasons)
-    .execute(conn)
-    .await?;
-    Ok(())
 }
 
 /// A message that is not a valid envelope, kept byte for byte.

@@ -70,17 +70,7 @@ for name, s in doc["services"].items():
         out.append([name, s.get("command", []), sorted(s.get("environment", {}).keys())])
 print(json.dumps(out))
 "#;
-    let out = Command::new("python3")
-        .args(["-c", script])
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).unwrap()
+    python_json(script)
 }
 
 #[test]
@@ -136,14 +126,8 @@ fn ingest_gets_every_secret_its_sources_file_names() {
     assert_eq!(sources.len(), 6);
 }
 
-/// The ingest service's environment as written, before interpolation.
-fn ingest_environment() -> Vec<(String, String)> {
-    let script = r#"
-import json, yaml
-doc = yaml.safe_load(open("docker-compose.yml"))
-env = doc["services"]["ingest"]["environment"]
-print(json.dumps(sorted([k, str(v)] for k, v in env.items())))
-"#;
+/// Runs a Python script (PyYAML at hand) in the crate's folder and parses what it prints.
+fn python_json<T: serde::de::DeserializeOwned>(script: &str) -> T {
     let out = Command::new("python3")
         .args(["-c", script])
         .current_dir(env!("CARGO_MANIFEST_DIR"))
@@ -155,6 +139,17 @@ print(json.dumps(sorted([k, str(v)] for k, v in env.items())))
         String::from_utf8_lossy(&out.stderr)
     );
     serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// The ingest service's environment as written, before interpolation.
+fn ingest_environment() -> Vec<(String, String)> {
+    let script = r#"
+import json, yaml
+doc = yaml.safe_load(open("docker-compose.yml"))
+env = doc["services"]["ingest"]["environment"]
+print(json.dumps(sorted([k, str(v)] for k, v in env.items())))
+"#;
+    python_json(script)
 }
 
 #[test]

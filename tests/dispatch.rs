@@ -4,45 +4,14 @@
 mod common;
 
 use common::downstream::{Behaviour, Downstream};
-use common::{envelope, wait_for, TestDb};
-use replayproof::consume::{BatchProcessor, EffectRetry, RawMessage};
+use common::{enqueue_http, wait_for, TestDb};
 use replayproof::dispatch::{DispatchMetrics, DispatchSettings, Dispatcher};
-use replayproof::effect::HttpOutbox;
 use replayproof::outbox;
-use serde_json::json;
 use std::collections::HashSet;
-use std::sync::Arc;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 const WAIT: Duration = Duration::from_secs(90);
-
-/// Claims `keys` through the consume transaction with the http effect, which enqueues one
-/// `deliver` operation each.
-async fn enqueue(db: &TestDb, downstream: &Downstream, keys: &[String], reconcile: bool) {
-    let effect = HttpOutbox {
-        target_url: downstream.url(),
-        reconcile_url: reconcile.then(|| downstream.reconcile_url()),
-        max_attempts: 8,
-    };
-    let processor = BatchProcessor {
-        pool: db.pool.clone(),
-        effect: Arc::new(effect),
-        retry: EffectRetry::default(),
-    };
-    let messages: Vec<RawMessage> = keys
-        .iter()
-        .enumerate()
-        .map(|(i, k)| RawMessage {
-            offset: i as i64,
-            key: Some(k.as_bytes().to_vec()),
-            value: Some(envelope(k, json!({"n": i}))),
-        })
-        .collect();
-    for chunk in messages.chunks(100) {
-        processor.process("t", 0, chunk).await.unwrap();
-    }
-}
 
 fn settings(worker: &str) -> DispatchSettings {
     DispatchSettings {
@@ -118,7 +87,7 @@ async fn storm_settles_with_one_side_effect_per_event_and_one_key_and_payload_pe
             .collect();
         downstream.script(&op, &script);
     }
-    enqueue(&db, &downstream, &keys, false).await;
+    enqueue_http(&db, &downstream, &keys, false).await;
     let dispatchers = Running::start(&db, 3, |i| settings(&format!("worker-{i}")));
     wait_for("the outbox to settle", WAIT, || async {
         unsettled(&db).await == 0
@@ -174,7 +143,7 @@ async fn storm_settles_with_one_side_effect_per_event_and_one_key_and_payload_pe
 async fn concurrent_leases_never_share_a_row() {
     let (db, downstream) = (TestDb::new().await, Downstream::start().await);
     let keys: Vec<String> = (0..600).map(|i| format!("evt-{i}")).collect();
-    enqueue(&db, &downstream, &keys, false).await;
+    enqueue_http(&db, &downstream, &keys, false).await;
     let leasers: Vec<_> = (0..3)
         .map(|w| {
             let pool = db.pool.clone();
@@ -210,7 +179,7 @@ async fn uncertain_outcome_is_reconciled_without_resending() {
     let (db, downstream) = (TestDb::new().await, Downstream::start().await);
     let op = outbox::operation_key("evt-r", "deliver");
     downstream.script(&op, &[Behaviour::ApplyThenDrop]);
-    enqueue(&db, &downstream, &["evt-r".to_owned()], true).await;
+    enqueue_http(&db, &downstream, &["evt-r".to_owned()], true).await;
     let dispatchers = Running::start(&db, 1, |_| settings("w"));
     wait_for("settled", WAIT, || async { unsettled(&db).await == 0 }).await;
     dispatchers.stop().await;
@@ -235,7 +204,7 @@ async fn uncertain_outcome_is_reconciled_without_resending() {
     // Where the downstream does not have it (404), the same key is sent again.
     let op = outbox::operation_key("evt-s", "deliver");
     downstream.script(&op, &[Behaviour::Hang]);
-    enqueue(&db, &downstream, &["evt-s".to_owned()], true).await;
+    enqueue_http(&db, &downstream, &["evt-s".to_owned()], true).await;
     sqlx::query("UPDATE outbox SET state = 'uncertain' WHERE operation_key = $1")
         .bind(&op)
         .execute(&db.pool)
@@ -250,7 +219,7 @@ async fn uncertain_outcome_is_reconciled_without_resending() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lease_taken_over_makes_the_stale_completion_change_nothing() {
     let (db, downstream) = (TestDb::new().await, Downstream::start().await);
-    enqueue(&db, &downstream, &["evt-1".to_owned()], false).await;
+    enqueue_http(&db, &downstream, &["evt-1".to_owned()], false).await;
     let first = outbox::lease(&db.pool, "gone", 10, Duration::from_millis(200))
         .await
         .unwrap()
@@ -303,7 +272,7 @@ async fn refused_connections_are_retryable_and_retry_after_is_honoured() {
     let (db, downstream) = (TestDb::new().await, Downstream::start().await);
     let op = outbox::operation_key("evt-429", "deliver");
     downstream.script(&op, &[Behaviour::Refuse(429)]);
-    enqueue(&db, &downstream, &["evt-429".to_owned()], false).await;
+    enqueue_http(&db, &downstream, &["evt-429".to_owned()], false).await;
     // An operation whose destination refuses connections: nothing was sent.
     sqlx::query(
         "INSERT INTO processed_events (event_key, source, status, payload_sha256, payload, kafka_topic, kafka_partition, kafka_offset) \
@@ -364,7 +333,7 @@ async fn refused_connections_are_retryable_and_retry_after_is_honoured() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_expired_lease_shows_in_the_metrics() {
     let (db, downstream) = (TestDb::new().await, Downstream::start().await);
-    enqueue(&db, &downstream, &["evt-stuck".to_owned()], false).await;
+    enqueue_http(&db, &downstream, &["evt-stuck".to_owned()], false).await;
     outbox::lease(&db.pool, "vanished", 1, Duration::from_millis(300))
         .await
         .unwrap();
@@ -430,7 +399,7 @@ async fn retry_after_far_in_the_future_or_as_a_date_is_clamped_not_a_crash() {
     let in_an_hour = (chrono::Utc::now() + chrono::Duration::hours(1)).to_rfc2822();
     let in_an_hour: &'static str = Box::leak(in_an_hour.into_boxed_str());
     downstream.script("evt-date#deliver", &[Behaviour::RetryAfter(in_an_hour)]);
-    enqueue(&db, &downstream, &keys, false).await;
+    enqueue_http(&db, &downstream, &keys, false).await;
     let rows = one_round(&db).await;
     assert!(
         rows.iter().all(|(_, state, _)| state == "retryable"),
@@ -456,7 +425,7 @@ async fn redirects_are_failures_with_their_location_never_followed() {
     for (key, status) in keys.iter().zip([301, 302, 303, 307]) {
         downstream.script(&format!("{key}#deliver"), &[Behaviour::Redirect(status)]);
     }
-    enqueue(&db, &downstream, &keys, false).await;
+    enqueue_http(&db, &downstream, &keys, false).await;
     let rows = one_round(&db).await;
     assert_eq!(downstream.followed_redirects(), 0);
     assert!(downstream.applied().is_empty());
@@ -476,7 +445,7 @@ async fn redirects_are_failures_with_their_location_never_followed() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_row_whose_worker_dies_every_time_goes_dead_after_its_attempts() {
     let (db, downstream) = (TestDb::new().await, Downstream::start().await);
-    enqueue(&db, &downstream, &["evt-killer".to_owned()], false).await;
+    enqueue_http(&db, &downstream, &["evt-killer".to_owned()], false).await;
     sqlx::query("UPDATE outbox SET max_attempts = 3")
         .execute(&db.pool)
         .await
@@ -506,7 +475,7 @@ async fn a_row_whose_worker_dies_every_time_goes_dead_after_its_attempts() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unreadable_outbox_fails_health_until_it_is_back() {
     let (db, downstream) = (TestDb::new().await, Downstream::start().await);
-    enqueue(&db, &downstream, &["evt-h".to_owned()], false).await;
+    enqueue_http(&db, &downstream, &["evt-h".to_owned()], false).await;
     sqlx::query("ALTER TABLE outbox RENAME TO outbox_away")
         .execute(&db.pool)
         .await

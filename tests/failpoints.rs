@@ -7,42 +7,16 @@ mod common;
 
 use common::downstream::Downstream;
 use common::*;
-use replayproof::consume::{BatchProcessor, EffectRetry, RawMessage};
 use replayproof::dispatch::{DispatchMetrics, DispatchSettings, Dispatcher};
-use replayproof::effect::HttpOutbox;
 use replayproof::outbox;
 use serde_json::json;
 use std::collections::HashSet;
-use std::sync::Arc;
 use std::time::Duration;
 
 const WAIT: Duration = Duration::from_secs(60);
 
 /// One failpoint scenario at a time.
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
-
-/// Claims `keys` with the http effect (reconcile URL included).
-async fn enqueue(db: &TestDb, downstream: &Downstream, keys: &[String], reconcile: bool) {
-    let processor = BatchProcessor {
-        pool: db.pool.clone(),
-        effect: Arc::new(HttpOutbox {
-            target_url: downstream.url(),
-            reconcile_url: reconcile.then(|| downstream.reconcile_url()),
-            max_attempts: 8,
-        }),
-        retry: EffectRetry::default(),
-    };
-    let messages: Vec<RawMessage> = keys
-        .iter()
-        .enumerate()
-        .map(|(i, k)| RawMessage {
-            offset: i as i64,
-            key: Some(k.as_bytes().to_vec()),
-            value: Some(envelope(k, json!({"n": i}))),
-        })
-        .collect();
-    processor.process("t", 0, &messages).await.unwrap();
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_connection_cut_at_commit_moves_no_offset_and_the_retry_applies_once() {
@@ -60,12 +34,7 @@ async fn a_connection_cut_at_commit_moves_no_offset_and_the_retry_applies_once()
     )
     .await;
     wait_for("the batch holding its transaction open", WAIT, || async {
-        db.count(
-            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
-             AND state = 'idle in transaction'",
-        )
-        .await
-            == 1
+        idle_in_transaction(&db).await == 1
     })
     .await;
     let cut: bool = sqlx::query_scalar(
@@ -96,7 +65,7 @@ async fn a_delivery_is_not_started_with_less_than_a_request_timeout_left_on_the_
     let _serial = SERIAL.lock().await;
     let (db, downstream) = (TestDb::new().await, Downstream::start().await);
     let op = outbox::operation_key("evt-slow", "deliver");
-    enqueue(&db, &downstream, &["evt-slow".to_owned()], true).await;
+    enqueue_http(&db, &downstream, &["evt-slow".to_owned()], true).await;
     // The operation may have been applied: the attempt reconciles (404), then would deliver.
     sqlx::query("UPDATE outbox SET state = 'uncertain'")
         .execute(&db.pool)

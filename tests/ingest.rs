@@ -142,6 +142,15 @@ impl Ingress {
         self.shutdown.cancel();
         self.running.take().unwrap().stopped().await.unwrap();
     }
+
+    /// Stops the ingress, then reads what it produced.
+    async fn stop_and_read(self, brokers: &str, topic: &str) -> Vec<(String, serde_json::Value)> {
+        self.stop().await;
+        let (brokers, topic) = (brokers.to_owned(), topic.to_owned());
+        tokio::task::spawn_blocking(move || records(&brokers, &topic))
+            .await
+            .unwrap()
+    }
 }
 
 /// The topic's records, as (key, value), in partition 0.
@@ -408,10 +417,7 @@ async fn broker_down_gives_503_with_retry_after_and_back_up_gives_2xx() {
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
     assert_eq!(answered, 200);
-    ingress.stop().await;
-    let recs = tokio::task::spawn_blocking(move || records(&brokers, &topic))
-        .await
-        .unwrap();
+    let recs = ingress.stop_and_read(&brokers, &topic).await;
     let keys: HashSet<String> = recs.into_iter().map(|(k, _)| k).collect();
     assert_eq!(
         keys,
@@ -444,10 +450,7 @@ async fn text_postgresql_cannot_store_gets_400_with_a_reason_and_produces_nothin
             .status(),
         200
     );
-    ingress.stop().await;
-    let recs = tokio::task::spawn_blocking(move || records(&brokers, &topic))
-        .await
-        .unwrap();
+    let recs = ingress.stop_and_read(&brokers, &topic).await;
     let keys: Vec<String> = recs.into_iter().map(|(k, _)| k).collect();
     assert_eq!(keys, ["stripe:evt_ok"]);
 }
@@ -532,10 +535,7 @@ async fn numbers_reach_the_topic_byte_for_byte() {
             .status(),
         200
     );
-    ingress.stop().await;
-    let recs = tokio::task::spawn_blocking(move || records(&brokers, &topic))
-        .await
-        .unwrap();
+    let recs = ingress.stop_and_read(&brokers, &topic).await;
     let text = serde_json::to_string(&recs[0].1["payload"]).unwrap();
     assert!(
         text.contains(r#""amount":123456789012345678901234567890"#),
@@ -545,6 +545,28 @@ async fn numbers_reach_the_topic_byte_for_byte() {
         text.contains(r#""rate":0.1000000000000000055511151231257827"#),
         "{text}"
     );
+}
+
+/// The produced records as the consumer receives them, offsets from 0.
+fn as_messages(records: &[(String, serde_json::Value)]) -> Vec<replayproof::consume::RawMessage> {
+    records
+        .iter()
+        .enumerate()
+        .map(|(i, (key, value))| replayproof::consume::RawMessage {
+            offset: i as i64,
+            key: Some(key.as_bytes().to_vec()),
+            value: Some(serde_json::to_vec(value).unwrap()),
+        })
+        .collect()
+}
+
+/// A batch processor with the ledger effect on `db`.
+fn ledger(db: &TestDb) -> replayproof::consume::BatchProcessor {
+    replayproof::consume::BatchProcessor {
+        pool: db.pool.clone(),
+        effect: std::sync::Arc::new(replayproof::effect::Ledger),
+        retry: replayproof::consume::EffectRetry::default(),
+    }
 }
 
 /// Delivers `body` as `kind`'s sender would, with the event id `id`.
@@ -645,27 +667,12 @@ async fn a_redelivery_is_a_duplicate_and_a_changed_business_field_is_a_conflict_
             );
         }
     }
-    ingress.stop().await;
-    let recs = tokio::task::spawn_blocking(move || records(&brokers, &topic))
-        .await
-        .unwrap();
+    let recs = ingress.stop_and_read(&brokers, &topic).await;
     assert_eq!(recs.len(), 15);
-    let processor = replayproof::consume::BatchProcessor {
-        pool: db.pool.clone(),
-        effect: std::sync::Arc::new(replayproof::effect::Ledger),
-        retry: replayproof::consume::EffectRetry::default(),
-    };
-    for (i, ((kind, ..), three)) in cases.iter().zip(recs.chunks(3)).enumerate() {
-        let messages: Vec<replayproof::consume::RawMessage> = three
-            .iter()
-            .enumerate()
-            .map(|(j, (key, value))| replayproof::consume::RawMessage {
-                offset: (i * 3 + j) as i64,
-                key: Some(key.as_bytes().to_vec()),
-                value: Some(serde_json::to_vec(value).unwrap()),
-            })
-            .collect();
-        let report = processor.process("webhooks", 0, &messages).await.unwrap();
+    let processor = ledger(&db);
+    let messages = as_messages(&recs);
+    for ((kind, ..), three) in cases.iter().zip(messages.chunks(3)) {
+        let report = processor.process("webhooks", 0, three).await.unwrap();
         assert_eq!(
             (report.applied, report.duplicates, report.conflicts),
             (1, 1, 1),
@@ -699,24 +706,9 @@ async fn a_captured_delivery_resent_under_forged_ids_has_one_effect() {
             .unwrap();
         assert_eq!(r.status(), 200);
     }
-    ingress.stop().await;
-    let recs = tokio::task::spawn_blocking(move || records(&brokers, &topic))
-        .await
-        .unwrap();
-    let messages: Vec<replayproof::consume::RawMessage> = recs
-        .iter()
-        .enumerate()
-        .map(|(i, (key, value))| replayproof::consume::RawMessage {
-            offset: i as i64,
-            key: Some(key.as_bytes().to_vec()),
-            value: Some(serde_json::to_vec(value).unwrap()),
-        })
-        .collect();
-    let processor = replayproof::consume::BatchProcessor {
-        pool: db.pool.clone(),
-        effect: std::sync::Arc::new(replayproof::effect::Ledger),
-        retry: replayproof::consume::EffectRetry::default(),
-    };
+    let recs = ingress.stop_and_read(&brokers, &topic).await;
+    let messages = as_messages(&recs);
+    let processor = ledger(&db);
     // One batch, then the forged ones again one by one: neither way gets past the guard.
     processor.process("webhooks", 0, &messages).await.unwrap();
     for m in &messages[2..5] {

@@ -316,7 +316,7 @@ impl BatchProcessor {
         let replays = self.sort_out_captures(tx, &mut firsts).await?;
         if !replays.is_empty() {
             report.conflicts += replays.len();
-            claims::record_replays(tx, origin, &replays).await?;
+            claims::record_conflicts(tx, origin, &replays).await?;
         }
         if firsts.is_empty() {
             return Ok(report);
@@ -354,7 +354,7 @@ impl BatchProcessor {
         &self,
         tx: &mut Transaction<'static, Postgres>,
         firsts: &mut Vec<(i64, &'e Event)>,
-    ) -> Result<Vec<(i64, &'e Event, String)>, RunError> {
+    ) -> Result<Vec<claims::Conflict<'e>>, RunError> {
         let guarded: Vec<(i64, &Event)> = firsts
             .iter()
             .filter(|(_, e)| e.replay_window_secs.is_some())
@@ -375,10 +375,10 @@ impl BatchProcessor {
                     replays.push((
                         *offset,
                         *e,
-                        format!(
+                        Some(format!(
                             "replayed capture: the same signed body was delivered as {first_key} \
                              {age:.0} s earlier (replay window {window} s)"
-                        ),
+                        )),
                     ));
                     false
                 }
@@ -427,7 +427,7 @@ impl BatchProcessor {
         for (offset, event) in losers {
             match winners.get(event.key.as_str()) {
                 Some(hash) if hash[..] != event.payload_sha256[..] => {
-                    conflicts.push((*offset, event))
+                    conflicts.push((*offset, event, None))
                 }
                 _ => report.duplicates += 1,
             }

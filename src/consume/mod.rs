@@ -372,6 +372,19 @@ struct Lane {
     paused: bool,
 }
 
+impl Lane {
+    /// Queues a message for the lane. True when its offset is below the next one expected: a
+    /// truncated or recreated topic, or an offset reset. Those may be new messages at reused
+    /// offsets, and the claims make any replay among them harmless, so they are queued too.
+    fn push(&mut self, message: RawMessage) -> bool {
+        let rewound = message.offset < self.next_offset;
+        self.next_offset = message.offset + 1;
+        self.backlog.fetch_add(1, Ordering::Relaxed);
+        let _ = self.messages.send(message);
+        rewound
+    }
+}
+
 /// The consumer's context: owns the lanes and serves rebalances on the poll thread.
 struct LaneContext {
     settings: ConsumerSettings,
@@ -491,23 +504,20 @@ impl LaneContext {
         let lane = lanes
             .entry(partition)
             .or_insert_with(|| self.start_lane(partition, message.offset()));
-        if message.offset() < lane.next_offset {
-            // A truncated or recreated topic, or an offset reset: these may be new messages at
-            // reused offsets. The claims make any replay among them harmless, so all are applied.
-            tracing::warn!(
-                partition,
-                offset = message.offset(),
-                expected = lane.next_offset,
-                "Offsets went backwards; processing the messages again."
-            );
-        }
-        lane.next_offset = message.offset() + 1;
-        lane.backlog.fetch_add(1, Ordering::Relaxed);
-        let _ = lane.messages.send(RawMessage {
+        let message = RawMessage {
             offset: message.offset(),
             key: message.key().map(<[u8]>::to_vec),
             value: message.payload().map(<[u8]>::to_vec),
-        });
+        };
+        let (offset, expected) = (message.offset, lane.next_offset);
+        if lane.push(message) {
+            tracing::warn!(
+                partition,
+                offset,
+                expected,
+                "Offsets went backwards; processing the messages again."
+            );
+        }
     }
 
     fn start_lane(&self, partition: i32, first_offset: i64) -> Lane {
@@ -928,6 +938,36 @@ mod tests {
             stall_exit_after: Duration::from_secs(300),
             ..ConsumerSettings::new("b", "t", "g")
         }
+    }
+
+    #[test]
+    fn messages_whose_offsets_went_backwards_are_queued_not_dropped() {
+        let (messages, mut rx) = mpsc::unbounded_channel();
+        let mut lane = Lane {
+            id: 0,
+            messages,
+            stop: CancellationToken::new(),
+            task: None,
+            backlog: Arc::new(AtomicUsize::new(0)),
+            next_offset: 0,
+            paused: false,
+        };
+        let message = |offset| RawMessage {
+            offset,
+            key: None,
+            value: Some(format!("m{offset}").into_bytes()),
+        };
+        let rewound: Vec<bool> = [0, 1, 2, 0, 1, 2, 3]
+            .into_iter()
+            .map(|o| lane.push(message(o)))
+            .collect();
+        assert_eq!(rewound, [false, false, false, true, false, false, false]);
+        let mut queued = Vec::new();
+        while let Ok(m) = rx.try_recv() {
+            queued.push(m.offset);
+        }
+        assert_eq!(queued, [0, 1, 2, 0, 1, 2, 3]);
+        assert_eq!(lane.backlog.load(Ordering::Relaxed), 7);
     }
 
     #[test]

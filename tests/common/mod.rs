@@ -205,6 +205,38 @@ pub fn envelope(key: &str, payload: serde_json::Value) -> Vec<u8> {
     .to_bytes()
 }
 
+/// Claims `keys` through the consume transaction with the http effect, which enqueues one
+/// `deliver` operation each to `downstream` (with its reconcile URL when `reconcile`).
+pub async fn enqueue_http(
+    db: &TestDb,
+    downstream: &downstream::Downstream,
+    keys: &[String],
+    reconcile: bool,
+) {
+    let effect = replayproof::effect::HttpOutbox {
+        target_url: downstream.url(),
+        reconcile_url: reconcile.then(|| downstream.reconcile_url()),
+        max_attempts: 8,
+    };
+    let processor = BatchProcessor {
+        pool: db.pool.clone(),
+        effect: Arc::new(effect),
+        retry: EffectRetry::default(),
+    };
+    let messages: Vec<consume::RawMessage> = keys
+        .iter()
+        .enumerate()
+        .map(|(i, k)| consume::RawMessage {
+            offset: i as i64,
+            key: Some(k.as_bytes().to_vec()),
+            value: Some(envelope(k, serde_json::json!({"n": i}))),
+        })
+        .collect();
+    for chunk in messages.chunks(100) {
+        processor.process("t", 0, chunk).await.unwrap();
+    }
+}
+
 /// One record to produce: key, value, and a partition when the test chooses it.
 pub struct Record {
     pub key: Option<Vec<u8>>,
@@ -530,16 +562,18 @@ pub async fn kill_inside_transaction(consumer: ConsumerProcess, db: &TestDb) {
     wait_for(
         "the killed consumer's transaction to end",
         Duration::from_secs(60),
-        || async {
-            db.count(
-                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
-             AND state = 'idle in transaction'",
-            )
-            .await
-                == 0
-        },
+        || async { idle_in_transaction(db).await == 0 },
     )
     .await;
+}
+
+/// Sessions of this test's database sitting idle inside a transaction, whoever opened them.
+pub async fn idle_in_transaction(db: &TestDb) -> i64 {
+    db.count(
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
+         AND state = 'idle in transaction'",
+    )
+    .await
 }
 
 /// A free TCP port on 127.0.0.1, for a process's metrics server.
