@@ -253,9 +253,7 @@ impl Dispatcher {
     /// delivery, both within the lease. A delivery is never started with less than a request
     /// timeout left on the lease: the row would be taken over with the request still in flight.
     async fn attempt(&self, row: &Leased, lease_deadline: Instant) -> sqlx::Result<()> {
-        let maybe_applied =
-            row.previous_state == "uncertain" || row.previous_state == "in_progress";
-        if maybe_applied {
+        if row.may_have_been_applied() {
             if let Some(url) = &row.reconcile_url {
                 if let Some(settled) = self.reconcile(row, url).await? {
                     return Ok(settled);
@@ -299,7 +297,7 @@ impl Dispatcher {
     /// the row goes back as it was (uncertain if it may have been applied, else retryable), due
     /// at once, for an attempt with a fresh lease.
     async fn give_back(&self, row: &Leased) -> sqlx::Result<()> {
-        let state = if row.previous_state == "uncertain" || row.previous_state == "in_progress" {
+        let state = if row.may_have_been_applied() {
             "uncertain"
         } else {
             "retryable"

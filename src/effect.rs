@@ -93,7 +93,7 @@ pub struct Permanent(pub anyhow::Error);
 pub struct Transient(pub anyhow::Error);
 
 /// Sorts an effect's error: an explicit [`Permanent`] or [`Transient`] wins; otherwise a
-/// database error anywhere in the chain decides by its SQLSTATE ([`is_transient_db_error`]);
+/// database error anywhere in the chain decides by its SQLSTATE ([`crate::db::is_transient`]);
 /// anything else is [`FailureKind::Deterministic`].
 pub fn classify(error: &anyhow::Error) -> FailureKind {
     if error.downcast_ref::<Permanent>().is_some() {
@@ -104,45 +104,8 @@ pub fn classify(error: &anyhow::Error) -> FailureKind {
     }
     let db_error = error.chain().find_map(|e| e.downcast_ref::<sqlx::Error>());
     match db_error {
-        Some(e) if is_transient_db_error(e) => FailureKind::Transient,
+        Some(e) if crate::db::is_transient(e) => FailureKind::Transient,
         _ => FailureKind::Deterministic,
-    }
-}
-
-/// Whether a database error says nothing about the data: the connection, the server or the
-/// schema is at fault, and the same statement may well succeed later.
-///
-/// SQLSTATE classes 08 (connection), 40 (deadlock, serialization), 53 (disk full, out of
-/// memory, too many connections), 57 (statement timeout, shutdown), 58 (I/O), and the codes
-/// 55P03 (lock timeout), 25006 (read-only transaction), 42P01, 42703, 42883 (a missing table,
-/// column or function after a bad deploy) and 42501 (a missing privilege).
-pub fn is_transient_db_error(error: &sqlx::Error) -> bool {
-    match error {
-        sqlx::Error::Database(db) => db.code().is_some_and(|code| {
-            matches!(code.get(..2), Some("08" | "40" | "53" | "57" | "58"))
-                || matches!(
-                    code.as_ref(),
-                    "55P03" | "25006" | "42P01" | "42703" | "42883" | "42501"
-                )
-        }),
-        sqlx::Error::Io(_)
-        | sqlx::Error::Tls(_)
-        | sqlx::Error::Protocol(_)
-        | sqlx::Error::PoolTimedOut
-        | sqlx::Error::PoolClosed
-        | sqlx::Error::WorkerCrashed => true,
-        _ => false,
-    }
-}
-
-/// Whether a database error is about the data itself (SQLSTATE classes 22 and 23): the same
-/// rows will be refused every time.
-pub fn is_data_db_error(error: &sqlx::Error) -> bool {
-    match error {
-        sqlx::Error::Database(db) => db
-            .code()
-            .is_some_and(|code| matches!(code.get(..2), Some("22" | "23"))),
-        _ => false,
     }
 }
 

@@ -68,6 +68,14 @@ pub struct Leased {
     pub previous_state: String,
 }
 
+impl Leased {
+    /// Whether an earlier attempt may already have reached the downstream: the row was
+    /// `uncertain`, or its lease was taken over from a worker that vanished mid-request.
+    pub fn may_have_been_applied(&self) -> bool {
+        self.previous_state == "uncertain" || self.previous_state == "in_progress"
+    }
+}
+
 /// Leases up to `limit` due rows: pending, retryable or uncertain ones whose time has come, and
 /// in-progress ones whose lease expired. Rows another worker is leasing are skipped, not
 /// waited for. Every lease counts as an attempt, so a row whose worker dies or hangs on it each

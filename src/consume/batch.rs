@@ -174,7 +174,7 @@ impl BatchProcessor {
     ) -> Result<BatchReport, BatchError> {
         let origin = Origin { topic, partition };
         match self.process_part(origin, messages).await {
-            Err(BatchError::Database(e)) if effect::is_data_db_error(&e) => {
+            Err(BatchError::Database(e)) if crate::db::is_data_error(&e) => {
                 tracing::warn!(partition, error = %e, "PostgreSQL refused part of a batch; splitting it to find the messages.");
                 self.split_out_refused(origin, messages, e).await
             }
@@ -220,7 +220,7 @@ impl BatchProcessor {
                         report.merge(r);
                         continue;
                     }
-                    Err(BatchError::Database(e)) if effect::is_data_db_error(&e) => e,
+                    Err(BatchError::Database(e)) if crate::db::is_data_error(&e) => e,
                     Err(e) => return Err(e),
                 },
             };

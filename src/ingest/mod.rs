@@ -407,18 +407,22 @@ impl IntoResponse for Outcome {
             Self::Unauthorized => error(StatusCode::UNAUTHORIZED, "the signature could not be verified"),
             Self::BadRequest(reason) => error(StatusCode::BAD_REQUEST, &reason),
             Self::Unavailable(retry_after) => {
-                let mut r = error(StatusCode::SERVICE_UNAVAILABLE, "the event could not be stored; retry later");
-                r.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(retry_after));
-                r
+                retry_later(error(StatusCode::SERVICE_UNAVAILABLE, "the event could not be stored; retry later"), retry_after)
             }
             Self::Overloaded(retry_after) => {
-                let mut r = error(StatusCode::SERVICE_UNAVAILABLE, "too many requests in flight; retry later");
-                r.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(retry_after));
-                r
+                retry_later(error(StatusCode::SERVICE_UNAVAILABLE, "too many requests in flight; retry later"), retry_after)
             }
             Self::TimedOut => error(StatusCode::REQUEST_TIMEOUT, "the body did not arrive in time"),
         }
     }
+}
+
+/// Adds `Retry-After` to a 503, so the sender comes back rather than gives up.
+fn retry_later(mut response: Response, secs: u64) -> Response {
+    response
+        .headers_mut()
+        .insert(header::RETRY_AFTER, HeaderValue::from(secs));
+    response
 }
 
 async fn webhook(
