@@ -345,7 +345,14 @@ impl Dispatcher {
             }
             Some(404) => return Ok(None),
             _ => {
-                let error = result.err().map(|e| format!("reconcile: {e}"));
+                let error = match &result {
+                    Err(e) => Some(format!("reconcile: {e}")),
+                    Ok(r) if r.status().is_redirection() => Some(format!(
+                        "reconcile: redirected to {}; redirects are not followed",
+                        location(r)
+                    )),
+                    Ok(_) => None,
+                };
                 (
                     "reconcile_unknown",
                     Settlement {
@@ -386,10 +393,7 @@ impl Dispatcher {
             .get("retry-after")
             .and_then(|v| v.to_str().ok())
             .and_then(parse_retry_after);
-        let location = response
-            .headers()
-            .get("location")
-            .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned());
+        let location = location(&response);
         let body = response.text().await.unwrap_or_default();
         let body: String = body.chars().take(2_000).collect();
         let code = Some(i32::from(status));
@@ -403,8 +407,8 @@ impl Dispatcher {
                         "failed",
                         code,
                         Some(format!(
-                            "redirected to {}; redirects are not followed, so nothing was delivered",
-                            location.as_deref().unwrap_or("(no Location)")
+                            "redirected to {location}; redirects are not followed, so nothing \
+                             was delivered"
                         )),
                     )
                 },
@@ -502,6 +506,14 @@ impl Dispatcher {
         }
         Ok(())
     }
+}
+
+/// Where a redirect points, for the operator: redirects are recorded, never followed.
+fn location(response: &reqwest::Response) -> String {
+    response.headers().get("location").map_or_else(
+        || "(no Location)".to_owned(),
+        |v| String::from_utf8_lossy(v.as_bytes()).into_owned(),
+    )
 }
 
 /// Whether a request may start: it must be able to time out before the lease runs out.

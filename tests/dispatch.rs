@@ -443,6 +443,27 @@ async fn redirects_are_failures_with_their_location_never_followed() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redirected_reconcile_is_not_followed_and_keeps_its_location() {
+    let (db, downstream) = (TestDb::new().await, Downstream::start().await);
+    enqueue_http(&db, &downstream, &["evt-moved".to_owned()], true).await;
+    sqlx::query("UPDATE outbox SET state = 'uncertain'")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    downstream.redirect_lookups();
+    let rows = one_round(&db).await;
+    assert_eq!(downstream.followed_redirects(), 0);
+    assert!(downstream.applied().is_empty(), "nothing was delivered");
+    let (_, state, error) = &rows[0];
+    assert_eq!(state, "uncertain");
+    let error = error.as_deref().unwrap_or_default();
+    assert!(
+        error.contains("redirected to") && error.contains("/elsewhere"),
+        "{error}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_row_whose_worker_dies_every_time_goes_dead_after_its_attempts() {
     let (db, downstream) = (TestDb::new().await, Downstream::start().await);
     enqueue_http(&db, &downstream, &["evt-killer".to_owned()], false).await;

@@ -38,6 +38,8 @@ struct State {
     reconciles: u32,
     /// Requests that followed a redirect to `/elsewhere`.
     followed_redirects: u32,
+    /// Lookups (GET) answered with a redirect to `/elsewhere`.
+    redirect_lookups: bool,
     script: HashMap<String, VecDeque<Behaviour>>,
 }
 
@@ -101,6 +103,11 @@ impl Downstream {
         self.state.lock().unwrap().in_flight.values().sum()
     }
 
+    /// Answers every lookup (reconcile GET) with a redirect from now on.
+    pub fn redirect_lookups(&self) {
+        self.state.lock().unwrap().redirect_lookups = true;
+    }
+
     pub fn followed_redirects(&self) -> u32 {
         self.state.lock().unwrap().followed_redirects
     }
@@ -116,6 +123,11 @@ impl Downstream {
         if path == "/elsewhere" {
             self.state.lock().unwrap().followed_redirects += 1;
             let _ = respond(&mut stream, 200).await;
+            return;
+        }
+        if method == "GET" && self.state.lock().unwrap().redirect_lookups {
+            let location = format!("Location: http://{}/elsewhere\r\n", self.addr);
+            let _ = respond_with(&mut stream, 302, &location).await;
             return;
         }
         if method == "GET" {
