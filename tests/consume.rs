@@ -484,3 +484,40 @@ async fn a_final_offset_commit_that_fails_makes_the_stop_an_error() {
     mock.clear_request_errors(RDKafkaApiKey::OffsetCommit);
     assert_eq!(committed(&kafka, &group, &topic, 1).await, [-1]);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_consumer_whose_database_is_gone_fails_health() {
+    let kafka = TestKafka::mock();
+    let (topic, group) = (kafka.topic(1).await, unique("group"));
+    let nowhere = format!("postgres://postgres@127.0.0.1:{}/none", free_port());
+    let pool = replayproof::db::pool(&nowhere.parse().unwrap(), 2).unwrap();
+    let s = ConsumerSettings {
+        unhealthy_after: Duration::from_secs(1),
+        ..settings(&kafka.brokers(), &topic, &group)
+    };
+    let processor = replayproof::consume::BatchProcessor {
+        pool,
+        effect: std::sync::Arc::new(replayproof::effect::Ledger),
+        retry: replayproof::consume::EffectRetry::default(),
+    };
+    let metrics =
+        replayproof::telemetry::ConsumeMetrics::new(&prometheus::Registry::new()).unwrap();
+    let health = replayproof::telemetry::Health::default();
+    let stop = tokio_util::sync::CancellationToken::new();
+    let running = tokio::spawn(replayproof::consume::run_with_health(
+        s,
+        processor,
+        metrics,
+        health.clone(),
+        stop.clone(),
+    ));
+    wait_for("/healthz to name the database", WAIT, || async {
+        health
+            .problems()
+            .iter()
+            .any(|p| p.starts_with("database: PostgreSQL has not answered"))
+    })
+    .await;
+    stop.cancel();
+    running.await.unwrap().unwrap();
+}

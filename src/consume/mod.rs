@@ -133,6 +133,7 @@ pub async fn run_with_health(
 ) -> anyhow::Result<()> {
     crate::kafka::check_options(crate::kafka::Role::Consumer, &settings.kafka_options)?;
     let vitals = Arc::new(Vitals::new(shutdown.child_token()));
+    let pool = processor.pool.clone();
     let context = LaneContext::new(
         settings.clone(),
         processor,
@@ -149,6 +150,12 @@ pub async fn run_with_health(
         .subscribe(&[&settings.topic])
         .context("subscribing to the topic")?;
     tracing::info!(topic = %settings.topic, group = %settings.group, brokers = %settings.brokers, "Joined the consumer group.");
+    let probe = tokio::spawn(probe_database(
+        pool,
+        health.clone(),
+        vitals.stop.clone(),
+        settings.unhealthy_after,
+    ));
     let watchdog = tokio::spawn(watch(vitals.clone(), health.clone(), settings));
     let (done_tx, done_rx) = tokio::sync::oneshot::channel();
     let stop = vitals.stop.clone();
@@ -163,6 +170,7 @@ pub async fn run_with_health(
     let polled = done_rx.await;
     vitals.stop.cancel();
     let _ = watchdog.await;
+    let _ = probe.await;
     health.forget(POLL_LOOP);
     polled.context("the Kafka poll thread panicked")?;
     match vitals.fatal() {
@@ -319,6 +327,41 @@ async fn watch(vitals: Arc<Vitals>, health: Health, settings: ConsumerSettings) 
         tokio::select! {
             _ = vitals.stop.cancelled() => {}
             _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+        }
+    }
+}
+
+/// Asks PostgreSQL whether it answers, every few seconds, so that an idle consumer whose
+/// database is gone fails `/healthz` too, not only one whose batches fail.
+async fn probe_database(
+    pool: sqlx::PgPool,
+    health: Health,
+    stop: CancellationToken,
+    unhealthy_after: Duration,
+) {
+    let every = (unhealthy_after / 2).clamp(Duration::from_millis(100), Duration::from_secs(5));
+    let mut failing_since: Option<Instant> = None;
+    while !stop.is_cancelled() {
+        let asked = sqlx::query("SELECT 1").execute(&pool);
+        match tokio::time::timeout(every.max(Duration::from_secs(1)), asked).await {
+            Ok(Ok(_)) => {
+                failing_since = None;
+                health.report("database", None);
+            }
+            _ => {
+                let since = *failing_since.get_or_insert_with(Instant::now);
+                if since.elapsed() >= unhealthy_after {
+                    let problem = format!(
+                        "PostgreSQL has not answered for {} s",
+                        since.elapsed().as_secs()
+                    );
+                    health.report("database", Some(problem));
+                }
+            }
+        }
+        tokio::select! {
+            _ = stop.cancelled() => {}
+            _ = tokio::time::sleep(every) => {}
         }
     }
 }
