@@ -469,12 +469,19 @@ impl ConsumerContext for LaneContext {
     fn post_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
         // A partition paused for backpressure by an earlier owner's lane may come back paused;
         // its new lane starts empty, so it starts fetching.
-        if let Rebalance::Assign(tpl) = rebalance {
-            if let Err(e) = consumer.resume(tpl) {
-                tracing::warn!(error = %e, "Could not resume newly assigned partitions.");
+        // The assignment is read from the rebalance itself (the eager protocol assigns and
+        // revokes whole assignments): asking the client with `assignment()` blocks forever when
+        // the rebalance is served while the consumer is closing.
+        let assigned = match rebalance {
+            Rebalance::Assign(tpl) => {
+                if let Err(e) = consumer.resume(tpl) {
+                    tracing::warn!(error = %e, "Could not resume newly assigned partitions.");
+                }
+                tpl.count()
             }
-        }
-        let assigned = consumer.assignment().map(|a| a.count()).unwrap_or(0);
+            Rebalance::Revoke(_) => 0,
+            Rebalance::Error(_) => return,
+        };
         self.metrics.assigned_partitions.set(assigned as i64);
     }
 
