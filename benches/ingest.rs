@@ -7,7 +7,7 @@
 //! 64) size the run. The load generator shares the machine with what it measures.
 
 use hmac::{Hmac, Mac};
-use replayproof::embedded::EmbeddedKafka;
+use replayproof::devkit::embedded::EmbeddedKafka;
 use replayproof::ingest::config::FileConfig;
 use replayproof::ingest::{self, IngestSettings};
 use sha2::Sha256;

@@ -1,24 +1,22 @@
-//! A real effect written against the library: a payment event marks an order paid.
+//! A complete binary built on the library: the stock command line with one more effect, a
+//! payment event that marks an order paid.
 //!
 //! The `orders` table has `UNIQUE (provider_event_id)`, and the transition is conditional
 //! (`… WHERE id = $1 AND status = 'pending'`), so the effect is correct on its own terms too:
 //! an order is paid once, by one event, and a late or repeated event changes nothing.
 //!
-//! Run it against a topic of envelopes whose payload looks like
-//! `{"order_id": 42, "amount": 1999}`:
-//!
 //! ```sh
-//! DATABASE_URL=postgres://… REPLAYPROOF_BROKERS=localhost:9092 cargo run --example orders
+//! cargo run --example orders -- migrate                      # replayproof's tables and `orders`
+//! cargo run --example orders -- consume --effect orders      # envelopes like {"order_id": 42}
+//! cargo run --example orders -- events retry KEY --effect orders --reason "fixed"
 //! ```
 
 use anyhow::Context as _;
 use async_trait::async_trait;
-use replayproof::consume::{self, BatchProcessor, ConsumerSettings, EffectRetry};
 use replayproof::effect::{Effect, Tx};
 use replayproof::envelope::Event;
-use std::sync::Arc;
 
-/// The table this effect owns. A real application keeps it in its own migrations.
+/// The table this effect owns, created by `migrate`.
 pub const SCHEMA: &str = r#"
 CREATE TABLE IF NOT EXISTS orders (
     id                BIGINT      PRIMARY KEY,
@@ -59,26 +57,9 @@ impl Effect for MarkOrderPaid {
     }
 }
 
-#[allow(dead_code)]
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
-    replayproof::telemetry::init_logging();
-    let env = |name: &str| std::env::var(name).with_context(|| format!("{name} is not set"));
-    let url = env("DATABASE_URL")?.parse()?;
-    let pool = replayproof::db::pool(&url, 8)?;
-    replayproof::db::migrate(&pool).await?;
-    sqlx::query(SCHEMA).execute(&pool).await?;
-    let settings = ConsumerSettings::new(
-        &env("REPLAYPROOF_BROKERS")?,
-        &env("REPLAYPROOF_TOPIC").unwrap_or_else(|_| "webhooks".into()),
-        &env("REPLAYPROOF_GROUP").unwrap_or_else(|_| "orders".into()),
-    );
-    let processor = BatchProcessor {
-        pool,
-        effect: Arc::new(MarkOrderPaid),
-        retry: EffectRetry::default(),
-    };
-    let shutdown = replayproof::shutdown::on_signal();
-    let metrics = replayproof::telemetry::ConsumeMetrics::new(&prometheus::Registry::new())?;
-    consume::run(settings, processor, metrics, shutdown).await
+fn main() -> std::process::ExitCode {
+    replayproof::Cli::new()
+        .with_effect("orders", MarkOrderPaid)
+        .with_migration(SCHEMA)
+        .run()
 }

@@ -7,12 +7,16 @@
 #   - A Kafka-protocol broker process for the end-to-end tests: KAFKA_BROKERS when set;
 #     otherwise nisshi 0.8.1, installed with `cargo +nightly install` when missing.
 #     The fast tests use librdkafka's in-process mock cluster and need nothing.
-# Then: formatting, clippy with warnings denied, and `cargo test` with the failpoints compiled in.
+#   - sqlx-cli (pinned), installed with `cargo install` when missing, to check that the
+#     committed `.sqlx/` query data matches the queries and migrations.
+# Then: formatting, the query data, clippy with warnings denied, a library build without the
+# default features, and `cargo test` with the failpoints compiled in.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/replayproof/target}"
 NISSHI_VERSION=0.8.1
+SQLX_CLI_VERSION=0.8.6
 
 log() { printf '\n==> %s\n' "$*" >&2; }
 die() { printf 'error: %s\n' "$*" >&2; exit 1; }
@@ -139,15 +143,46 @@ ensure_python_modules() {
   fi
 }
 
+# ------------------------------------------------------------------------------------ sqlx-cli
+ensure_sqlx_cli() {
+  if ! cargo sqlx --version 2>/dev/null | grep -q "$SQLX_CLI_VERSION"; then
+    log "Installing sqlx-cli $SQLX_CLI_VERSION (checks the committed query data; once)"
+    cargo install sqlx-cli --version "$SQLX_CLI_VERSION" --locked --no-default-features \
+      --features postgres,rustls
+  fi
+}
+
+# The queries are checked against a database migrated from scratch, so `.sqlx/` must match
+# both the code and the migrations.
+check_query_data() {
+  local name url
+  name="rp_sqlx_check_$$"
+  url="${DATABASE_URL%/*}/$name"
+  psql_admin "CREATE DATABASE $name"
+  DATABASE_URL="$url" cargo sqlx migrate run --source migrations >/dev/null
+  DATABASE_URL="$url" cargo sqlx prepare --check -- --all-features --lib
+  psql_admin "DROP DATABASE $name"
+}
+
+psql_admin() {
+  "$pg_bin/psql" "$DATABASE_URL" -v ON_ERROR_STOP=1 -q -c "$1"
+}
+
 # -------------------------------------------------------------------------------------- checks
 ensure_python_modules
 ensure_postgres_binaries
 [ -n "${DATABASE_URL:-}" ] || start_postgres
 [ -n "${KAFKA_BROKERS:-}" ] || start_nisshi
+ensure_sqlx_cli
+export SQLX_OFFLINE=true
 
 log "cargo fmt --check"
 cargo fmt --all -- --check
+log "The committed query data (.sqlx) matches the queries and migrations"
+check_query_data
 log "cargo clippy (warnings denied)"
 cargo clippy --all-targets --all-features -- -D warnings
+log "The library alone, without the command line or the development kit"
+cargo build --lib --no-default-features
 log "cargo test (broker process: ${KAFKA_BROKERS:-none, the mock cluster serves every test})"
 cargo test --all-features --no-fail-fast "$@"

@@ -107,17 +107,97 @@ pub fn pool_with(
     max_connections: u32,
     limits: Limits,
 ) -> anyhow::Result<PgPool> {
+    pool_in(url, max_connections, limits, &Schema::default())
+}
+
+/// Like [`pool_with`], with replayproof's tables in `schema`.
+pub fn pool_in(
+    url: &DatabaseUrl,
+    max_connections: u32,
+    limits: Limits,
+    schema: &Schema,
+) -> anyhow::Result<PgPool> {
     let options = PgConnectOptions::from_str(url.expose())?
         .application_name("replayproof")
-        .options(limits.settings());
+        .options(limits.settings())
+        .options([("search_path", schema.search_path())]);
     Ok(PgPoolOptions::new()
         .max_connections(max_connections)
         .acquire_timeout(Duration::from_secs(5))
         .connect_lazy_with(options))
 }
 
-/// Applies every pending migration.
+/// The default of `--schema`.
+pub const DEFAULT_SCHEMA: &str = "replayproof";
+
+/// The PostgreSQL schema that holds replayproof's tables and its migrations' bookkeeping, so
+/// they never collide with a host application's own `outbox` or `_sqlx_migrations`.
+///
+/// Sessions run with `search_path` set to the schema, then `public`: replayproof's tables
+/// (all created by the migrations) are found first, and an effect's own tables in `public`
+/// stay reachable by their plain names inside the claim's transaction.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Schema(String);
+
+impl Default for Schema {
+    fn default() -> Self {
+        Self(DEFAULT_SCHEMA.into())
+    }
+}
+
+impl FromStr for Schema {
+    type Err = String;
+
+    /// A plain lower-case identifier, so it never needs quoting.
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let mut chars = s.chars();
+        let first_ok = chars
+            .next()
+            .is_some_and(|c| c.is_ascii_lowercase() || c == '_');
+        let rest_ok = chars.all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_');
+        if first_ok && rest_ok && s.len() <= 63 {
+            Ok(Self(s.into()))
+        } else {
+            Err(format!(
+                "{s:?} is not a schema name: lower-case letters, digits and _, at most 63"
+            ))
+        }
+    }
+}
+
+impl fmt::Display for Schema {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl Schema {
+    fn search_path(&self) -> String {
+        if self.0 == "public" {
+            "public".into()
+        } else {
+            format!("{},public", self.0)
+        }
+    }
+}
+
+/// Creates the pool's schema when missing and applies every pending migration there.
 pub async fn migrate(pool: &PgPool) -> anyhow::Result<()> {
+    let search_path: String = sqlx::query_scalar("SELECT current_setting('search_path')")
+        .fetch_one(pool)
+        .await
+        .context("reading the search_path")?;
+    let schema: Schema = search_path
+        .split(',')
+        .next()
+        .unwrap_or_default()
+        .trim()
+        .parse()
+        .map_err(|e: String| anyhow::anyhow!(e))?;
+    sqlx::query(&format!("CREATE SCHEMA IF NOT EXISTS {schema}"))
+        .execute(pool)
+        .await
+        .with_context(|| format!("creating the schema {schema}"))?;
     MIGRATOR.run(pool).await.context("applying migrations")
 }
 

@@ -257,16 +257,58 @@ pub fn payload_hash_without(payload: &serde_json::Value, unhashed: &[String]) ->
     }
 }
 
-/// SHA-256 over the canonical JSON text of a payload (object keys sorted, no whitespace), so
-/// that a re-serialised copy of the same payload hashes the same.
+/// SHA-256 over the payload's canonical form after RFC 8785 (JSON Canonicalization Scheme):
+/// object keys sorted by their UTF-16 code units at every depth, no whitespace, serde_json's
+/// minimal escapes. A re-serialised copy of the same payload hashes the same whatever its key
+/// order, and whatever serde_json features (such as `preserve_order`) the host application
+/// enables. Numbers keep the exact text they arrived with (the `arbitrary_precision` feature),
+/// so two payloads differing in a digit past f64's precision never hash the same.
 pub fn payload_hash(payload: &serde_json::Value) -> [u8; 32] {
-    // serde_json's Map is a BTreeMap without the `preserve_order` feature: keys come out sorted.
-    let canonical = serde_json::to_vec(payload).expect("a JSON value always serialises");
+    let canonical =
+        serde_json::to_vec(&canonical(payload)).expect("a JSON value always serialises");
     Sha256::digest(&canonical).into()
+}
+
+/// `value` with every object's keys in RFC 8785 order.
+fn canonical(value: &serde_json::Value) -> serde_json::Value {
+    use serde_json::Value;
+    match value {
+        Value::Object(map) => {
+            let mut entries: Vec<(&String, &Value)> = map.iter().collect();
+            entries.sort_by(|(a, _), (b, _)| a.encode_utf16().cmp(b.encode_utf16()));
+            let sorted = entries.into_iter().map(|(k, v)| (k.clone(), canonical(v)));
+            Value::Object(sorted.collect())
+        }
+        Value::Array(items) => Value::Array(items.iter().map(canonical).collect()),
+        other => other.clone(),
+    }
 }
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn key_order_never_changes_the_payload_hash() {
+        // This crate builds serde_json with `preserve_order`, so these two values keep their
+        // keys as written: only a canonical form makes them hash the same.
+        let a: serde_json::Value =
+            serde_json::from_str(r#"{"b":1,"a":{"y":[1,2],"x":"é"}}"#).unwrap();
+        let b: serde_json::Value =
+            serde_json::from_str(r#"{"a":{"x":"é","y":[1,2]},"b":1}"#).unwrap();
+        assert_ne!(
+            serde_json::to_vec(&a).unwrap(),
+            serde_json::to_vec(&b).unwrap()
+        );
+        assert_eq!(payload_hash(&a), payload_hash(&b));
+        let c: serde_json::Value =
+            serde_json::from_str(r#"{"a":{"x":"é","y":[2,1]},"b":1}"#).unwrap();
+        assert_ne!(
+            payload_hash(&a),
+            payload_hash(&c),
+            "array order is meaningful"
+        );
+    }
+
     use super::*;
 
     fn parse(value: &str) -> Result<Event, Malformed> {

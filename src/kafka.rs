@@ -1,4 +1,5 @@
-//! What replayproof's Kafka clients refuse to have overridden.
+//! replayproof's Kafka clients: one config builder, one durable producer, and the properties
+//! they refuse to have overridden.
 //!
 //! `--kafka-option` passes any librdkafka property through, which is how TLS, SASL and tuning
 //! reach the clients. The few properties the delivery promises rest on are set by replayproof
@@ -63,6 +64,69 @@ pub fn check_options(role: Role, options: &[(String, String)]) -> anyhow::Result
             );
         }
     }
+    Ok(())
+}
+
+/// A client config for `brokers` with `settings`, then `options` (the user's `--kafka-option`)
+/// over them. Every replayproof client is built here.
+pub fn client_config(
+    brokers: &str,
+    settings: &[(&str, String)],
+    options: &[(String, String)],
+) -> rdkafka::ClientConfig {
+    let mut config = rdkafka::ClientConfig::new();
+    config.set("bootstrap.servers", brokers);
+    for (k, v) in settings {
+        config.set(*k, v);
+    }
+    for (k, v) in options {
+        config.set(k, v);
+    }
+    config
+}
+
+/// The settings of a producer that never loses or duplicates an acknowledged record:
+/// `acks=all` and idempotence.
+pub fn durable_producer_settings(client_id: &str) -> Vec<(&'static str, String)> {
+    vec![
+        ("acks", "all".into()),
+        ("enable.idempotence", "true".into()),
+        ("client.id", client_id.into()),
+    ]
+}
+
+/// A durable producer (see [`durable_producer_settings`]) for tools that put records back
+/// on a topic: the dead-letter replay and the development stack.
+pub fn producer(
+    brokers: &str,
+    options: &[(String, String)],
+) -> anyhow::Result<rdkafka::producer::FutureProducer> {
+    check_options(Role::Producer, options)?;
+    let settings = durable_producer_settings("replayproof-tools");
+    anyhow::Context::context(
+        client_config(brokers, &settings, options).create(),
+        "creating the Kafka producer",
+    )
+}
+
+/// Produces one raw record and waits for the broker's acknowledgement.
+pub async fn produce_raw(
+    producer: &rdkafka::producer::FutureProducer,
+    topic: &str,
+    key: Option<&[u8]>,
+    value: Option<&[u8]>,
+) -> anyhow::Result<()> {
+    let mut record = rdkafka::producer::FutureRecord::<[u8], [u8]>::to(topic);
+    if let Some(k) = key {
+        record = record.key(k);
+    }
+    if let Some(v) = value {
+        record = record.payload(v);
+    }
+    producer
+        .send(record, std::time::Duration::from_secs(10))
+        .await
+        .map_err(|(e, _)| anyhow::Error::new(e).context(format!("producing to {topic}")))?;
     Ok(())
 }
 

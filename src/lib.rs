@@ -4,26 +4,32 @@
 //! consumer ([`consume`]) claims each key in PostgreSQL inside the same transaction as the
 //! event's [`effect::Effect`], and commits the Kafka offset only after that transaction
 //! committed, so every redelivery is a harmless replay with one visible effect per event.
+//!
+//! With the `cli` feature (on by default), [`Cli`] runs the whole command line with an
+//! application's own effects registered by name.
 
+#[cfg(feature = "cli")]
+pub mod args;
+pub mod audit;
 pub mod claims;
+#[cfg(feature = "cli")]
 pub mod cli;
-mod cli_ops;
 pub mod consume;
 pub mod db;
-pub mod demo;
-pub mod dev;
+#[cfg(feature = "devkit")]
+pub mod devkit;
 pub mod dispatch;
 pub mod effect;
-pub mod embedded;
 pub mod envelope;
 pub mod ingest;
 pub mod kafka;
-pub mod ops;
+pub mod operator;
 pub mod outbox;
 pub mod shutdown;
-pub mod stack;
-pub mod status;
 pub mod telemetry;
+
+#[cfg(feature = "cli")]
+pub use cli::Cli;
 
 /// A `fail` failpoint, compiled in only with the `failpoints` feature. Tests use them to stop a
 /// real process at a chosen step (for example between the claim and COMMIT) and kill it there.

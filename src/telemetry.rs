@@ -1,10 +1,7 @@
-//! Logs, metrics and the small HTTP server that exposes `/metrics` and `/healthz`.
+//! Logging, and the small HTTP server that exposes a process's `/metrics` and `/healthz`.
 
 use axum::{extract::State, http::StatusCode, routing::get, Router};
-use prometheus::{
-    Encoder, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
-    Registry, TextEncoder,
-};
+use prometheus::{Encoder, Registry, TextEncoder};
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
@@ -29,119 +26,6 @@ pub fn init_logging_with(default: &str) {
     } else {
         builder.try_init()
     };
-}
-
-/// The consumer's metrics. Labels are bounded: an outcome from a fixed list, a partition.
-#[derive(Clone)]
-pub struct ConsumeMetrics {
-    /// Events by outcome: applied, duplicate, conflict, dead_letter, failed.
-    pub events: IntCounterVec,
-    /// Effect attempts that returned an error, retried or not.
-    pub effect_failures: IntCounter,
-    /// Batches that failed on a database error and were retried.
-    pub batch_retries: IntCounter,
-    pub batch_size: Histogram,
-    pub batch_seconds: Histogram,
-    /// The last offset committed to Kafka, per partition.
-    pub committed_offset: IntGaugeVec,
-    /// Partitions this member owns now.
-    pub assigned_partitions: IntGauge,
-    /// Messages after the last applied batch, per partition.
-    pub consumer_lag: IntGaugeVec,
-    /// Lanes that panicked; each stops the process so its partitions move on.
-    pub lane_panics: IntCounter,
-    /// Errors Kafka reported while consuming, by librdkafka's error code.
-    pub kafka_errors: IntCounterVec,
-}
-
-impl ConsumeMetrics {
-    pub fn new(registry: &Registry) -> prometheus::Result<Self> {
-        let m = Self {
-            events: IntCounterVec::new(
-                Opts::new(
-                    "replayproof_consume_events_total",
-                    "Events consumed, by outcome.",
-                ),
-                &["outcome"],
-            )?,
-            effect_failures: IntCounter::new(
-                "replayproof_effect_failures_total",
-                "Effect attempts that failed.",
-            )?,
-            batch_retries: IntCounter::new(
-                "replayproof_batch_retries_total",
-                "Batches retried after a database error.",
-            )?,
-            batch_size: Histogram::with_opts(
-                HistogramOpts::new("replayproof_batch_size", "Messages per batch.")
-                    .buckets(prometheus::exponential_buckets(1.0, 2.0, 12)?),
-            )?,
-            batch_seconds: Histogram::with_opts(
-                HistogramOpts::new(
-                    "replayproof_batch_duration_seconds",
-                    "Time from the start of a batch to its commit.",
-                )
-                .buckets(prometheus::exponential_buckets(0.0005, 2.0, 16)?),
-            )?,
-            committed_offset: IntGaugeVec::new(
-                Opts::new(
-                    "replayproof_committed_offset",
-                    "The next offset to read, as last committed to Kafka.",
-                ),
-                &["partition"],
-            )?,
-            assigned_partitions: IntGauge::new(
-                "replayproof_assigned_partitions",
-                "Partitions assigned to this consumer.",
-            )?,
-            consumer_lag: IntGaugeVec::new(
-                Opts::new(
-                    "replayproof_consumer_lag",
-                    "Messages in the partition after the last applied batch.",
-                ),
-                &["partition"],
-            )?,
-            lane_panics: IntCounter::new(
-                "replayproof_lane_panics_total",
-                "Partition lanes that panicked.",
-            )?,
-            kafka_errors: IntCounterVec::new(
-                Opts::new(
-                    "replayproof_kafka_consume_errors_total",
-                    "Errors Kafka reported while consuming, by error code.",
-                ),
-                &["code"],
-            )?,
-        };
-        registry.register(Box::new(m.events.clone()))?;
-        registry.register(Box::new(m.effect_failures.clone()))?;
-        registry.register(Box::new(m.batch_retries.clone()))?;
-        registry.register(Box::new(m.batch_size.clone()))?;
-        registry.register(Box::new(m.batch_seconds.clone()))?;
-        registry.register(Box::new(m.committed_offset.clone()))?;
-        registry.register(Box::new(m.assigned_partitions.clone()))?;
-        registry.register(Box::new(m.consumer_lag.clone()))?;
-        registry.register(Box::new(m.lane_panics.clone()))?;
-        registry.register(Box::new(m.kafka_errors.clone()))?;
-        Ok(m)
-    }
-
-    /// Counts what one committed batch did.
-    pub fn record(&self, report: &crate::consume::BatchReport) {
-        let outcomes = [
-            ("applied", report.applied),
-            ("duplicate", report.duplicates),
-            ("conflict", report.conflicts),
-            ("dead_letter", report.dead_letters.len()),
-            ("failed", report.failed),
-        ];
-        for (outcome, n) in outcomes {
-            if n > 0 {
-                self.events.with_label_values(&[outcome]).inc_by(n as u64);
-            }
-        }
-        self.effect_failures.inc_by(report.effect_errors as u64);
-    }
 }
 
 /// Whether the process is doing its job. `/healthz` answers 503, naming each problem, while a
@@ -228,6 +112,22 @@ pub async fn serve_metrics(
         }
     });
     Ok(bound)
+}
+
+/// Serves `/metrics` and `/healthz` until `shutdown` is cancelled, and returns the [`Health`]
+/// that `/healthz` reads: the start of every long-running role.
+pub async fn serve(
+    addr: SocketAddr,
+    registry: Registry,
+    shutdown: &tokio_util::sync::CancellationToken,
+) -> anyhow::Result<Health> {
+    let health = Health::default();
+    let stopped = shutdown.clone().cancelled_owned();
+    let addr = serve_metrics(addr, registry, health.clone(), stopped)
+        .await
+        .map_err(|e| e.context("starting the metrics server"))?;
+    tracing::info!(%addr, "Serving /metrics and /healthz.");
+    Ok(health)
 }
 
 async fn metrics(State(state): State<ServerState>) -> (StatusCode, String) {

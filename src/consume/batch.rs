@@ -11,7 +11,8 @@
 //! batch is split in halves until the refused messages are found; each becomes a dead letter
 //! with PostgreSQL's message and the rest commits, so one bad message never stalls a partition.
 
-use crate::claims::{self, ClaimStatus, DeadLetter, Origin, Settlement};
+use crate::claims::dead_letters::{self, DeadLetter};
+use crate::claims::{self, conflicts, ClaimStatus, Origin, Settlement};
 use crate::effect::{self, Effect, FailureKind};
 use crate::envelope::Event;
 use sqlx::{Acquire, PgPool, Postgres, Transaction};
@@ -27,12 +28,17 @@ pub struct RawMessage {
     pub value: Option<Vec<u8>>,
 }
 
+/// The log target of the line logged for each applied event, after its batch committed. Off
+/// unless asked for (`RUST_LOG=replayproof::applied=debug`); `dev` turns it on.
+pub const APPLIED_LOG: &str = "replayproof::applied";
+
 /// What a committed batch did, event by event.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct BatchReport {
     /// Events claimed here whose effect committed.
     pub applied: usize,
-    /// Their keys and types, in offset order.
+    /// Their keys and types, in offset order; gathered only while the [`APPLIED_LOG`] log
+    /// target is enabled (as `dev` enables it), so a production batch allocates nothing for it.
     pub applied_events: Vec<(String, Option<String>)>,
     /// Replays: the key was claimed before with the same payload, or repeated in this batch.
     pub duplicates: usize,
@@ -261,7 +267,7 @@ impl BatchProcessor {
             reason: reason.replace('\0', ""),
         };
         let mut tx = self.pool.begin().await?;
-        claims::insert_dead_letters(&mut tx, origin, std::slice::from_ref(&letter)).await?;
+        dead_letters::insert(&mut tx, origin, std::slice::from_ref(&letter)).await?;
         tx.commit().await?;
         Ok(BatchReport {
             dead_letters: vec![(letter.offset, letter.reason)],
@@ -307,7 +313,7 @@ impl BatchProcessor {
             ..BatchReport::default()
         };
         if !plan.dead.is_empty() {
-            claims::insert_dead_letters(tx, origin, &plan.dead).await?;
+            dead_letters::insert(tx, origin, &plan.dead).await?;
         }
         if plan.firsts.is_empty() {
             return Ok(report);
@@ -316,7 +322,7 @@ impl BatchProcessor {
         let replays = self.sort_out_captures(tx, &mut firsts).await?;
         if !replays.is_empty() {
             report.conflicts += replays.len();
-            claims::record_conflicts(tx, origin, &replays).await?;
+            conflicts::record(tx, origin, &replays).await?;
         }
         if firsts.is_empty() {
             return Ok(report);
@@ -336,11 +342,13 @@ impl BatchProcessor {
             match settlement.status {
                 ClaimStatus::Done => {
                     report.applied += 1;
-                    report
-                        .applied_events
-                        .push((event.key.to_string(), event.event_type.clone()));
+                    if tracing::enabled!(target: APPLIED_LOG, tracing::Level::DEBUG) {
+                        report
+                            .applied_events
+                            .push((event.key.to_string(), event.event_type.clone()));
+                    }
                 }
-                ClaimStatus::Failed => report.failed += 1,
+                _ => report.failed += 1,
             }
             settlements.push(settlement);
         }
@@ -354,7 +362,7 @@ impl BatchProcessor {
         &self,
         tx: &mut Transaction<'static, Postgres>,
         firsts: &mut Vec<(i64, &'e Event)>,
-    ) -> Result<Vec<claims::Conflict<'e>>, RunError> {
+    ) -> Result<Vec<conflicts::Conflict<'e>>, RunError> {
         let guarded: Vec<(i64, &Event)> = firsts
             .iter()
             .filter(|(_, e)| e.replay_window_secs.is_some())
@@ -363,7 +371,7 @@ impl BatchProcessor {
         if guarded.is_empty() {
             return Ok(Vec::new());
         }
-        let seen = claims::fingerprints(tx, &guarded).await?;
+        let seen = conflicts::fingerprints(tx, &guarded).await?;
         let mut replays = Vec::new();
         firsts.retain(|(offset, e)| {
             let Some(window) = e.replay_window_secs else {
@@ -434,7 +442,7 @@ impl BatchProcessor {
         }
         report.conflicts += conflicts.len();
         if !conflicts.is_empty() {
-            claims::record_conflicts(tx, origin, &conflicts).await?;
+            conflicts::record(tx, origin, &conflicts).await?;
         }
         Ok(())
     }

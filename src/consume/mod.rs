@@ -8,11 +8,15 @@
 //! revoked is stopped and drained first, and anything it reports afterwards is ignored, so no
 //! offset is ever stored for a partition this member no longer owns.
 
+#[cfg(feature = "cli")]
+pub mod args;
 mod batch;
+mod metrics;
 
-pub use batch::{BatchError, BatchProcessor, BatchReport, EffectRetry, RawMessage};
+pub use batch::{BatchError, BatchProcessor, BatchReport, EffectRetry, RawMessage, APPLIED_LOG};
+pub use metrics::ConsumeMetrics;
 
-use crate::telemetry::{ConsumeMetrics, Health};
+use crate::telemetry::Health;
 use anyhow::Context as _;
 use rdkafka::config::ClientConfig;
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance};
@@ -27,6 +31,22 @@ use tokio::runtime::Handle;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
+/// The default of `--topic`.
+pub const DEFAULT_TOPIC: &str = "webhooks";
+/// The default of `--group`.
+pub const DEFAULT_GROUP: &str = "replayproof";
+/// The default of `--batch-size`.
+pub const DEFAULT_BATCH_SIZE: u32 = 500;
+/// The default of `--linger-ms`.
+pub const DEFAULT_LINGER_MS: u64 = 5;
+/// The default of `--max-backlog`.
+pub const DEFAULT_MAX_BACKLOG: usize = 5_000;
+/// The default of `--commit-interval-ms`.
+pub const DEFAULT_COMMIT_INTERVAL_MS: u64 = 200;
+/// The default of `--shutdown-grace-secs`.
+pub const DEFAULT_SHUTDOWN_GRACE_SECS: u64 = 20;
+/// The default of `--max-retry-backoff-ms`.
+pub const DEFAULT_MAX_RETRY_BACKOFF_MS: u64 = 5_000;
 /// The default of `--batch-timeout-secs`.
 pub const DEFAULT_BATCH_TIMEOUT_SECS: u64 = 60;
 /// The default of `--unhealthy-after-secs`.
@@ -67,8 +87,6 @@ pub struct ConsumerSettings {
     /// A lane that has not committed its batch for this long stops the process with an error,
     /// so that the group hands its partitions to a member that can make progress.
     pub stall_exit_after: Duration,
-    /// Log one line for each applied event (for `replayproof dev`).
-    pub log_events: bool,
 }
 
 impl ConsumerSettings {
@@ -79,33 +97,28 @@ impl ConsumerSettings {
             topic: topic.into(),
             group: group.into(),
             kafka_options: Vec::new(),
-            batch_size: 500,
-            linger: Duration::from_millis(5),
-            max_backlog: 5_000,
-            commit_interval: Duration::from_millis(200),
-            shutdown_grace: Duration::from_secs(20),
-            max_retry_backoff: Duration::from_secs(5),
+            batch_size: DEFAULT_BATCH_SIZE as usize,
+            linger: Duration::from_millis(DEFAULT_LINGER_MS),
+            max_backlog: DEFAULT_MAX_BACKLOG,
+            commit_interval: Duration::from_millis(DEFAULT_COMMIT_INTERVAL_MS),
+            shutdown_grace: Duration::from_secs(DEFAULT_SHUTDOWN_GRACE_SECS),
+            max_retry_backoff: Duration::from_millis(DEFAULT_MAX_RETRY_BACKOFF_MS),
             batch_timeout: Duration::from_secs(DEFAULT_BATCH_TIMEOUT_SECS),
             unhealthy_after: Duration::from_secs(DEFAULT_UNHEALTHY_AFTER_SECS),
             stall_exit_after: Duration::from_secs(DEFAULT_STALL_EXIT_SECS),
-            log_events: false,
         }
     }
 
     fn client_config(&self) -> ClientConfig {
-        let mut config = ClientConfig::new();
-        config
-            .set("bootstrap.servers", &self.brokers)
-            .set("group.id", &self.group)
-            .set("enable.auto.commit", "false")
-            .set("enable.auto.offset.store", "false")
-            .set("auto.offset.reset", "earliest")
-            .set("partition.assignment.strategy", "roundrobin")
-            .set("client.id", "replayproof-consume");
-        for (k, v) in &self.kafka_options {
-            config.set(k, v);
-        }
-        config
+        let settings = [
+            ("group.id", self.group.clone()),
+            ("enable.auto.commit", "false".into()),
+            ("enable.auto.offset.store", "false".into()),
+            ("auto.offset.reset", "earliest".into()),
+            ("partition.assignment.strategy", "roundrobin".into()),
+            ("client.id", "replayproof-consume".into()),
+        ];
+        crate::kafka::client_config(&self.brokers, &settings, &self.kafka_options)
     }
 }
 
@@ -589,7 +602,6 @@ impl LaneContext {
             linger: self.settings.linger,
             max_retry_backoff: self.settings.max_retry_backoff,
             batch_timeout: self.settings.batch_timeout,
-            log_events: self.settings.log_events,
             processor: self.processor.clone(),
             metrics: self.metrics.clone(),
             stop: stop.clone(),
@@ -822,7 +834,6 @@ struct LaneWorker {
     linger: Duration,
     max_retry_backoff: Duration,
     batch_timeout: Duration,
-    log_events: bool,
     processor: BatchProcessor,
     metrics: ConsumeMetrics,
     stop: CancellationToken,
@@ -946,11 +957,9 @@ impl LaneWorker {
         self.metrics
             .batch_seconds
             .observe(started.elapsed().as_secs_f64());
-        if self.log_events {
-            for (key, event_type) in &report.applied_events {
-                let event_type = event_type.as_deref().unwrap_or("-");
-                tracing::info!(partition = self.partition, "Applied {key} ({event_type}).");
-            }
+        for (key, event_type) in &report.applied_events {
+            let event_type = event_type.as_deref().unwrap_or("-");
+            tracing::debug!(target: batch::APPLIED_LOG, partition = self.partition, "Applied {key} ({event_type}).");
         }
         for (offset, reason) in &report.dead_letters {
             tracing::warn!(

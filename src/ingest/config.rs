@@ -19,7 +19,7 @@ use std::collections::HashMap;
 use std::path::Path;
 
 /// The file as written.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct FileConfig {
     #[serde(default)]
@@ -79,6 +79,24 @@ pub struct SourceConfig {
 
 fn default_tolerance() -> i64 {
     300
+}
+
+impl SourceConfig {
+    /// A source of `kind` whose secret is in the variable `secret_env`, with every other
+    /// setting at its default.
+    pub fn new(name: &str, kind: Kind, secret_env: &str) -> Self {
+        Self {
+            name: name.into(),
+            kind,
+            secrets_env: vec![secret_env.into()],
+            tolerance_secs: default_tolerance(),
+            signature_header: None,
+            signature_prefix: None,
+            encoding: None,
+            key_from: None,
+            replay_window_secs: None,
+        }
+    }
 }
 
 /// A source ready to verify requests.

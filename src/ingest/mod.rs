@@ -7,8 +7,13 @@
 //! broker does not acknowledge in time, the answer is 503 with `Retry-After`, and the sender's
 //! retry is a harmless replay.
 
+#[cfg(feature = "cli")]
+pub mod args;
 pub mod config;
+mod metrics;
 pub mod signature;
+
+pub use metrics::IngestMetrics;
 
 use crate::envelope::{Envelope, MAX_KEY_BYTES};
 use anyhow::Context as _;
@@ -19,7 +24,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use config::Source;
-use prometheus::{Histogram, HistogramOpts, IntCounterVec, Opts, Registry};
+use prometheus::Registry;
 use rdkafka::error::RDKafkaErrorCode;
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
 use rdkafka::util::Timeout;
@@ -88,53 +93,16 @@ impl IngestSettings {
     }
 
     fn producer_config(&self) -> ClientConfig {
-        let mut config = ClientConfig::new();
-        config
-            .set("bootstrap.servers", &self.brokers)
-            .set("acks", "all")
-            .set("enable.idempotence", "true")
-            .set("linger.ms", "2")
-            .set(
+        let mut settings = crate::kafka::durable_producer_settings("replayproof-ingest");
+        settings.extend([
+            ("linger.ms", "2".to_owned()),
+            (
                 "message.timeout.ms",
                 self.produce_timeout.as_millis().to_string(),
-            )
-            .set("message.max.bytes", self.max_message_bytes().to_string())
-            .set("client.id", "replayproof-ingest");
-        for (k, v) in &self.kafka_options {
-            config.set(k, v);
-        }
-        config
-    }
-}
-
-/// The ingress's metrics; labels are a configured source name (or `unknown`) and an outcome.
-#[derive(Clone)]
-pub struct IngestMetrics {
-    pub requests: IntCounterVec,
-    pub produce_seconds: Histogram,
-}
-
-impl IngestMetrics {
-    pub fn new(registry: &Registry) -> prometheus::Result<Self> {
-        let m = Self {
-            requests: IntCounterVec::new(
-                Opts::new(
-                    "replayproof_ingest_requests_total",
-                    "Webhook requests, by source and outcome.",
-                ),
-                &["source", "outcome"],
-            )?,
-            produce_seconds: Histogram::with_opts(
-                HistogramOpts::new(
-                    "replayproof_ingest_produce_duration_seconds",
-                    "Time from producing a record to the broker's acknowledgement.",
-                )
-                .buckets(prometheus::exponential_buckets(0.0005, 2.0, 16)?),
-            )?,
-        };
-        registry.register(Box::new(m.requests.clone()))?;
-        registry.register(Box::new(m.produce_seconds.clone()))?;
-        Ok(m)
+            ),
+            ("message.max.bytes", self.max_message_bytes().to_string()),
+        ]);
+        crate::kafka::client_config(&self.brokers, &settings, &self.kafka_options)
     }
 }
 
@@ -182,19 +150,7 @@ pub async fn start(
         .with_context(|| format!("listening on {}", settings.listen))?;
     let addr = listener.local_addr()?;
     let metrics = IngestMetrics::new(&registry)?;
-    let metrics_addr = match settings.metrics_listen {
-        Some(at) => Some(
-            crate::telemetry::serve_metrics(
-                at,
-                registry,
-                crate::telemetry::Health::default(),
-                shutdown.clone().cancelled_owned(),
-            )
-            .await
-            .with_context(|| format!("serving /metrics on {at}"))?,
-        ),
-        None => None,
-    };
+    let metrics_addr = serve_metrics(settings.metrics_listen, registry, &shutdown).await?;
     let listener = LimitedListener::new(listener, settings.max_connections);
     let state = Arc::new(AppState {
         metrics,
@@ -230,6 +186,21 @@ pub async fn start(
 
 /// A TCP listener that holds at most `max` connections open: past it, `accept` waits for one
 /// to close, and new connections queue in the kernel's backlog instead of in memory.
+/// Serves `/metrics` on its own listener, when one is configured; returns its address.
+async fn serve_metrics(
+    at: Option<SocketAddr>,
+    registry: Registry,
+    shutdown: &CancellationToken,
+) -> anyhow::Result<Option<SocketAddr>> {
+    let Some(at) = at else { return Ok(None) };
+    let health = crate::telemetry::Health::default();
+    let stopped = shutdown.clone().cancelled_owned();
+    let addr = crate::telemetry::serve_metrics(at, registry, health, stopped)
+        .await
+        .with_context(|| format!("serving /metrics on {at}"))?;
+    Ok(Some(addr))
+}
+
 struct LimitedListener {
     inner: tokio::net::TcpListener,
     open: Arc<tokio::sync::Semaphore>,

@@ -1,0 +1,148 @@
+//! All SQL for `dead_letters`: messages that are not valid envelopes, kept byte for byte.
+
+use super::Origin;
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+use sqlx::{PgConnection, PgPool};
+
+/// A message that is not a valid envelope, kept byte for byte.
+#[derive(Debug, Clone)]
+pub struct DeadLetter<'a> {
+    pub offset: i64,
+    pub key: Option<&'a [u8]>,
+    pub value: Option<&'a [u8]>,
+    pub reason: String,
+}
+
+/// Stores dead letters; a redelivered message that is already dead-lettered is not stored twice,
+/// while a different message at a reused offset (a truncated or recreated topic) is stored too.
+#[tracing::instrument(skip_all, fields(dead_letters = letters.len()))]
+pub async fn insert(
+    conn: &mut PgConnection,
+    origin: Origin<'_>,
+    letters: &[DeadLetter<'_>],
+) -> sqlx::Result<()> {
+    let offsets: Vec<i64> = letters.iter().map(|d| d.offset).collect();
+    let keys: Vec<Option<&[u8]>> = letters.iter().map(|d| d.key).collect();
+    let values: Vec<Option<&[u8]>> = letters.iter().map(|d| d.value).collect();
+    let reasons: Vec<&str> = letters.iter().map(|d| d.reason.as_str()).collect();
+    sqlx::query!(
+        r#"INSERT INTO dead_letters (kafka_topic, kafka_partition, kafka_offset, raw_key,
+                raw_value, reason)
+           SELECT $5, $6, o, k, v, r
+           FROM unnest($1::int8[], $2::bytea[], $3::bytea[], $4::text[]) AS u(o, k, v, r)
+           ON CONFLICT (kafka_topic, kafka_partition, kafka_offset, message_sha256) DO NOTHING"#,
+        &offsets,
+        &keys as _,
+        &values as _,
+        &reasons as _,
+        origin.topic,
+        origin.partition,
+    )
+    .execute(conn)
+    .await?;
+    Ok(())
+}
+
+/// A dead letter as the operator sees it; the raw bytes shown as text where they are text.
+#[derive(Debug, Clone, Serialize)]
+pub struct DeadLetterRow {
+    pub id: i64,
+    pub topic: String,
+    pub partition: i32,
+    pub offset: i64,
+    pub reason: String,
+    pub created_at: DateTime<Utc>,
+    pub replayed_at: Option<DateTime<Utc>>,
+    pub key: Option<String>,
+    /// Only in [`find`]'s answer.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub value: Option<String>,
+}
+
+/// The newest dead letters first.
+pub async fn list(pool: &PgPool, limit: i64) -> sqlx::Result<Vec<DeadLetterRow>> {
+    sqlx::query_as!(
+        DeadLetterRow,
+        r#"SELECT id, kafka_topic AS topic, kafka_partition AS partition, kafka_offset AS offset,
+                  reason, created_at, replayed_at, encode(raw_key, 'escape') AS key,
+                  NULL::text AS value
+           FROM dead_letters ORDER BY id DESC LIMIT $1"#,
+        limit
+    )
+    .fetch_all(pool)
+    .await
+}
+
+/// One dead letter with its value.
+pub async fn find(pool: &PgPool, id: i64) -> sqlx::Result<Option<DeadLetterRow>> {
+    sqlx::query_as!(
+        DeadLetterRow,
+        r#"SELECT id, kafka_topic AS topic, kafka_partition AS partition, kafka_offset AS offset,
+                  reason, created_at, replayed_at, encode(raw_key, 'escape') AS key,
+                  encode(raw_value, 'escape') AS value
+           FROM dead_letters WHERE id = $1"#,
+        id
+    )
+    .fetch_optional(pool)
+    .await
+}
+
+/// The dead letters stored under an event key, oldest first.
+pub async fn of_key(pool: &PgPool, key: &str) -> sqlx::Result<Vec<DeadLetterRow>> {
+    sqlx::query_as!(
+        DeadLetterRow,
+        r#"SELECT id, kafka_topic AS topic, kafka_partition AS partition, kafka_offset AS offset,
+                  reason, created_at, replayed_at, encode(raw_key, 'escape') AS key,
+                  NULL::text AS value
+           FROM dead_letters WHERE raw_key = convert_to($1, 'UTF8') ORDER BY id"#,
+        key
+    )
+    .fetch_all(pool)
+    .await
+}
+
+/// A dead letter's raw bytes and origin, for producing it again.
+#[derive(Debug, Clone)]
+pub struct RawLetter {
+    pub topic: String,
+    pub key: Option<Vec<u8>>,
+    pub value: Option<Vec<u8>>,
+    pub replayed: bool,
+}
+
+/// Reads a dead letter's bytes without locking it: a replay must not hold a row lock while it
+/// waits on Kafka.
+pub async fn take(pool: &PgPool, id: i64) -> sqlx::Result<Option<RawLetter>> {
+    sqlx::query_as!(
+        RawLetter,
+        r#"SELECT kafka_topic AS topic, raw_key AS key, raw_value AS value,
+                  replayed_at IS NOT NULL AS "replayed!"
+           FROM dead_letters WHERE id = $1"#,
+        id
+    )
+    .fetch_optional(pool)
+    .await
+}
+
+/// Marks a dead letter replayed, in the caller's transaction.
+pub async fn mark_replayed(conn: &mut PgConnection, id: i64) -> sqlx::Result<bool> {
+    let updated = sqlx::query!(
+        "UPDATE dead_letters SET replayed_at = now() WHERE id = $1",
+        id
+    )
+    .execute(conn)
+    .await?;
+    Ok(updated.rows_affected() == 1)
+}
+
+/// How many dead letters are stored, and how many of them were never replayed.
+pub async fn counts(pool: &PgPool) -> sqlx::Result<(i64, i64)> {
+    let row = sqlx::query!(
+        r#"SELECT count(*) AS "all!", count(*) FILTER (WHERE replayed_at IS NULL) AS "not_replayed!"
+           FROM dead_letters"#
+    )
+    .fetch_one(pool)
+    .await?;
+    Ok((row.all, row.not_replayed))
+}

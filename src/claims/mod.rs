@@ -1,0 +1,257 @@
+//! All SQL for the claim tables: `processed_events` here, `key_conflicts` and the replay
+//! guard's `delivery_fingerprints` in [`conflicts`], `dead_letters` in [`dead_letters`].
+//!
+//! The consumer's statements run inside the batch transaction, so claims, conflicts and dead
+//! letters commit together with the effects or not at all. The operator's statements take the
+//! connection or transaction their flow runs in.
+
+pub mod conflicts;
+pub mod dead_letters;
+
+use crate::envelope::Event;
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+use sqlx::{PgConnection, PgPool};
+use std::collections::HashMap;
+
+/// Where a message came from, stored with whatever it produced.
+#[derive(Debug, Clone, Copy)]
+pub struct Origin<'a> {
+    pub topic: &'a str,
+    pub partition: i32,
+}
+
+/// A claim's status: `in_progress` while its batch runs, then `done` or `failed` (kept for an
+/// operator's retry or resolve), or `dead` when an operator gave up on it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, sqlx::Type)]
+#[sqlx(type_name = "text", rename_all = "snake_case")]
+#[serde(rename_all = "snake_case")]
+pub enum ClaimStatus {
+    InProgress,
+    Done,
+    Failed,
+    Dead,
+}
+
+impl ClaimStatus {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::InProgress => "in_progress",
+            Self::Done => "done",
+            Self::Failed => "failed",
+            Self::Dead => "dead",
+        }
+    }
+}
+
+impl std::fmt::Display for ClaimStatus {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A claimed event's outcome, written back to its claim before COMMIT.
+#[derive(Debug, Clone)]
+pub struct Settlement<'a> {
+    pub key: &'a str,
+    pub status: ClaimStatus,
+    pub attempts: i32,
+    pub last_error: Option<String>,
+}
+
+/// Claims the keys of `events` in one statement and returns the keys this transaction claimed.
+///
+/// The rows are inserted in key order (`COLLATE "C"`), so two transactions racing on
+/// overlapping keys take their locks in the same order and can wait on each other but never
+/// deadlock. A key another transaction is inserting makes this one wait for it: if it commits
+/// the key is not claimed here, if it aborts the key is claimed here.
+#[tracing::instrument(skip_all, fields(events = events.len()))]
+pub async fn claim(
+    conn: &mut PgConnection,
+    origin: Origin<'_>,
+    events: &[(i64, &Event)],
+) -> sqlx::Result<Vec<String>> {
+    let keys: Vec<&str> = events.iter().map(|(_, e)| e.key.as_str()).collect();
+    let sources: Vec<&str> = events.iter().map(|(_, e)| e.source.as_str()).collect();
+    let types: Vec<Option<&str>> = events
+        .iter()
+        .map(|(_, e)| e.event_type.as_deref())
+        .collect();
+    let hashes: Vec<&[u8]> = events.iter().map(|(_, e)| &e.payload_sha256[..]).collect();
+    let payloads: Vec<&serde_json::Value> = events.iter().map(|(_, e)| &e.payload).collect();
+    let received: Vec<Option<DateTime<Utc>>> = events.iter().map(|(_, e)| e.received_at).collect();
+    let offsets: Vec<i64> = events.iter().map(|(o, _)| *o).collect();
+    sqlx::query_scalar!(
+        r#"INSERT INTO processed_events (event_key, source, event_type, status, payload_sha256,
+                payload, received_at, kafka_topic, kafka_partition, kafka_offset)
+           SELECT k, s, t, 'in_progress', h, p, r, $8, $9, o
+           FROM unnest($1::text[], $2::text[], $3::text[], $4::bytea[], $5::jsonb[],
+                       $6::timestamptz[], $7::int8[]) AS u(k, s, t, h, p, r, o)
+           ORDER BY k COLLATE "C"
+           ON CONFLICT (event_key) DO NOTHING
+           RETURNING event_key"#,
+        &keys as _,
+        &sources as _,
+        &types as _,
+        &hashes as _,
+        &payloads as _,
+        &received as _,
+        &offsets,
+        origin.topic,
+        origin.partition,
+    )
+    .fetch_all(conn)
+    .await
+}
+
+/// The payload hashes already stored for `keys`.
+pub async fn stored_hashes(
+    conn: &mut PgConnection,
+    keys: &[&str],
+) -> sqlx::Result<HashMap<String, Vec<u8>>> {
+    let rows = sqlx::query!(
+        "SELECT event_key, payload_sha256 FROM processed_events WHERE event_key = ANY($1)",
+        keys as _
+    )
+    .fetch_all(conn)
+    .await?;
+    Ok(rows
+        .into_iter()
+        .map(|r| (r.event_key, r.payload_sha256))
+        .collect())
+}
+
+/// Writes each claimed event's outcome to its claim; a failed one also records `effect_spec`,
+/// the effects to run again on an operator's retry.
+#[tracing::instrument(skip_all, fields(claims = settlements.len()))]
+pub async fn settle(
+    conn: &mut PgConnection,
+    settlements: &[Settlement<'_>],
+    effect_spec: Option<&serde_json::Value>,
+) -> sqlx::Result<()> {
+    let keys: Vec<&str> = settlements.iter().map(|s| s.key).collect();
+    let statuses: Vec<&str> = settlements.iter().map(|s| s.status.as_str()).collect();
+    let attempts: Vec<i32> = settlements.iter().map(|s| s.attempts).collect();
+    let errors: Vec<Option<&str>> = settlements
+        .iter()
+        .map(|s| s.last_error.as_deref())
+        .collect();
+    sqlx::query!(
+        r#"UPDATE processed_events AS p
+           SET status = u.status, attempts = u.attempts, last_error = u.err,
+               completed_at = CASE WHEN u.status = 'done' THEN clock_timestamp() END,
+               effect_spec = CASE WHEN u.status = 'failed' THEN $5::jsonb END
+           FROM unnest($1::text[], $2::text[], $3::int4[], $4::text[]) AS u(k, status, attempts, err)
+           WHERE p.event_key = u.k"#,
+        &keys as _,
+        &statuses as _,
+        &attempts,
+        &errors as _,
+        effect_spec,
+    )
+    .execute(conn)
+    .await?;
+    Ok(())
+}
+
+/// A claim as the operator sees it.
+#[derive(Debug, Clone, Serialize)]
+pub struct ClaimRow {
+    pub event_key: String,
+    pub source: String,
+    #[serde(rename = "type")]
+    pub event_type: Option<String>,
+    pub status: ClaimStatus,
+    pub attempts: i32,
+    pub last_error: Option<String>,
+    pub payload_sha256: String,
+    pub first_seen_at: String,
+    pub claimed_at: DateTime<Utc>,
+    pub completed_at: Option<DateTime<Utc>>,
+    pub payload: serde_json::Value,
+}
+
+/// One claim, if the key was ever claimed.
+pub async fn find(pool: &PgPool, key: &str) -> sqlx::Result<Option<ClaimRow>> {
+    sqlx::query_as!(
+        ClaimRow,
+        r#"SELECT event_key, source, event_type, status AS "status: ClaimStatus", attempts,
+                  last_error, encode(payload_sha256, 'hex') AS "payload_sha256!",
+                  kafka_topic || '/' || kafka_partition || '@' || kafka_offset AS "first_seen_at!",
+                  claimed_at, completed_at, payload
+           FROM processed_events WHERE event_key = $1"#,
+        key
+    )
+    .fetch_optional(pool)
+    .await
+}
+
+/// A claim as stored, for running its effect again.
+#[derive(Debug)]
+pub struct StoredClaim {
+    pub source: String,
+    pub event_type: Option<String>,
+    pub received_at: Option<DateTime<Utc>>,
+    pub payload: serde_json::Value,
+    pub payload_sha256: Vec<u8>,
+    pub status: ClaimStatus,
+    pub effect_spec: Option<serde_json::Value>,
+}
+
+/// Reads a claim and locks it until the caller's transaction ends.
+pub async fn lock(conn: &mut PgConnection, key: &str) -> sqlx::Result<Option<StoredClaim>> {
+    sqlx::query_as!(
+        StoredClaim,
+        r#"SELECT source, event_type, received_at, payload, payload_sha256,
+                  status AS "status: ClaimStatus", effect_spec
+           FROM processed_events WHERE event_key = $1 FOR UPDATE"#,
+        key
+    )
+    .fetch_optional(conn)
+    .await
+}
+
+/// Records one more attempt at a claim's effect: `error` None settles it `done`, otherwise it
+/// stays `failed` with the error.
+pub async fn record_attempt(
+    conn: &mut PgConnection,
+    key: &str,
+    error: Option<&str>,
+) -> sqlx::Result<()> {
+    sqlx::query!(
+        r#"UPDATE processed_events
+           SET attempts = attempts + 1, last_error = $2,
+               status = CASE WHEN $2::text IS NULL THEN 'done' ELSE status END,
+               completed_at = CASE WHEN $2::text IS NULL THEN now() ELSE completed_at END
+           WHERE event_key = $1"#,
+        key,
+        error
+    )
+    .execute(conn)
+    .await?;
+    Ok(())
+}
+
+/// Settles a claim by hand as `done` or `dead`.
+pub async fn resolve(conn: &mut PgConnection, key: &str, to: ClaimStatus) -> sqlx::Result<()> {
+    sqlx::query!(
+        r#"UPDATE processed_events
+           SET status = $2, completed_at = CASE WHEN $2 = 'done' THEN now() END
+           WHERE event_key = $1"#,
+        key,
+        to.as_str()
+    )
+    .execute(conn)
+    .await?;
+    Ok(())
+}
+
+/// Claims by status.
+pub async fn counts(pool: &PgPool) -> sqlx::Result<Vec<(String, i64)>> {
+    let rows = sqlx::query!(
+        r#"SELECT status, count(*) AS "n!" FROM processed_events GROUP BY status ORDER BY status"#
+    )
+    .fetch_all(pool)
+    .await?;
+    Ok(rows.into_iter().map(|r| (r.status, r.n)).collect())
+}

@@ -1,0 +1,222 @@
+//! `replayproof consume`'s flags, and the consumer process they start.
+
+use super::*;
+use crate::args::{DatabaseArgs, KafkaArgs, ToArgs};
+use crate::effect::{HttpOutbox, Registry};
+use clap::Args;
+use std::net::SocketAddr;
+
+/// The default of `--metrics-addr`.
+pub const DEFAULT_METRICS_ADDR: &str = "127.0.0.1:9464";
+/// The default of `--effect`.
+pub const DEFAULT_EFFECT: &str = "ledger";
+/// The default of `--max-attempts`.
+pub const DEFAULT_MAX_ATTEMPTS: i32 = 10;
+/// The default of `--effect-attempts`.
+pub const DEFAULT_EFFECT_ATTEMPTS: u32 = 3;
+/// The default of `--db-pool-size`.
+pub const DEFAULT_DB_POOL_SIZE: u32 = 16;
+
+#[derive(Debug, Clone, Args)]
+pub struct ConsumeArgs {
+    #[command(flatten)]
+    pub kafka: KafkaArgs,
+
+    /// The topic the envelopes are written to.
+    #[arg(long, env = "REPLAYPROOF_TOPIC", default_value = DEFAULT_TOPIC)]
+    pub topic: String,
+
+    /// The consumer group; start more consumers with the same group to share the partitions.
+    #[arg(long, env = "REPLAYPROOF_GROUP", default_value = DEFAULT_GROUP)]
+    pub group: String,
+
+    #[command(flatten)]
+    pub database: DatabaseArgs,
+
+    /// The effect applied to each event, in the same transaction as its claim: ledger, http, or
+    /// one the binary registered. Repeat it (or separate with commas) to apply several in
+    /// order, for example ledger,http.
+    #[arg(long = "effect", env = "REPLAYPROOF_EFFECT", value_delimiter = ',', default_value = DEFAULT_EFFECT)]
+    pub effects: Vec<String>,
+
+    #[command(flatten)]
+    pub http: HttpEffectArgs,
+
+    /// The most messages of one partition applied in one transaction.
+    #[arg(long, env = "REPLAYPROOF_BATCH_SIZE", default_value_t = DEFAULT_BATCH_SIZE, value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    pub batch_size: u32,
+
+    /// How long to wait for more messages once a batch has its first one, in milliseconds.
+    #[arg(long, env = "REPLAYPROOF_LINGER_MS", default_value_t = DEFAULT_LINGER_MS)]
+    pub linger_ms: u64,
+
+    /// Messages queued for one partition before it is paused until the database catches up.
+    #[arg(long, env = "REPLAYPROOF_MAX_BACKLOG", default_value_t = DEFAULT_MAX_BACKLOG)]
+    pub max_backlog: usize,
+
+    /// How often committed batches' offsets are committed to Kafka, in milliseconds.
+    #[arg(long, env = "REPLAYPROOF_COMMIT_INTERVAL_MS", default_value_t = DEFAULT_COMMIT_INTERVAL_MS)]
+    pub commit_interval_ms: u64,
+
+    /// Attempts of a failing effect before its event is recorded as failed.
+    #[arg(long, env = "REPLAYPROOF_EFFECT_ATTEMPTS", default_value_t = DEFAULT_EFFECT_ATTEMPTS, value_parser = clap::value_parser!(u32).range(1..=100))]
+    pub effect_attempts: u32,
+
+    /// The longest pause between retries of a batch that failed on a database error, in
+    /// milliseconds.
+    #[arg(long, env = "REPLAYPROOF_MAX_RETRY_BACKOFF_MS", default_value_t = DEFAULT_MAX_RETRY_BACKOFF_MS)]
+    pub max_retry_backoff_ms: u64,
+
+    /// On SIGTERM, SIGINT or a revoke: how long batches in flight may take to finish, in seconds.
+    #[arg(long, env = "REPLAYPROOF_SHUTDOWN_GRACE_SECS", default_value_t = DEFAULT_SHUTDOWN_GRACE_SECS)]
+    pub shutdown_grace_secs: u64,
+
+    /// The longest one attempt at a batch may take before it is abandoned (rolled back) and
+    /// retried, in seconds.
+    #[arg(long, env = "REPLAYPROOF_BATCH_TIMEOUT_SECS", default_value_t = DEFAULT_BATCH_TIMEOUT_SECS, value_parser = clap::value_parser!(u64).range(1..))]
+    pub batch_timeout_secs: u64,
+
+    /// /healthz fails once a partition has not committed its batch for this long, or Kafka has
+    /// reported errors this long without a message, in seconds.
+    #[arg(long, env = "REPLAYPROOF_UNHEALTHY_AFTER_SECS", default_value_t = DEFAULT_UNHEALTHY_AFTER_SECS, value_parser = clap::value_parser!(u64).range(1..))]
+    pub unhealthy_after_secs: u64,
+
+    /// The process exits non-zero once a partition has not committed its batch for this long,
+    /// so the group hands its partitions to another member, in seconds.
+    #[arg(long, env = "REPLAYPROOF_STALL_EXIT_SECS", default_value_t = DEFAULT_STALL_EXIT_SECS, value_parser = clap::value_parser!(u64).range(1..))]
+    pub stall_exit_secs: u64,
+
+    /// Connections in the PostgreSQL pool; each partition's batch uses one.
+    #[arg(long, env = "REPLAYPROOF_DB_POOL_SIZE", default_value_t = DEFAULT_DB_POOL_SIZE)]
+    pub db_pool_size: u32,
+
+    /// Where to serve Prometheus /metrics and /healthz.
+    #[arg(long, env = "REPLAYPROOF_METRICS_ADDR", default_value = DEFAULT_METRICS_ADDR)]
+    pub metrics_addr: SocketAddr,
+
+    /// Apply the database migrations before consuming.
+    #[arg(long, env = "REPLAYPROOF_MIGRATE")]
+    pub migrate: bool,
+}
+
+/// The `http` effect's flags.
+#[derive(Debug, Clone, Default, Args)]
+pub struct HttpEffectArgs {
+    /// With --effect http: where each event is POSTed (by `replayproof dispatch`).
+    #[arg(long, env = "REPLAYPROOF_TARGET_URL")]
+    pub target_url: Option<String>,
+
+    /// With --effect http: a URL template, `{key}` replaced by the operation key, that answers
+    /// 2xx when the downstream already has the operation and 404 when it does not. Used to
+    /// settle uncertain outcomes without resending.
+    #[arg(long, env = "REPLAYPROOF_RECONCILE_URL")]
+    pub reconcile_url: Option<String>,
+
+    /// With --effect http: attempts before an operation is dead.
+    #[arg(long, env = "REPLAYPROOF_MAX_ATTEMPTS", default_value_t = DEFAULT_MAX_ATTEMPTS, value_parser = clap::value_parser!(i32).range(1..=1000))]
+    pub max_attempts: i32,
+}
+
+impl HttpEffectArgs {
+    /// The outbox effect's settings, when a target is given.
+    pub fn outbox(&self) -> Option<HttpOutbox> {
+        self.target_url.clone().map(|target_url| HttpOutbox {
+            target_url,
+            reconcile_url: self.reconcile_url.clone(),
+            max_attempts: self.max_attempts,
+        })
+    }
+}
+
+impl ConsumeArgs {
+    /// The flags' defaults, with the brokers and database given.
+    pub fn new(kafka: KafkaArgs, database: DatabaseArgs) -> Self {
+        use clap::FromArgMatches as _;
+        let cmd = <Self as Args>::augment_args(clap::Command::new("consume"));
+        let matches = cmd
+            .no_binary_name(true)
+            .try_get_matches_from(kafka.to_args().into_iter().chain(database.to_args()))
+            .expect("the brokers and database flags parse");
+        Self::from_arg_matches(&matches).expect("the defaults parse")
+    }
+
+    pub fn settings(&self) -> ConsumerSettings {
+        ConsumerSettings {
+            kafka_options: self.kafka.options.kafka_options.clone(),
+            batch_size: self.batch_size as usize,
+            linger: Duration::from_millis(self.linger_ms),
+            max_backlog: self.max_backlog,
+            commit_interval: Duration::from_millis(self.commit_interval_ms),
+            shutdown_grace: Duration::from_secs(self.shutdown_grace_secs),
+            max_retry_backoff: Duration::from_millis(self.max_retry_backoff_ms),
+            batch_timeout: Duration::from_secs(self.batch_timeout_secs),
+            unhealthy_after: Duration::from_secs(self.unhealthy_after_secs),
+            stall_exit_after: Duration::from_secs(self.stall_exit_secs),
+            ..ConsumerSettings::new(&self.kafka.brokers, &self.topic, &self.group)
+        }
+    }
+
+    /// Runs the consumer process until a signal stops it.
+    pub async fn run(self, registry: &Registry) -> anyhow::Result<()> {
+        let shutdown = crate::shutdown::on_signal();
+        let metrics_registry = prometheus::Registry::new();
+        let metrics = ConsumeMetrics::new(&metrics_registry)?;
+        let health =
+            crate::telemetry::serve(self.metrics_addr, metrics_registry, &shutdown).await?;
+        let pool = self.database.pool(self.db_pool_size)?;
+        if self.migrate {
+            crate::db::migrate(&pool).await?;
+        }
+        let processor = BatchProcessor {
+            pool,
+            effect: registry.build(&self.effects, self.http.outbox().as_ref())?,
+            retry: EffectRetry {
+                attempts: self.effect_attempts,
+                ..EffectRetry::default()
+            },
+        };
+        run_with_health(self.settings(), processor, metrics, health, shutdown).await
+    }
+}
+
+impl ToArgs for ConsumeArgs {
+    /// Every flag, so that a process started from these arguments runs with exactly these
+    /// settings whatever its environment says.
+    fn to_args(&self) -> Vec<String> {
+        let mut args = self.kafka.to_args();
+        args.extend(self.database.to_args());
+        let mut flag = |name: &str, value: String| args.extend([format!("--{name}"), value]);
+        flag("topic", self.topic.clone());
+        flag("group", self.group.clone());
+        flag("effect", self.effects.join(","));
+        if let Some(url) = &self.http.target_url {
+            flag("target-url", url.clone());
+        }
+        if let Some(url) = &self.http.reconcile_url {
+            flag("reconcile-url", url.clone());
+        }
+        flag("max-attempts", self.http.max_attempts.to_string());
+        flag("batch-size", self.batch_size.to_string());
+        flag("linger-ms", self.linger_ms.to_string());
+        flag("max-backlog", self.max_backlog.to_string());
+        flag("commit-interval-ms", self.commit_interval_ms.to_string());
+        flag("effect-attempts", self.effect_attempts.to_string());
+        flag(
+            "max-retry-backoff-ms",
+            self.max_retry_backoff_ms.to_string(),
+        );
+        flag("shutdown-grace-secs", self.shutdown_grace_secs.to_string());
+        flag("batch-timeout-secs", self.batch_timeout_secs.to_string());
+        flag(
+            "unhealthy-after-secs",
+            self.unhealthy_after_secs.to_string(),
+        );
+        flag("stall-exit-secs", self.stall_exit_secs.to_string());
+        flag("db-pool-size", self.db_pool_size.to_string());
+        flag("metrics-addr", self.metrics_addr.to_string());
+        if self.migrate {
+            args.push("--migrate".into());
+        }
+        args
+    }
+}

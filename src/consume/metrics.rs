@@ -1,0 +1,119 @@
+//! The consumer's metrics.
+
+use super::BatchReport;
+use prometheus::{
+    Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
+};
+
+/// The consumer's metrics. Labels are bounded: an outcome from a fixed list, a partition.
+#[derive(Clone)]
+pub struct ConsumeMetrics {
+    /// Events by outcome: applied, duplicate, conflict, dead_letter, failed.
+    pub events: IntCounterVec,
+    /// Effect attempts that returned an error, retried or not.
+    pub effect_failures: IntCounter,
+    /// Batches that failed on a database error and were retried.
+    pub batch_retries: IntCounter,
+    pub batch_size: Histogram,
+    pub batch_seconds: Histogram,
+    /// The last offset committed to Kafka, per partition.
+    pub committed_offset: IntGaugeVec,
+    /// Partitions this member owns now.
+    pub assigned_partitions: IntGauge,
+    /// Messages after the last applied batch, per partition.
+    pub consumer_lag: IntGaugeVec,
+    /// Lanes that panicked; each stops the process so its partitions move on.
+    pub lane_panics: IntCounter,
+    /// Errors Kafka reported while consuming, by librdkafka's error code.
+    pub kafka_errors: IntCounterVec,
+}
+
+impl ConsumeMetrics {
+    pub fn new(registry: &Registry) -> prometheus::Result<Self> {
+        let counter = |name: &str, help: &str| IntCounter::new(name, help);
+        let by = |name: &str, help: &str, label: &str| {
+            IntCounterVec::new(Opts::new(name, help), &[label])
+        };
+        let per_partition =
+            |name: &str, help: &str| IntGaugeVec::new(Opts::new(name, help), &["partition"]);
+        let histogram = |name: &str, help: &str, start: f64, count: usize| {
+            let buckets = prometheus::exponential_buckets(start, 2.0, count)?;
+            Histogram::with_opts(HistogramOpts::new(name, help).buckets(buckets))
+        };
+        let m = Self {
+            events: by(
+                "replayproof_consume_events_total",
+                "Events consumed, by outcome.",
+                "outcome",
+            )?,
+            effect_failures: counter(
+                "replayproof_effect_failures_total",
+                "Effect attempts that failed.",
+            )?,
+            batch_retries: counter(
+                "replayproof_batch_retries_total",
+                "Batches retried after a database error.",
+            )?,
+            batch_size: histogram("replayproof_batch_size", "Messages per batch.", 1.0, 12)?,
+            batch_seconds: histogram(
+                "replayproof_batch_duration_seconds",
+                "Time from the start of a batch to its commit.",
+                0.0005,
+                16,
+            )?,
+            committed_offset: per_partition(
+                "replayproof_committed_offset",
+                "The next offset to read, as last committed to Kafka.",
+            )?,
+            assigned_partitions: IntGauge::new(
+                "replayproof_assigned_partitions",
+                "Partitions assigned to this consumer.",
+            )?,
+            consumer_lag: per_partition(
+                "replayproof_consumer_lag",
+                "Messages in the partition after the last applied batch.",
+            )?,
+            lane_panics: counter(
+                "replayproof_lane_panics_total",
+                "Partition lanes that panicked.",
+            )?,
+            kafka_errors: by(
+                "replayproof_kafka_consume_errors_total",
+                "Errors Kafka reported while consuming, by error code.",
+                "code",
+            )?,
+        };
+        m.register(registry)?;
+        Ok(m)
+    }
+
+    fn register(&self, registry: &Registry) -> prometheus::Result<()> {
+        registry.register(Box::new(self.events.clone()))?;
+        registry.register(Box::new(self.effect_failures.clone()))?;
+        registry.register(Box::new(self.batch_retries.clone()))?;
+        registry.register(Box::new(self.batch_size.clone()))?;
+        registry.register(Box::new(self.batch_seconds.clone()))?;
+        registry.register(Box::new(self.committed_offset.clone()))?;
+        registry.register(Box::new(self.assigned_partitions.clone()))?;
+        registry.register(Box::new(self.consumer_lag.clone()))?;
+        registry.register(Box::new(self.lane_panics.clone()))?;
+        registry.register(Box::new(self.kafka_errors.clone()))
+    }
+
+    /// Counts what one committed batch did.
+    pub fn record(&self, report: &BatchReport) {
+        let outcomes = [
+            ("applied", report.applied),
+            ("duplicate", report.duplicates),
+            ("conflict", report.conflicts),
+            ("dead_letter", report.dead_letters.len()),
+            ("failed", report.failed),
+        ];
+        for (outcome, n) in outcomes {
+            if n > 0 {
+                self.events.with_label_values(&[outcome]).inc_by(n as u64);
+            }
+        }
+        self.effect_failures.inc_by(report.effect_errors as u64);
+    }
+}

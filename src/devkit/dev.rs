@@ -1,0 +1,171 @@
+//! `replayproof dev`: ingest, consume and dispatch in one process for local development, on the
+//! embedded broker and database unless real ones are configured.
+
+use super::stack::Stack;
+use crate::consume::{self, BatchProcessor, ConsumeMetrics, ConsumerSettings, EffectRetry};
+use crate::db::DatabaseUrl;
+use crate::dispatch::{DispatchMetrics, DispatchSettings, Dispatcher};
+use crate::effect::{HttpOutbox, Registry};
+use crate::ingest::config::FileConfig;
+use crate::ingest::{self, IngestSettings};
+use clap::Args;
+use std::net::SocketAddr;
+use std::time::Duration;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+/// The default of `--listen`.
+pub const DEFAULT_LISTEN: &str = "127.0.0.1:8080";
+/// The default of `--partitions`.
+pub const DEFAULT_PARTITIONS: i32 = 4;
+/// The log filter of `dev`: the usual one, and a line for each applied event.
+pub const LOG_FILTER: &str = "info,sqlx=warn,rdkafka=warn,replayproof::applied=debug";
+
+#[derive(Debug, Clone, Args)]
+pub struct DevArgs {
+    /// Kafka bootstrap servers; without them, an in-process mock cluster.
+    #[arg(long, env = "REPLAYPROOF_BROKERS")]
+    pub brokers: Option<String>,
+
+    /// PostgreSQL URL; without it, a throwaway cluster from the local PostgreSQL binaries.
+    #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
+    pub database_url: Option<DatabaseUrl>,
+
+    /// A sources file, as for `ingest`; without it, development sources for stripe, github,
+    /// svix (standard-webhooks), shopify and slack.
+    #[arg(long, env = "REPLAYPROOF_CONFIG")]
+    pub config: Option<std::path::PathBuf>,
+
+    #[arg(long, env = "REPLAYPROOF_LISTEN", default_value = DEFAULT_LISTEN)]
+    pub listen: SocketAddr,
+
+    #[arg(long, env = "REPLAYPROOF_TOPIC", default_value = consume::DEFAULT_TOPIC)]
+    pub topic: String,
+
+    /// Partitions of the embedded broker's topic.
+    #[arg(long, default_value_t = DEFAULT_PARTITIONS)]
+    pub partitions: i32,
+
+    /// Also POST each event here through the outbox, and run a dispatcher.
+    #[arg(long, env = "REPLAYPROOF_TARGET_URL")]
+    pub target_url: Option<String>,
+}
+
+/// Runs ingest, a consumer and (with a target) a dispatcher until a signal stops them.
+pub async fn run(opts: DevArgs, registry: &Registry) -> anyhow::Result<()> {
+    let shutdown = crate::shutdown::on_signal();
+    let (brokers, url) = (opts.brokers.clone(), opts.database_url.clone());
+    let stack = Stack::start(brokers, url, &opts.topic, opts.partitions).await?;
+    let (sources, secrets) = match &opts.config {
+        Some(path) => (
+            FileConfig::load(path)?.sources()?,
+            vec![format!("from {}", path.display())],
+        ),
+        None => super::sources::dev_sources()?,
+    };
+    let mut names: Vec<String> = sources.keys().cloned().collect();
+    names.sort();
+    let settings = IngestSettings::new(opts.listen, &stack.brokers, &stack.topic);
+    let metrics = prometheus::Registry::new();
+    let ingress = ingest::start(settings, sources, metrics, shutdown.clone()).await?;
+    let consumer = start_consumer(&stack, &opts, registry, shutdown.clone())?;
+    let dispatcher = match &opts.target_url {
+        Some(_) => Some(start_dispatcher(&stack, shutdown.clone())?),
+        None => None,
+    };
+    let base = format!("http://{}", ingress.addr);
+    eprintln!(
+        "{}",
+        banner(&stack, &base, &names, &secrets, opts.target_url.as_deref())
+    );
+    ingress.stopped().await?;
+    consumer.await??;
+    if let Some(d) = dispatcher {
+        d.await??;
+    }
+    tracing::info!("Stopped.");
+    Ok(())
+}
+
+fn start_consumer(
+    stack: &Stack,
+    opts: &DevArgs,
+    registry: &Registry,
+    stop: CancellationToken,
+) -> anyhow::Result<JoinHandle<anyhow::Result<()>>> {
+    let mut effects = vec!["ledger".to_owned()];
+    effects.extend(opts.target_url.as_ref().map(|_| "http".to_owned()));
+    let http = opts.target_url.clone().map(|target_url| HttpOutbox {
+        target_url,
+        reconcile_url: None,
+        max_attempts: crate::consume::args::DEFAULT_MAX_ATTEMPTS,
+    });
+    let processor = BatchProcessor {
+        pool: stack.pool.clone(),
+        effect: registry.build(&effects, http.as_ref())?,
+        retry: EffectRetry::default(),
+    };
+    let settings = ConsumerSettings {
+        kafka_options: vec![("session.timeout.ms".into(), "6000".into())],
+        ..ConsumerSettings::new(&stack.brokers, &stack.topic, "replayproof-dev")
+    };
+    let metrics = ConsumeMetrics::new(&prometheus::Registry::new())?;
+    Ok(tokio::spawn(consume::run(
+        settings, processor, metrics, stop,
+    )))
+}
+
+fn start_dispatcher(
+    stack: &Stack,
+    stop: CancellationToken,
+) -> anyhow::Result<JoinHandle<anyhow::Result<()>>> {
+    let metrics = DispatchMetrics::new(&prometheus::Registry::new())?;
+    let settings = DispatchSettings {
+        poll_interval: Duration::from_millis(200),
+        ..DispatchSettings::new("dev")
+    };
+    let d = Dispatcher::new(settings, stack.pool.clone(), metrics)?;
+    Ok(tokio::spawn(async move { d.run(stop).await }))
+}
+
+/// What is running where, and how to send it a webhook.
+fn banner(
+    stack: &Stack,
+    base: &str,
+    names: &[String],
+    secrets: &[String],
+    target_url: Option<&str>,
+) -> String {
+    let kafka = if stack.embedded_kafka {
+        "in-process mock cluster"
+    } else {
+        "configured"
+    };
+    let (postgres, how) = if stack.embedded_postgres {
+        (
+            stack.database_url.as_str(),
+            "throwaway cluster, removed on exit",
+        )
+    } else {
+        ("DATABASE_URL", "configured")
+    };
+    let mut banner = String::from("\nreplayproof dev is running.\n");
+    banner += &format!(
+        "  Kafka:       {} ({kafka}; topic {})\n",
+        stack.brokers, stack.topic
+    );
+    banner += &format!("  PostgreSQL:  {postgres} ({how})\n");
+    for name in names {
+        banner += &format!("  Webhooks:    POST {base}/webhooks/{name}\n");
+    }
+    banner += &format!("  Stripe CLI:  stripe listen --forward-to {base}/webhooks/stripe\n");
+    banner +=
+        "               (then set STRIPE_WEBHOOK_SECRET to the secret it prints and restart)\n";
+    for s in secrets {
+        banner += &format!("  Secret:      {s}\n");
+    }
+    if let Some(url) = target_url {
+        banner += &format!("  Outbox:      each event is also POSTed to {url}\n");
+    }
+    banner + "  Ctrl-C stops everything.\n"
+}

@@ -1,0 +1,524 @@
+//! `replayproof dispatch`: delivers outbox operations under a lease.
+//!
+//! Each attempt sends the row's exact payload with its operation key as `Idempotency-Key`, with
+//! a bounded timeout, and settles the row from the outcome. An operation that may already have
+//! been applied (a timeout, a cut connection, a lease taken over from a vanished worker) is
+//! `uncertain`: it is reconciled first when the row has a reconcile URL, and otherwise resent
+//! with the same key. Never a new key.
+
+#[cfg(feature = "cli")]
+pub mod args;
+mod metrics;
+
+pub use metrics::DispatchMetrics;
+
+use crate::outbox::{self, Attempt, AttemptKind, Leased, OutboxState, Outcome, Settlement};
+use crate::telemetry::Health;
+use sqlx::PgPool;
+use std::time::{Duration, Instant};
+use tokio_util::sync::CancellationToken;
+
+/// The dispatcher loop's heartbeat, as `/healthz` names it.
+const LOOP: &str = "dispatch loop";
+
+/// The default of `--batch-size`.
+pub const DEFAULT_BATCH_SIZE: i64 = 32;
+/// The default of `--lease-secs`.
+pub const DEFAULT_LEASE_SECS: u64 = 300;
+/// The default of `--request-timeout-ms`.
+pub const DEFAULT_REQUEST_TIMEOUT_MS: u64 = 10_000;
+/// The default of `--backoff-ms`.
+pub const DEFAULT_BACKOFF_MS: u64 = 1_000;
+/// The default of `--max-backoff-ms`.
+pub const DEFAULT_MAX_BACKOFF_MS: u64 = 300_000;
+/// The default of `--poll-ms`.
+pub const DEFAULT_POLL_MS: u64 = 500;
+/// The default of [`DispatchSettings::unhealthy_after`].
+pub const DEFAULT_UNHEALTHY_AFTER: Duration = Duration::from_secs(60);
+
+/// How a dispatcher leases and sends.
+#[derive(Debug, Clone)]
+pub struct DispatchSettings {
+    /// Names this worker in leases and attempts.
+    pub worker: String,
+    /// Rows leased at once, and so requests in flight at once.
+    pub batch_size: i64,
+    /// How long a lease lasts: longer than the slowest realistic request, shorter than anyone's
+    /// patience with an operation whose worker died.
+    pub lease: Duration,
+    pub request_timeout: Duration,
+    /// The pause when nothing is due.
+    pub poll_interval: Duration,
+    /// The first retry's delay; doubled for each further attempt, with jitter.
+    pub backoff_base: Duration,
+    pub backoff_max: Duration,
+    /// How long the outbox may be unreadable before `/healthz` fails.
+    pub unhealthy_after: Duration,
+}
+
+impl DispatchSettings {
+    pub fn new(worker: &str) -> Self {
+        Self {
+            worker: worker.into(),
+            batch_size: DEFAULT_BATCH_SIZE,
+            lease: Duration::from_secs(DEFAULT_LEASE_SECS),
+            request_timeout: Duration::from_millis(DEFAULT_REQUEST_TIMEOUT_MS),
+            poll_interval: Duration::from_millis(DEFAULT_POLL_MS),
+            backoff_base: Duration::from_millis(DEFAULT_BACKOFF_MS),
+            backoff_max: Duration::from_millis(DEFAULT_MAX_BACKOFF_MS),
+            unhealthy_after: DEFAULT_UNHEALTHY_AFTER,
+        }
+    }
+}
+
+/// A dispatcher: leases due operations and delivers them until `shutdown`, then finishes the
+/// requests in flight and returns.
+pub struct Dispatcher {
+    pub settings: DispatchSettings,
+    pub pool: PgPool,
+    pub metrics: DispatchMetrics,
+    /// What `/healthz` says: the loop's heartbeat, and whether the outbox can be read.
+    pub health: Health,
+    http: reqwest::Client,
+}
+
+impl Dispatcher {
+    pub fn new(
+        settings: DispatchSettings,
+        pool: PgPool,
+        metrics: DispatchMetrics,
+    ) -> anyhow::Result<Self> {
+        anyhow::ensure!(
+            settings.lease > settings.request_timeout * 2,
+            "the lease ({} ms) must be longer than two request timeouts ({} ms each): one attempt \
+             may reconcile and then deliver, and both must end before the lease does",
+            settings.lease.as_millis(),
+            settings.request_timeout.as_millis()
+        );
+        // A redirect would turn a POST into a body-less GET and carry the Idempotency-Key to
+        // another host: a 3xx is an answer to record, never to follow.
+        let http = reqwest::Client::builder()
+            .redirect(reqwest::redirect::Policy::none())
+            .timeout(settings.request_timeout)
+            .connect_timeout(settings.request_timeout.min(Duration::from_secs(5)))
+            .build()?;
+        Ok(Self {
+            settings,
+            pool,
+            metrics,
+            health: Health::default(),
+            http,
+        })
+    }
+
+    pub async fn run(&self, shutdown: CancellationToken) -> anyhow::Result<()> {
+        tracing::info!(worker = %self.settings.worker, lease_secs = self.settings.lease.as_secs(), "Dispatching the outbox.");
+        let mut last_refresh = Instant::now() - Duration::from_secs(60);
+        let mut failing_since: Option<Instant> = None;
+        while !shutdown.is_cancelled() {
+            self.health.beat(LOOP, self.stuck_after());
+            if last_refresh.elapsed() >= self.gauge_interval() {
+                if let Err(e) = self.metrics.refresh(&self.pool).await {
+                    tracing::warn!(error = %e, "Could not read the outbox gauges.");
+                }
+                last_refresh = Instant::now();
+            }
+            let sent = match self.dispatch_once().await {
+                Ok(n) => {
+                    failing_since = None;
+                    self.health.report("database", None);
+                    n
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "Leasing from the outbox failed; retrying.");
+                    let since = *failing_since.get_or_insert_with(Instant::now);
+                    if since.elapsed() >= self.settings.unhealthy_after {
+                        let problem = format!(
+                            "the outbox has been unreadable for {} s: {e}",
+                            since.elapsed().as_secs()
+                        );
+                        self.health.report("database", Some(problem));
+                    }
+                    0
+                }
+            };
+            if sent == 0 {
+                tokio::select! {
+                    _ = shutdown.cancelled() => {}
+                    _ = tokio::time::sleep(self.settings.poll_interval) => {}
+                }
+            }
+        }
+        self.health.forget(LOOP);
+        tracing::info!(worker = %self.settings.worker, "The dispatcher stopped.");
+        Ok(())
+    }
+
+    /// How long one turn of the loop may take before `/healthz` calls it stuck: a full batch of
+    /// requests (reconcile and delivery each), plus the database's own limits.
+    fn stuck_after(&self) -> Duration {
+        self.settings.request_timeout * 2
+            + self.settings.poll_interval
+            + self.settings.unhealthy_after
+    }
+
+    /// Often enough that a stuck lease shows within one lease.
+    fn gauge_interval(&self) -> Duration {
+        (self.settings.lease / 4).clamp(Duration::from_millis(200), Duration::from_secs(15))
+    }
+
+    /// Leases one batch and delivers it; returns how many rows it leased.
+    pub async fn dispatch_once(&self) -> sqlx::Result<usize> {
+        // Measured before the lease is asked for, so the local deadline is never later than
+        // the one the database holds.
+        let lease_deadline = Instant::now() + self.settings.lease;
+        let leased = outbox::lease(
+            &self.pool,
+            &self.settings.worker,
+            self.settings.batch_size,
+            self.settings.lease,
+        )
+        .await?;
+        let n = leased.len();
+        let attempts = leased.into_iter().map(|row| async move {
+            if let Err(e) = self.attempt(&row, lease_deadline).await {
+                // The lease expires and another attempt follows: nothing is lost.
+                tracing::warn!(operation = %row.operation_key, error = %e, "Could not record an attempt.");
+            }
+        });
+        futures_util::future::join_all(attempts).await;
+        Ok(n)
+    }
+
+    /// One attempt: a reconcile when the operation may already have been applied, then the
+    /// delivery, both within the lease. A delivery is never started with less than a request
+    /// timeout left on the lease: the row would be taken over with the request still in flight.
+    async fn attempt(&self, row: &Leased, lease_deadline: Instant) -> sqlx::Result<()> {
+        if row.may_have_been_applied() {
+            if let Some(url) = &row.reconcile_url {
+                if let Some(settled) = self.reconcile(row, url).await? {
+                    return Ok(settled);
+                }
+            }
+        }
+        crate::stallpoint!("dispatch::before_delivery");
+        if !may_start_request(
+            lease_deadline,
+            Instant::now(),
+            self.settings.request_timeout,
+        ) {
+            return self.give_back(row).await;
+        }
+        let started_at = chrono::Utc::now();
+        let timer = Instant::now();
+        let result = self
+            .http
+            .post(&row.destination)
+            .header("content-type", "application/json")
+            .header("idempotency-key", &row.operation_key)
+            .body(row.payload.clone())
+            .send()
+            .await;
+        let (outcome, settlement) = match result {
+            Ok(response) => self.classify_response(row, response).await,
+            Err(e) => self.classify_error(row, &e),
+        };
+        self.settle(
+            row,
+            &settlement,
+            AttemptKind::Deliver,
+            started_at,
+            timer.elapsed(),
+            outcome,
+        )
+        .await
+    }
+
+    /// Ends an attempt that did not send its delivery because too little of the lease was left:
+    /// the row goes back as it was (uncertain if it may have been applied, else retryable), due
+    /// at once, for an attempt with a fresh lease.
+    async fn give_back(&self, row: &Leased) -> sqlx::Result<()> {
+        let state = if row.may_have_been_applied() {
+            OutboxState::Uncertain
+        } else {
+            OutboxState::Retryable
+        };
+        let settlement = Settlement {
+            next_attempt_at: Some(chrono::Utc::now()),
+            ..settled(
+                state,
+                None,
+                Some("not sent: less than a request timeout was left on the lease".into()),
+            )
+        };
+        tracing::warn!(operation = %row.operation_key, "Too little of the lease was left to send a delivery; giving it back.");
+        self.settle(
+            row,
+            &settlement,
+            AttemptKind::Deliver,
+            chrono::Utc::now(),
+            Duration::ZERO,
+            Outcome::LeaseShort,
+        )
+        .await
+    }
+
+    /// Asks the downstream whether the operation exists: yes settles it as done without
+    /// resending; no (404) lets the delivery go ahead; anything else leaves it uncertain.
+    async fn reconcile(&self, row: &Leased, url: &str) -> sqlx::Result<Option<()>> {
+        let started_at = chrono::Utc::now();
+        let timer = Instant::now();
+        let key = percent_encoding::utf8_percent_encode(
+            &row.operation_key,
+            percent_encoding::NON_ALPHANUMERIC,
+        );
+        let url = url.replace("{key}", &key.to_string());
+        let result = self
+            .http
+            .get(&url)
+            .header("idempotency-key", &row.operation_key)
+            .send()
+            .await;
+        let status = result.as_ref().ok().map(|r| r.status().as_u16());
+        let (outcome, settlement) = match status {
+            Some(s) if (200..300).contains(&s) => (
+                Outcome::ReconciledDone,
+                settled(OutboxState::Done, Some(i32::from(s)), None),
+            ),
+            Some(404) => return Ok(None),
+            _ => {
+                let error = match &result {
+                    Err(e) => Some(format!("reconcile: {e}")),
+                    Ok(r) if r.status().is_redirection() => Some(format!(
+                        "reconcile: redirected to {}; redirects are not followed",
+                        location(r)
+                    )),
+                    Ok(_) => None,
+                };
+                (
+                    Outcome::ReconcileUnknown,
+                    Settlement {
+                        next_attempt_at: Some(self.next_attempt(row, None)),
+                        ..settled(
+                            row.unless_out_of_attempts(OutboxState::Uncertain),
+                            status.map(i32::from),
+                            error,
+                        )
+                    },
+                )
+            }
+        };
+        self.settle(
+            row,
+            &settlement,
+            AttemptKind::Reconcile,
+            started_at,
+            timer.elapsed(),
+            outcome,
+        )
+        .await?;
+        Ok(Some(()))
+    }
+
+    async fn classify_response(
+        &self,
+        row: &Leased,
+        response: reqwest::Response,
+    ) -> (Outcome, Settlement) {
+        let status = response.status().as_u16();
+        let retry_after = response
+            .headers()
+            .get("retry-after")
+            .and_then(|v| v.to_str().ok())
+            .and_then(parse_retry_after);
+        let location = location(&response);
+        let body = response.text().await.unwrap_or_default();
+        let body: String = body.chars().take(2_000).collect();
+        let code = Some(i32::from(status));
+        match status {
+            200..=299 => (Outcome::Done, settled(OutboxState::Done, code, None)),
+            300..=399 => (
+                Outcome::Redirected,
+                Settlement {
+                    response: Some(body),
+                    ..settled(
+                        OutboxState::Failed,
+                        code,
+                        Some(format!(
+                            "redirected to {location}; redirects are not followed, so nothing \
+                             was delivered"
+                        )),
+                    )
+                },
+            ),
+            400 | 401 | 403 | 404 | 410 | 422 => (
+                Outcome::Failed,
+                Settlement {
+                    response: Some(body),
+                    ..settled(OutboxState::Failed, code, None)
+                },
+            ),
+            _ => {
+                let state = row.unless_out_of_attempts(OutboxState::Retryable);
+                (
+                    Outcome::Retryable,
+                    Settlement {
+                        next_attempt_at: Some(self.next_attempt(row, retry_after)),
+                        response: Some(body),
+                        ..settled(state, code, None)
+                    },
+                )
+            }
+        }
+    }
+
+    fn classify_error(&self, row: &Leased, e: &reqwest::Error) -> (Outcome, Settlement) {
+        // A refused connection sent nothing; anything after the request left may have been
+        // applied downstream.
+        let (outcome, state) = if e.is_connect() {
+            (Outcome::Refused, OutboxState::Retryable)
+        } else {
+            (Outcome::Uncertain, OutboxState::Uncertain)
+        };
+        let state = row.unless_out_of_attempts(state);
+        (
+            outcome,
+            Settlement {
+                next_attempt_at: Some(self.next_attempt(row, None)),
+                ..settled(state, None, Some(format!("{e:#}")))
+            },
+        )
+    }
+
+    fn next_attempt(
+        &self,
+        row: &Leased,
+        retry_after: Option<Duration>,
+    ) -> chrono::DateTime<chrono::Utc> {
+        let exp = self
+            .settings
+            .backoff_base
+            .saturating_mul(1 << row.attempts.clamp(1, 20).saturating_sub(1));
+        let backoff = exp.min(self.settings.backoff_max);
+        let jitter = backoff.mul_f64(fastrand::f64() * 0.25);
+        let asked = retry_after.unwrap_or(Duration::ZERO).min(MAX_RETRY_AFTER);
+        let delay = asked.max(backoff + jitter);
+        let now = chrono::Utc::now();
+        chrono::Duration::from_std(delay)
+            .ok()
+            .and_then(|d| now.checked_add_signed(d))
+            .unwrap_or(now + chrono::Duration::seconds(MAX_RETRY_AFTER.as_secs() as i64))
+    }
+
+    async fn settle(
+        &self,
+        row: &Leased,
+        settlement: &Settlement,
+        kind: AttemptKind,
+        started_at: chrono::DateTime<chrono::Utc>,
+        duration: Duration,
+        outcome: Outcome,
+    ) -> sqlx::Result<()> {
+        self.metrics
+            .attempts
+            .with_label_values(&[outcome.as_str()])
+            .inc();
+        self.metrics.latency.observe(duration.as_secs_f64());
+        let attempt = Attempt {
+            worker: &self.settings.worker,
+            kind,
+            started_at,
+            duration,
+            outcome,
+        };
+        let applied = outbox::complete(&self.pool, row, settlement, &attempt).await?;
+        if !applied {
+            tracing::warn!(operation = %row.operation_key, token = row.fencing_token, "The lease was taken over; this attempt's outcome changed nothing.");
+        } else if settlement.state != OutboxState::Done {
+            tracing::info!(operation = %row.operation_key, state = %settlement.state, status = ?settlement.status, error = ?settlement.error, "An attempt did not complete the operation.");
+        }
+        Ok(())
+    }
+}
+
+/// Where a redirect points, for the operator: redirects are recorded, never followed.
+fn location(response: &reqwest::Response) -> String {
+    response.headers().get("location").map_or_else(
+        || "(no Location)".to_owned(),
+        |v| String::from_utf8_lossy(v.as_bytes()).into_owned(),
+    )
+}
+
+/// Whether a request may start: it must be able to time out before the lease runs out.
+fn may_start_request(lease_deadline: Instant, now: Instant, request_timeout: Duration) -> bool {
+    lease_deadline.saturating_duration_since(now) > request_timeout
+}
+
+/// The longest `Retry-After` honoured; a downstream asking for more is asked again after this.
+pub const MAX_RETRY_AFTER: Duration = Duration::from_secs(24 * 3600);
+
+/// A `Retry-After` value: delay seconds or an HTTP date. Anything else is ignored.
+fn parse_retry_after(value: &str) -> Option<Duration> {
+    let value = value.trim();
+    if let Ok(secs) = value.parse::<u64>() {
+        return Some(Duration::from_secs(secs));
+    }
+    let at = chrono::DateTime::parse_from_rfc2822(value).ok()?;
+    let wait = at.with_timezone(&chrono::Utc) - chrono::Utc::now();
+    Some(wait.to_std().unwrap_or(Duration::ZERO))
+}
+
+fn settled(state: OutboxState, status: Option<i32>, error: Option<String>) -> Settlement {
+    Settlement {
+        state,
+        next_attempt_at: None,
+        status,
+        error,
+        response: None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_request_starts_only_with_a_full_timeout_left_on_the_lease() {
+        let now = Instant::now();
+        let timeout = Duration::from_secs(10);
+        assert!(may_start_request(
+            now + Duration::from_secs(11),
+            now,
+            timeout
+        ));
+        assert!(!may_start_request(
+            now + Duration::from_secs(10),
+            now,
+            timeout
+        ));
+        assert!(!may_start_request(
+            now + Duration::from_secs(3),
+            now,
+            timeout
+        ));
+        assert!(!may_start_request(
+            now,
+            now + Duration::from_secs(1),
+            timeout
+        ));
+    }
+
+    #[tokio::test]
+    async fn a_lease_shorter_than_two_request_timeouts_is_refused() {
+        let metrics = DispatchMetrics::new(&prometheus::Registry::new()).unwrap();
+        let pool = sqlx::PgPool::connect_lazy("postgres://localhost/none").unwrap();
+        let settings = |lease_ms, timeout_ms| DispatchSettings {
+            lease: Duration::from_millis(lease_ms),
+            request_timeout: Duration::from_millis(timeout_ms),
+            ..DispatchSettings::new("w")
+        };
+        let refused = Dispatcher::new(settings(1500, 1000), pool.clone(), metrics.clone());
+        assert!(refused.is_err());
+        assert!(Dispatcher::new(settings(2500, 1000), pool, metrics).is_ok());
+    }
+}

@@ -1,0 +1,75 @@
+//! The built-in `ledger` effect and all SQL on its table.
+
+use super::{Effect, Tx};
+use crate::envelope::Event;
+use async_trait::async_trait;
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+use sqlx::PgPool;
+
+/// The built-in demo effect: one `ledger` row per applied event.
+///
+/// `ledger` has no unique constraint on `event_key` on purpose, so the number of rows per key
+/// counts exactly how many times the effect ran.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Ledger;
+
+#[async_trait]
+impl Effect for Ledger {
+    fn name(&self) -> &'static str {
+        "ledger"
+    }
+
+    async fn apply(&self, tx: &mut Tx<'_>, event: &Event) -> anyhow::Result<()> {
+        sqlx::query!(
+            "INSERT INTO ledger (event_key, source, event_type, payload) VALUES ($1, $2, $3, $4)",
+            event.key.as_str(),
+            &event.source,
+            event.event_type.as_deref(),
+            &event.payload,
+        )
+        .execute(&mut **tx)
+        .await?;
+        Ok(())
+    }
+
+    fn spec(&self) -> Option<serde_json::Value> {
+        Some(serde_json::json!({ "effect": "ledger" }))
+    }
+}
+
+/// A ledger row as the operator sees it.
+#[derive(Debug, Clone, Serialize)]
+pub struct LedgerRow {
+    pub id: i64,
+    #[serde(rename = "type")]
+    pub event_type: Option<String>,
+    pub applied_at: DateTime<Utc>,
+    pub payload: serde_json::Value,
+}
+
+/// The ledger rows an event wrote.
+pub async fn of_event(pool: &PgPool, key: &str) -> sqlx::Result<Vec<LedgerRow>> {
+    sqlx::query_as!(
+        LedgerRow,
+        "SELECT id, event_type, applied_at, payload FROM ledger WHERE event_key = $1 ORDER BY id",
+        key
+    )
+    .fetch_all(pool)
+    .await
+}
+
+/// Ledger rows per event key.
+pub async fn rows_per_key(pool: &PgPool) -> sqlx::Result<std::collections::HashMap<String, i64>> {
+    let rows = sqlx::query!(r#"SELECT event_key, count(*) AS "n!" FROM ledger GROUP BY event_key"#)
+        .fetch_all(pool)
+        .await?;
+    Ok(rows.into_iter().map(|r| (r.event_key, r.n)).collect())
+}
+
+/// How many distinct events have a ledger row.
+pub async fn events_applied(pool: &PgPool) -> sqlx::Result<i64> {
+    sqlx::query_scalar!(r#"SELECT count(DISTINCT event_key) AS "n!" FROM ledger"#)
+        .fetch_one(pool)
+        .await
+}

@@ -1,0 +1,126 @@
+//! Effects by name: the built-in `ledger` and `http`, and whatever an application registers,
+//! so that `consume --effect` and an operator's retry can build any of them.
+
+use super::{Chain, Effect, HttpOutbox, Ledger, Tx};
+use crate::envelope::Event;
+use anyhow::Context as _;
+use async_trait::async_trait;
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+/// The name of the built-in outbox effect, built from its settings rather than registered.
+const HTTP: &str = "http";
+
+/// The effects `--effect` can name.
+#[derive(Clone)]
+pub struct Registry {
+    named: BTreeMap<String, Arc<dyn Effect>>,
+}
+
+impl Default for Registry {
+    /// The built-in effects: `ledger`, and `http` (built from `--target-url`).
+    fn default() -> Self {
+        let mut named: BTreeMap<String, Arc<dyn Effect>> = BTreeMap::new();
+        named.insert("ledger".into(), Arc::new(Ledger));
+        Self { named }
+    }
+}
+
+impl std::fmt::Debug for Registry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list().entries(self.names()).finish()
+    }
+}
+
+impl Registry {
+    /// Registers `effect` under `name`, replacing a built-in of that name.
+    pub fn with(mut self, name: &str, effect: impl Effect) -> Self {
+        let named = Named {
+            name: name.to_owned(),
+            inner: Arc::new(effect),
+        };
+        self.named.insert(name.to_owned(), Arc::new(named));
+        self
+    }
+
+    /// Every name `--effect` accepts.
+    pub fn names(&self) -> Vec<String> {
+        let mut names: Vec<String> = self.named.keys().cloned().collect();
+        names.push(HTTP.into());
+        names.sort();
+        names
+    }
+
+    /// Builds the named effects, chained in order when there are several; `http` needs its
+    /// settings.
+    pub fn build(
+        &self,
+        names: &[String],
+        http: Option<&HttpOutbox>,
+    ) -> anyhow::Result<Arc<dyn Effect>> {
+        let mut built = names
+            .iter()
+            .map(|name| self.build_one(name, http))
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        anyhow::ensure!(!built.is_empty(), "no effect given");
+        Ok(if built.len() == 1 {
+            built.remove(0)
+        } else {
+            Arc::new(Chain(built))
+        })
+    }
+
+    fn build_one(&self, name: &str, http: Option<&HttpOutbox>) -> anyhow::Result<Arc<dyn Effect>> {
+        if name == HTTP {
+            let http = http.context("--effect http needs --target-url")?;
+            return Ok(Arc::new(http.clone()));
+        }
+        self.named.get(name).cloned().with_context(|| {
+            format!(
+                "no effect is called {name:?}; the effects are {}",
+                self.names().join(", ")
+            )
+        })
+    }
+
+    /// Builds an effect again from its [`Effect::spec`].
+    pub fn from_spec(&self, spec: &serde_json::Value) -> anyhow::Result<Arc<dyn Effect>> {
+        let name = spec.get("effect").and_then(serde_json::Value::as_str);
+        match name {
+            Some(HTTP) => Ok(Arc::new(HttpOutbox::from_spec(spec)?)),
+            Some("chain") => {
+                let parts = spec
+                    .get("of")
+                    .and_then(serde_json::Value::as_array)
+                    .context("a chain spec lists its effects under `of`")?;
+                let parts = parts.iter().map(|p| self.from_spec(p));
+                Ok(Arc::new(Chain(parts.collect::<anyhow::Result<_>>()?)))
+            }
+            Some(name) => self.build_one(name, None),
+            None => anyhow::bail!("not an effect spec: {spec}"),
+        }
+    }
+}
+
+/// A registered effect, recorded on failed claims by its name unless it has a spec of its own.
+struct Named {
+    name: String,
+    inner: Arc<dyn Effect>,
+}
+
+#[async_trait]
+impl Effect for Named {
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+
+    async fn apply(&self, tx: &mut Tx<'_>, event: &Event) -> anyhow::Result<()> {
+        self.inner.apply(tx, event).await
+    }
+
+    fn spec(&self) -> Option<serde_json::Value> {
+        self.inner
+            .spec()
+            .or_else(|| Some(serde_json::json!({ "effect": self.name })))
+    }
+}

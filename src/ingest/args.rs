@@ -1,0 +1,117 @@
+//! `replayproof ingest`'s flags: each overrides the sources file's setting of the same name.
+
+use super::config::FileConfig;
+use super::{
+    IngestSettings, DEFAULT_BODY_TIMEOUT_MS, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_IN_FLIGHT,
+};
+use crate::args::KafkaOptions;
+use anyhow::Context as _;
+use clap::Args;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+/// The default of `--listen`.
+pub const DEFAULT_LISTEN: &str = "0.0.0.0:8080";
+/// The default of `--metrics-addr`.
+pub const DEFAULT_METRICS_ADDR: &str = "127.0.0.1:9463";
+/// The default of `--topic`.
+pub const DEFAULT_TOPIC: &str = "webhooks";
+
+#[derive(Debug, Clone, Args)]
+pub struct IngestArgs {
+    /// The TOML file naming the sources (see replayproof.example.toml). Flags and environment
+    /// variables override its settings.
+    #[arg(long, env = "REPLAYPROOF_CONFIG")]
+    pub config: std::path::PathBuf,
+
+    /// Where to listen for webhooks (and /healthz, /readyz). [default: 0.0.0.0:8080]
+    #[arg(long, env = "REPLAYPROOF_LISTEN")]
+    pub listen: Option<SocketAddr>,
+
+    /// Where to serve Prometheus /metrics: a listener of its own, never the public webhook port.
+    #[arg(long, env = "REPLAYPROOF_METRICS_ADDR", default_value = DEFAULT_METRICS_ADDR)]
+    pub metrics_addr: SocketAddr,
+
+    /// Webhook requests handled at once; more get 503 with Retry-After.
+    #[arg(long, env = "REPLAYPROOF_MAX_IN_FLIGHT", default_value_t = DEFAULT_MAX_IN_FLIGHT, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=1_000_000))]
+    pub max_in_flight: usize,
+
+    /// Open connections at once; more wait in the kernel's backlog.
+    #[arg(long, env = "REPLAYPROOF_MAX_CONNECTIONS", default_value_t = DEFAULT_MAX_CONNECTIONS, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=1_000_000))]
+    pub max_connections: usize,
+
+    /// How long a sender has to deliver its whole body before the answer is 408, in
+    /// milliseconds.
+    #[arg(long, env = "REPLAYPROOF_BODY_TIMEOUT_MS", default_value_t = DEFAULT_BODY_TIMEOUT_MS, value_parser = clap::value_parser!(u64).range(1..))]
+    pub body_timeout_ms: u64,
+
+    /// Kafka bootstrap servers, comma-separated host:port.
+    #[arg(long, env = "REPLAYPROOF_BROKERS")]
+    pub brokers: Option<String>,
+
+    /// The topic the envelopes are written to. [default: webhooks]
+    #[arg(long, env = "REPLAYPROOF_TOPIC")]
+    pub topic: Option<String>,
+
+    /// The largest body accepted, in bytes; larger ones get 413. [default: 1048576]
+    #[arg(long, env = "REPLAYPROOF_MAX_BODY_BYTES")]
+    pub max_body_bytes: Option<usize>,
+
+    /// How long the broker has to acknowledge a record before the answer is 503, in
+    /// milliseconds. Keep it well under the senders' own timeouts (GitHub waits 10 s).
+    /// [default: 5000]
+    #[arg(long, env = "REPLAYPROOF_PRODUCE_TIMEOUT_MS")]
+    pub produce_timeout_ms: Option<u64>,
+
+    #[command(flatten)]
+    pub kafka: KafkaOptions,
+}
+
+impl IngestArgs {
+    /// The file's settings with the flags and environment over them.
+    pub fn settings(&self, file: &FileConfig) -> anyhow::Result<IngestSettings> {
+        let listen = match self.listen.or(file.listen) {
+            Some(listen) => listen,
+            None => DEFAULT_LISTEN.parse()?,
+        };
+        let brokers = self.brokers.clone().or_else(|| file.brokers.clone());
+        let brokers = brokers
+            .context("no brokers: set --brokers, REPLAYPROOF_BROKERS or `brokers` in the file")?;
+        let topic = self.topic.clone().or_else(|| file.topic.clone());
+        let topic = topic.unwrap_or_else(|| DEFAULT_TOPIC.into());
+        let mut settings = IngestSettings::new(listen, &brokers, &topic);
+        settings.kafka_options = self.kafka.kafka_options.clone();
+        settings.metrics_listen = Some(self.metrics_addr);
+        settings.max_in_flight = self.max_in_flight;
+        settings.max_connections = self.max_connections;
+        settings.body_timeout = Duration::from_millis(self.body_timeout_ms);
+        if let Some(n) = self.max_body_bytes.or(file.max_body_bytes) {
+            anyhow::ensure!(
+                n > 0 && n <= 16 * 1024 * 1024,
+                "max_body_bytes must be between 1 byte and 16 MiB"
+            );
+            settings.max_body_bytes = n;
+        }
+        if let Some(ms) = self.produce_timeout_ms.or(file.produce_timeout_ms) {
+            anyhow::ensure!(ms > 0, "produce_timeout_ms must be positive");
+            settings.produce_timeout = Duration::from_millis(ms);
+        }
+        Ok(settings)
+    }
+
+    /// Loads the sources file and runs the ingress until a signal stops it.
+    pub async fn run(self) -> anyhow::Result<()> {
+        let file = FileConfig::load(&self.config)?;
+        let sources = file.sources()?;
+        anyhow::ensure!(
+            !sources.is_empty(),
+            "{} names no sources",
+            self.config.display()
+        );
+        let settings = self.settings(&file)?;
+        let shutdown = crate::shutdown::on_signal();
+        let registry = prometheus::Registry::new();
+        let running = super::start(settings, sources, registry, shutdown).await?;
+        running.stopped().await
+    }
+}

@@ -1,0 +1,34 @@
+//! The ingress's metrics.
+
+use prometheus::{Histogram, HistogramOpts, IntCounterVec, Opts, Registry};
+
+/// The ingress's metrics; labels are a configured source name (or `unknown`) and an outcome.
+#[derive(Clone)]
+pub struct IngestMetrics {
+    pub requests: IntCounterVec,
+    pub produce_seconds: Histogram,
+}
+
+impl IngestMetrics {
+    pub fn new(registry: &Registry) -> prometheus::Result<Self> {
+        let m = Self {
+            requests: IntCounterVec::new(
+                Opts::new(
+                    "replayproof_ingest_requests_total",
+                    "Webhook requests, by source and outcome.",
+                ),
+                &["source", "outcome"],
+            )?,
+            produce_seconds: Histogram::with_opts(
+                HistogramOpts::new(
+                    "replayproof_ingest_produce_duration_seconds",
+                    "Time from producing a record to the broker's acknowledgement.",
+                )
+                .buckets(prometheus::exponential_buckets(0.0005, 2.0, 16)?),
+            )?,
+        };
+        registry.register(Box::new(m.requests.clone()))?;
+        registry.register(Box::new(m.produce_seconds.clone()))?;
+        Ok(m)
+    }
+}

@@ -1,0 +1,323 @@
+//! The operator commands' flags, and how each runs: `events`, `dead-letters` and `status`.
+
+use super::events::{self, EventFilter, Resolution, Retry, RetryFilter};
+use super::{dead_letters, render, status, Act};
+use crate::args::{DatabaseArgs, KafkaOptions};
+use crate::effect::Registry;
+use clap::{Args, Subcommand};
+use std::time::Duration;
+
+/// The default of `--topic` and `--group` for `status`, as for `consume`.
+use crate::consume::{DEFAULT_GROUP, DEFAULT_TOPIC};
+
+/// The default of `--limit` for lists.
+pub const DEFAULT_LIST_LIMIT: i64 = 50;
+/// The default of `--limit` for a bulk retry.
+pub const DEFAULT_RETRY_LIMIT: i64 = 1000;
+
+#[derive(Debug, Clone, Args)]
+pub struct OperatorArgs {
+    #[command(flatten)]
+    pub database: DatabaseArgs,
+
+    /// Who is acting, for the audit table. [default: $USER]
+    #[arg(long, env = "REPLAYPROOF_ACTOR")]
+    pub actor: Option<String>,
+
+    /// Print JSON instead of tables.
+    #[arg(long, global = true)]
+    pub json: bool,
+}
+
+impl OperatorArgs {
+    fn actor(&self) -> String {
+        self.actor
+            .clone()
+            .or_else(|| std::env::var("USER").ok())
+            .unwrap_or_else(|| "operator".into())
+    }
+
+    fn act(&self, reason: &str) -> Act {
+        Act::new(&self.actor(), reason)
+    }
+
+    fn pool(&self) -> anyhow::Result<sqlx::PgPool> {
+        self.database.pool(2)
+    }
+}
+
+#[derive(Debug, Clone, Subcommand)]
+pub enum EventsCommand {
+    /// List events, newest first.
+    List {
+        #[command(flatten)]
+        op: OperatorArgs,
+        /// A claim status (done, failed) or an operation state (pending, in_progress,
+        /// retryable, uncertain, done, failed, dead).
+        #[arg(long)]
+        state: Option<String>,
+        #[arg(long)]
+        source: Option<String>,
+        /// Only events claimed at least this many seconds ago.
+        #[arg(long)]
+        older_than_secs: Option<u64>,
+        #[arg(long, default_value_t = DEFAULT_LIST_LIMIT)]
+        limit: i64,
+    },
+    /// Everything about one event: its claim, effect rows, operations, every attempt, dead
+    /// letters and key conflicts.
+    Show {
+        #[command(flatten)]
+        op: OperatorArgs,
+        key: String,
+    },
+    /// Send a failed, uncertain or dead operation again with the same idempotency key, or run a
+    /// failed local effect again from its stored payload.
+    Retry(RetryArgs),
+    /// Settle an event's operations (or failed claim) by hand.
+    Resolve {
+        #[command(flatten)]
+        op: OperatorArgs,
+        key: String,
+        #[arg(long = "as", value_enum)]
+        to: Resolution,
+        #[arg(long)]
+        operation: Option<String>,
+        #[arg(long)]
+        reason: String,
+    },
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct RetryArgs {
+    #[command(flatten)]
+    op: OperatorArgs,
+    /// The event to retry; without it, every event matching --state (and --source, --since).
+    #[arg(required_unless_present = "state")]
+    key: Option<String>,
+    /// Only this operation of the event.
+    #[arg(long)]
+    operation: Option<String>,
+    /// The effect to run again for a failed local effect, by its name as for `consume
+    /// --effect`, instead of the effects recorded on its claim.
+    #[arg(long)]
+    effect: Option<String>,
+    /// Bulk: retry every event whose claim or an operation is in this state.
+    #[arg(long, value_parser = ["failed", "uncertain", "dead"], conflicts_with = "key")]
+    state: Option<String>,
+    /// Bulk: only events of this source.
+    #[arg(long, requires = "state")]
+    source: Option<String>,
+    /// Bulk: only events claimed at or after this time (RFC 3339).
+    #[arg(long, requires = "state")]
+    since: Option<chrono::DateTime<chrono::Utc>>,
+    /// Bulk: at most this many events.
+    #[arg(long, default_value_t = DEFAULT_RETRY_LIMIT, requires = "state")]
+    limit: i64,
+    /// Bulk: list the events that would be retried, and change nothing.
+    #[arg(long, requires = "state")]
+    dry_run: bool,
+    #[arg(long)]
+    reason: String,
+}
+
+impl EventsCommand {
+    pub async fn run(self, registry: &Registry) -> anyhow::Result<()> {
+        match self {
+            Self::List {
+                op,
+                state,
+                source,
+                older_than_secs,
+                limit,
+            } => {
+                let filter = EventFilter {
+                    state,
+                    source,
+                    older_than: older_than_secs.map(Duration::from_secs),
+                    limit,
+                };
+                let events = events::list(&op.pool()?, &filter).await?;
+                render::print(op.json, &events, |e| render::rows(e));
+            }
+            Self::Show { op, key } => {
+                let detail = events::show(&op.pool()?, &key).await?;
+                render::print(op.json, &detail, render::event_detail);
+            }
+            Self::Retry(args) => args.run(registry).await?,
+            Self::Resolve {
+                op,
+                key,
+                to,
+                operation,
+                reason,
+            } => {
+                let act = op.act(&reason);
+                let changes =
+                    events::resolve(&op.pool()?, &key, operation.as_deref(), to, &act).await?;
+                render::print(op.json, &changes, |c| render::changes(c));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl RetryArgs {
+    async fn run(self, registry: &Registry) -> anyhow::Result<()> {
+        let pool = self.op.pool()?;
+        let effect = self
+            .effect
+            .as_ref()
+            .map(|name| registry.build(std::slice::from_ref(name), None));
+        let retry = Retry {
+            operation: self.operation.clone(),
+            effect: effect.transpose()?,
+        };
+        let act = self.op.act(&self.reason);
+        let Some(state) = self.state.clone() else {
+            let key = self.key.as_deref().unwrap_or_default();
+            let changes = events::retry(&pool, registry, key, &retry, &act).await?;
+            render::print(self.op.json, &changes, |c| render::changes(c));
+            return Ok(());
+        };
+        let filter = RetryFilter {
+            state,
+            source: self.source.clone(),
+            since: self.since,
+            limit: self.limit,
+        };
+        let keys = events::to_retry(&pool, &filter).await?;
+        if self.dry_run {
+            for key in &keys {
+                println!("{key}: would be retried");
+            }
+            println!(
+                "{} events would be retried (dry run: nothing changed)",
+                keys.len()
+            );
+            return Ok(());
+        }
+        let mut failures = 0;
+        for key in &keys {
+            match events::retry(&pool, registry, key, &retry, &act).await {
+                Ok(changes) => render::print(self.op.json, &changes, |c| render::changes(c)),
+                Err(e) => {
+                    failures += 1;
+                    eprintln!("{key}: not retried: {e:#}");
+                }
+            }
+        }
+        anyhow::ensure!(
+            failures == 0,
+            "{failures} of {} events were not retried",
+            keys.len()
+        );
+        Ok(())
+    }
+}
+
+#[derive(Debug, Clone, Subcommand)]
+pub enum DeadLettersCommand {
+    /// List dead letters, newest first.
+    List {
+        #[command(flatten)]
+        op: OperatorArgs,
+        #[arg(long, default_value_t = DEFAULT_LIST_LIMIT)]
+        limit: i64,
+    },
+    /// One dead letter with its raw key and value.
+    Show {
+        #[command(flatten)]
+        op: OperatorArgs,
+        id: i64,
+    },
+    /// Produce a dead letter's raw bytes again, to its topic or another.
+    Replay {
+        #[command(flatten)]
+        op: OperatorArgs,
+        id: i64,
+        /// Kafka bootstrap servers.
+        #[arg(long, env = "REPLAYPROOF_BROKERS")]
+        brokers: String,
+        #[command(flatten)]
+        kafka: KafkaOptions,
+        /// Produce to this topic instead of the one it came from.
+        #[arg(long)]
+        topic: Option<String>,
+        #[arg(long)]
+        reason: String,
+    },
+}
+
+impl DeadLettersCommand {
+    pub async fn run(self) -> anyhow::Result<()> {
+        match self {
+            Self::List { op, limit } => {
+                let letters = dead_letters::list(&op.pool()?, limit).await?;
+                render::print(op.json, &letters, |l| render::rows(l));
+            }
+            Self::Show { op, id } => {
+                let letter = dead_letters::show(&op.pool()?, id).await?;
+                render::print(op.json, &letter, render::row);
+            }
+            Self::Replay {
+                op,
+                id,
+                brokers,
+                kafka,
+                topic,
+                reason,
+            } => {
+                let producer = crate::kafka::producer(&brokers, &kafka.kafka_options)?;
+                let produce = |letter: crate::claims::dead_letters::RawLetter| async move {
+                    let topic = topic.unwrap_or(letter.topic);
+                    let (key, value) = (letter.key.as_deref(), letter.value.as_deref());
+                    crate::kafka::produce_raw(&producer, &topic, key, value).await?;
+                    Ok(topic)
+                };
+                let act = op.act(&reason);
+                let changes = dead_letters::replay(&op.pool()?, id, &act, produce).await?;
+                render::print(op.json, &changes, |c| render::changes(c));
+            }
+        }
+        Ok(())
+    }
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct StatusArgs {
+    #[command(flatten)]
+    pub database: DatabaseArgs,
+
+    /// Kafka bootstrap servers; without them the lag is not shown.
+    #[arg(long, env = "REPLAYPROOF_BROKERS")]
+    pub brokers: Option<String>,
+
+    #[command(flatten)]
+    pub kafka: KafkaOptions,
+
+    #[arg(long, env = "REPLAYPROOF_TOPIC", default_value = DEFAULT_TOPIC)]
+    pub topic: String,
+
+    #[arg(long, env = "REPLAYPROOF_GROUP", default_value = DEFAULT_GROUP)]
+    pub group: String,
+
+    /// Print JSON instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+impl StatusArgs {
+    pub async fn run(self) -> anyhow::Result<()> {
+        let pool = self.database.pool(2)?;
+        let kafka = self.brokers.clone().map(|brokers| status::KafkaTarget {
+            brokers,
+            topic: self.topic.clone(),
+            group: self.group.clone(),
+            options: self.kafka.kafka_options.clone(),
+        });
+        let status = status::gather(&pool, kafka).await?;
+        render::print(self.json, &status, render::status);
+        Ok(())
+    }
+}

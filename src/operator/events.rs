@@ -1,0 +1,329 @@
+//! `events list`, `show`, `retry` and `resolve`: an event's claim and operations, read and moved
+//! by hand.
+
+use super::{Act, Change, OperatorError};
+use crate::claims::{self, conflicts, dead_letters, ClaimStatus};
+use crate::effect::{ledger, Effect, Registry};
+use crate::envelope::{Event, EventKey};
+use crate::outbox::{self, OutboxState};
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+use sqlx::{PgConnection, PgPool};
+use std::sync::Arc;
+
+/// Filters for `events list`.
+#[derive(Debug, Clone, Default)]
+pub struct EventFilter {
+    /// A claim status or an operation state.
+    pub state: Option<String>,
+    pub source: Option<String>,
+    /// Only events claimed at least this long ago.
+    pub older_than: Option<std::time::Duration>,
+    pub limit: i64,
+}
+
+/// An event in a list: its claim and its operations' states.
+#[derive(Debug, Clone, Serialize)]
+pub struct EventSummary {
+    pub event_key: Option<String>,
+    pub source: Option<String>,
+    #[serde(rename = "type")]
+    pub event_type: Option<String>,
+    pub claim: Option<String>,
+    pub operations: Option<String>,
+    pub attempts: Option<i32>,
+    pub claimed_at: Option<DateTime<Utc>>,
+}
+
+/// The newest events matching `f`.
+pub async fn list(pool: &PgPool, f: &EventFilter) -> Result<Vec<EventSummary>, OperatorError> {
+    Ok(sqlx::query_as!(
+        EventSummary,
+        r#"SELECT event_key, source, event_type, claim, operations, attempts, claimed_at
+           FROM event_summaries
+           WHERE ($1::text IS NULL OR claim = $1 OR $1 = ANY(operation_states))
+             AND ($2::text IS NULL OR source = $2)
+             AND ($3::float8 IS NULL OR claimed_at <= now() - make_interval(secs => $3))
+           ORDER BY claimed_at DESC, event_key
+           LIMIT $4"#,
+        f.state.as_deref(),
+        f.source.as_deref(),
+        f.older_than.map(|d| d.as_secs_f64()),
+        f.limit,
+    )
+    .fetch_all(pool)
+    .await?)
+}
+
+/// Everything known about one event.
+#[derive(Debug, Clone, Serialize)]
+pub struct EventDetail {
+    pub claim: claims::ClaimRow,
+    pub ledger: Vec<ledger::LedgerRow>,
+    pub operations: Vec<outbox::OperationRow>,
+    pub attempts: Vec<outbox::AttemptRow>,
+    pub dead_letters: Vec<dead_letters::DeadLetterRow>,
+    pub key_conflicts: Vec<conflicts::ConflictRow>,
+}
+
+/// An event's claim, effect rows, operations, every attempt, dead letters and key conflicts.
+pub async fn show(pool: &PgPool, key: &str) -> Result<EventDetail, OperatorError> {
+    let claim = claims::find(pool, key)
+        .await?
+        .ok_or_else(|| OperatorError::NoSuchEvent(key.into()))?;
+    Ok(EventDetail {
+        claim,
+        ledger: ledger::of_event(pool, key).await?,
+        operations: outbox::of_event(pool, key).await?,
+        attempts: outbox::attempts_of_event(pool, key).await?,
+        dead_letters: dead_letters::of_key(pool, key).await?,
+        key_conflicts: conflicts::of_event(pool, key).await?,
+    })
+}
+
+/// Which events a bulk retry takes.
+#[derive(Debug, Clone)]
+pub struct RetryFilter {
+    /// `failed`, `uncertain` or `dead`: of the claim or of one of its operations.
+    pub state: String,
+    pub source: Option<String>,
+    /// Only events claimed at or after this time.
+    pub since: Option<DateTime<Utc>>,
+    pub limit: i64,
+}
+
+/// The events a bulk retry takes, oldest claim first.
+pub async fn to_retry(pool: &PgPool, f: &RetryFilter) -> Result<Vec<String>, OperatorError> {
+    let keys = sqlx::query_scalar!(
+        r#"SELECT event_key AS "event_key!" FROM event_summaries
+           WHERE (claim = $1 OR $1 = ANY(operation_states))
+             AND ($2::text IS NULL OR source = $2)
+             AND ($3::timestamptz IS NULL OR claimed_at >= $3)
+           ORDER BY claimed_at, event_key
+           LIMIT $4"#,
+        &f.state,
+        f.source.as_deref(),
+        f.since,
+        f.limit,
+    )
+    .fetch_all(pool)
+    .await?;
+    Ok(keys)
+}
+
+/// What a retry runs.
+#[derive(Clone, Default)]
+pub struct Retry {
+    /// Only this operation of the event.
+    pub operation: Option<String>,
+    /// The effect to run again for a failed local effect, instead of the one recorded on its
+    /// claim (needed only for an effect the registry cannot build by name).
+    pub effect: Option<Arc<dyn Effect>>,
+}
+
+/// Sends an event's `failed`, `uncertain` or `dead` operations again, with the same idempotency
+/// key and payload; an event without operations whose local effect failed has the effect run
+/// again from its stored payload. `done` is refused, and so is an operation already on its way.
+pub async fn retry(
+    pool: &PgPool,
+    registry: &Registry,
+    key: &str,
+    retry: &Retry,
+    act: &Act,
+) -> Result<Vec<Change>, OperatorError> {
+    let mut tx = pool.begin().await?;
+    let ops = outbox::lock_of_event(&mut tx, key, retry.operation.as_deref()).await?;
+    if ops.is_empty() {
+        drop(tx);
+        return retry_local(pool, registry, key, retry.effect.clone(), act).await;
+    }
+    let mut changes = Vec::new();
+    for op in ops {
+        match op.state {
+            state if state.is_retryable_by_hand() => {
+                outbox::requeue(&mut tx, op.id).await?;
+                let change = Change::new(&op.operation_key, state, OutboxState::Pending);
+                crate::audit::record(&mut tx, act.audit("retry", &change)).await?;
+                changes.push(change);
+            }
+            OutboxState::Done => return Err(OperatorError::AlreadyDone(op.operation_key)),
+            state => {
+                return Err(OperatorError::OnItsWay {
+                    target: op.operation_key,
+                    state: state.to_string(),
+                })
+            }
+        }
+    }
+    tx.commit().await?;
+    Ok(changes)
+}
+
+/// Runs a failed local effect again in one transaction with its claim's change and audit row.
+async fn retry_local(
+    pool: &PgPool,
+    registry: &Registry,
+    key: &str,
+    given: Option<Arc<dyn Effect>>,
+    act: &Act,
+) -> Result<Vec<Change>, OperatorError> {
+    let mut tx = pool.begin().await?;
+    let claim = claims::lock(&mut tx, key)
+        .await?
+        .ok_or_else(|| OperatorError::NoSuchEvent(key.into()))?;
+    if claim.status != ClaimStatus::Failed {
+        return Err(OperatorError::NotRetryable {
+            key: key.into(),
+            status: claim.status.to_string(),
+        });
+    }
+    let effect = effect_to_run(registry, key, given, claim.effect_spec.as_ref())?;
+    let event = stored_event(key, claim)?;
+    let outcome = apply_in_savepoint(&mut tx, effect.as_ref(), &event).await?;
+    let error = outcome.as_ref().err().map(|e| format!("{e:#}"));
+    claims::record_attempt(&mut tx, key, error.as_deref()).await?;
+    let after = match outcome {
+        Ok(()) => ClaimStatus::Done,
+        Err(_) => ClaimStatus::Failed,
+    };
+    let change = Change::new(key, ClaimStatus::Failed, after);
+    crate::audit::record(&mut tx, act.audit("retry", &change)).await?;
+    tx.commit().await?;
+    match outcome {
+        Ok(()) => Ok(vec![change]),
+        Err(error) => Err(OperatorError::EffectFailed {
+            key: key.into(),
+            error,
+        }),
+    }
+}
+
+/// The effect a retry runs: the one given, which must match what the claim recorded, or the
+/// recorded one rebuilt by the registry.
+fn effect_to_run(
+    registry: &Registry,
+    key: &str,
+    given: Option<Arc<dyn Effect>>,
+    recorded: Option<&serde_json::Value>,
+) -> Result<Arc<dyn Effect>, OperatorError> {
+    match (given, recorded) {
+        (Some(given), Some(recorded)) => match given.spec() {
+            Some(spec) if &spec != recorded => Err(OperatorError::OtherEffects {
+                key: key.into(),
+                recorded: Box::new(recorded.clone()),
+                given: Box::new(spec),
+            }),
+            _ => Ok(given),
+        },
+        (Some(given), None) => Ok(given),
+        (None, Some(recorded)) => Ok(registry
+            .from_spec(recorded)
+            .map_err(|e| e.context(format!("rebuilding the effects recorded on {key}")))?),
+        (None, None) => Err(OperatorError::EffectNotRecorded(key.into())),
+    }
+}
+
+/// The event a claim was made for, as stored.
+fn stored_event(key: &str, claim: claims::StoredClaim) -> anyhow::Result<Event> {
+    Ok(Event {
+        key: EventKey::try_from(key.to_owned())?,
+        source: claim.source,
+        event_type: claim.event_type,
+        received_at: claim.received_at,
+        payload: claim.payload,
+        payload_sha256: claim
+            .payload_sha256
+            .try_into()
+            .map_err(|_| anyhow::anyhow!("a stored payload hash is not 32 bytes"))?,
+        replay_window_secs: None,
+    })
+}
+
+/// Applies `effect` in a savepoint: its work is kept when it succeeds and undone when it fails.
+async fn apply_in_savepoint(
+    tx: &mut PgConnection,
+    effect: &dyn Effect,
+    event: &Event,
+) -> sqlx::Result<anyhow::Result<()>> {
+    let mut savepoint = sqlx::Acquire::begin(tx).await?;
+    match effect.apply(&mut savepoint, event).await {
+        Ok(()) => savepoint.commit().await.map(|()| Ok(())),
+        Err(e) => savepoint.rollback().await.map(|()| Err(e)),
+    }
+}
+
+/// How an operator settles an event by hand.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
+pub enum Resolution {
+    /// The outcome was confirmed elsewhere.
+    Done,
+    /// It will not happen.
+    Dead,
+}
+
+impl Resolution {
+    fn operation_state(self) -> OutboxState {
+        match self {
+            Self::Done => OutboxState::Done,
+            Self::Dead => OutboxState::Dead,
+        }
+    }
+
+    fn claim_status(self) -> ClaimStatus {
+        match self {
+            Self::Done => ClaimStatus::Done,
+            Self::Dead => ClaimStatus::Dead,
+        }
+    }
+}
+
+/// Settles an event by hand: its operations that are not done and not under a live lease, and
+/// its failed claim.
+pub async fn resolve(
+    pool: &PgPool,
+    key: &str,
+    operation: Option<&str>,
+    to: Resolution,
+    act: &Act,
+) -> Result<Vec<Change>, OperatorError> {
+    let mut tx = pool.begin().await?;
+    let mut changes = resolve_operations(&mut tx, key, operation, to, act).await?;
+    let claim = claims::lock(&mut tx, key)
+        .await?
+        .ok_or_else(|| OperatorError::NoSuchEvent(key.into()))?;
+    if claim.status == ClaimStatus::Failed {
+        claims::resolve(&mut tx, key, to.claim_status()).await?;
+        let change = Change::new(key, ClaimStatus::Failed, to.claim_status());
+        crate::audit::record(&mut tx, act.audit("resolve", &change)).await?;
+        changes.push(change);
+    }
+    if changes.is_empty() {
+        return Err(OperatorError::NothingToResolve(key.into()));
+    }
+    tx.commit().await?;
+    Ok(changes)
+}
+
+async fn resolve_operations(
+    tx: &mut PgConnection,
+    key: &str,
+    operation: Option<&str>,
+    to: Resolution,
+    act: &Act,
+) -> Result<Vec<Change>, OperatorError> {
+    let mut changes = Vec::new();
+    for op in outbox::lock_of_event(tx, key, operation).await? {
+        if op.state == OutboxState::Done {
+            continue;
+        }
+        if op.state == OutboxState::InProgress && op.leased {
+            return Err(OperatorError::LeaseLive(op.operation_key));
+        }
+        outbox::resolve(tx, op.id, to.operation_state()).await?;
+        let change = Change::new(&op.operation_key, op.state, to.operation_state());
+        crate::audit::record(tx, act.audit("resolve", &change)).await?;
+        changes.push(change);
+    }
+    Ok(changes)
+}

@@ -1,0 +1,95 @@
+//! The operator path: inspect events, operations and dead letters, move them between the states
+//! that allow it, and see the whole system on one screen.
+//!
+//! Every change is one transaction with its audit row ([`crate::audit`]). The SQL lives with the
+//! tables' owners ([`crate::claims`], [`crate::outbox`], [`crate::effect::ledger`]); here are the
+//! flows, and the `event_summaries` view they list events from.
+
+#[cfg(feature = "cli")]
+pub mod args;
+pub mod dead_letters;
+pub mod events;
+#[cfg(feature = "cli")]
+pub mod render;
+pub mod status;
+
+use serde::Serialize;
+
+/// Why an operator's request was refused or failed. Each refusal changes nothing.
+#[derive(Debug, thiserror::Error)]
+pub enum OperatorError {
+    #[error("no event has the key {0:?}")]
+    NoSuchEvent(String),
+    #[error("no dead letter has the id {0}")]
+    NoSuchDeadLetter(i64),
+    #[error("{0} is done; a done operation is not sent again")]
+    AlreadyDone(String),
+    #[error("{target} is {state}: it is already on its way")]
+    OnItsWay { target: String, state: String },
+    #[error("{0} is being sent right now; resolve it when its lease has ended")]
+    LeaseLive(String),
+    #[error("{key} is {status}: only a failed effect or a failed, uncertain or dead operation is retried")]
+    NotRetryable { key: String, status: String },
+    #[error("{0} has nothing to resolve: its claim and operations are settled")]
+    NothingToResolve(String),
+    #[error("{key} failed with the effects {recorded}; --effect would run {given} instead and skip some: retry without --effect")]
+    OtherEffects {
+        key: String,
+        recorded: Box<serde_json::Value>,
+        given: Box<serde_json::Value>,
+    },
+    #[error("the effects {0} failed with are not recorded (a library effect): pass --effect")]
+    EffectNotRecorded(String),
+    #[error("the effect failed again for {key}: {error:#}")]
+    EffectFailed { key: String, error: anyhow::Error },
+    #[error("the database: {0}")]
+    Database(#[from] sqlx::Error),
+    #[error(transparent)]
+    Unexpected(#[from] anyhow::Error),
+}
+
+/// Who asks for a change, and why; both go to the audit row.
+#[derive(Debug, Clone)]
+pub struct Act {
+    pub actor: String,
+    pub reason: String,
+}
+
+impl Act {
+    pub fn new(actor: &str, reason: &str) -> Self {
+        Self {
+            actor: actor.into(),
+            reason: reason.into(),
+        }
+    }
+
+    /// The audit row of a change `action` made to `target`.
+    fn audit<'a>(&'a self, action: &'a str, change: &'a Change) -> crate::audit::Action<'a> {
+        crate::audit::Action {
+            actor: &self.actor,
+            action,
+            target: &change.target,
+            reason: &self.reason,
+            before: &change.before,
+            after: &change.after,
+        }
+    }
+}
+
+/// One row an operator change moved: what it was, its state before and after.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Change {
+    pub target: String,
+    pub before: String,
+    pub after: String,
+}
+
+impl Change {
+    fn new(target: &str, before: impl ToString, after: impl ToString) -> Self {
+        Self {
+            target: target.into(),
+            before: before.to_string(),
+            after: after.to_string(),
+        }
+    }
+}

@@ -1,0 +1,170 @@
+//! How the operator commands print: tables for people (through `comfy-table`), JSON for
+//! machines. Every table is drawn here.
+
+use super::events::EventDetail;
+use super::status::Status;
+use super::Change;
+use comfy_table::{presets, CellAlignment, Table};
+use serde::Serialize;
+use serde_json::Value;
+
+/// The longest cell shown in a table; longer ones are cut, whole values are in `--json`.
+const MAX_CELL_CHARS: usize = 60;
+
+/// Prints `value` as JSON, or as text drawn by `text`.
+pub fn print<T: Serialize>(json: bool, value: &T, text: impl FnOnce(&T) -> String) {
+    if json {
+        let json = serde_json::to_string_pretty(value).expect("operator views serialise");
+        println!("{json}");
+    } else {
+        print!("{}", text(value));
+    }
+}
+
+/// Rows of a view as a table, one column per field in the field's order.
+pub fn rows<T: Serialize>(rows: &[T]) -> String {
+    let values: Vec<Value> = rows
+        .iter()
+        .map(|r| serde_json::to_value(r).expect("operator views serialise"))
+        .collect();
+    let Some(Value::Object(first)) = values.first() else {
+        return "(none)\n".into();
+    };
+    let columns: Vec<&String> = first.keys().collect();
+    let mut table = plain_table(columns.iter().map(|c| c.as_str()));
+    for value in &values {
+        table.add_row(columns.iter().map(|c| cell(&value[c.as_str()])));
+    }
+    format!("{table}\n")
+}
+
+/// One row of a view as a table.
+pub fn row<T: Serialize>(row: &T) -> String {
+    rows(std::slice::from_ref(row))
+}
+
+fn plain_table<'a>(header: impl IntoIterator<Item = &'a str>) -> Table {
+    let mut table = Table::new();
+    table.load_preset(presets::NOTHING).set_header(header);
+    table
+}
+
+/// A value as one line of at most [`MAX_CELL_CHARS`] characters.
+fn cell(value: &Value) -> String {
+    let text = match value {
+        Value::Null => "-".to_owned(),
+        Value::String(s) => s.clone(),
+        other => other.to_string(),
+    };
+    let text = text.replace('\n', " ");
+    if text.chars().count() > MAX_CELL_CHARS {
+        let cut: String = text.chars().take(MAX_CELL_CHARS - 1).collect();
+        format!("{cut}…")
+    } else {
+        text
+    }
+}
+
+/// Everything about one event, section by section.
+pub fn event_detail(detail: &EventDetail) -> String {
+    [
+        ("claim", row(&detail.claim)),
+        ("effect rows (ledger)", rows(&detail.ledger)),
+        ("outbox operations", rows(&detail.operations)),
+        ("attempts", rows(&detail.attempts)),
+        ("dead letters", rows(&detail.dead_letters)),
+        ("key conflicts", rows(&detail.key_conflicts)),
+    ]
+    .into_iter()
+    .map(|(name, table)| format!("== {name}\n{table}"))
+    .collect()
+}
+
+/// What a change moved, one line per row.
+pub fn changes(changes: &[Change]) -> String {
+    changes
+        .iter()
+        .map(|c| format!("{}: {} -> {}\n", c.target, c.before, c.after))
+        .collect()
+}
+
+/// The `status` screen.
+pub fn status(s: &Status) -> String {
+    let mut out = String::new();
+    if let (Some(topic), Some(group)) = (&s.topic, &s.group) {
+        let total: i64 = s.lag.iter().map(|l| l.lag).sum();
+        out += &format!("Kafka: topic {topic}, group {group}, total lag {total}\n");
+        out += &lag_table(s);
+    }
+    out += &format!("Claims: {}\n", counts(&s.claims));
+    out += &format!("Outbox: {}\n", counts(&s.outbox));
+    out += &format!(
+        "Oldest due operation: {:.0} s; expired leases: {}\n",
+        s.oldest_due_seconds, s.expired_leases
+    );
+    out += &format!(
+        "Dead letters: {} ({} not replayed); key conflicts: {}\n",
+        s.dead_letters, s.dead_letters_not_replayed, s.key_conflicts
+    );
+    out
+}
+
+/// The lag per partition, numbers right-aligned whatever their width.
+fn lag_table(s: &Status) -> String {
+    let mut table = plain_table(["partition", "committed", "end", "lag"]);
+    for l in &s.lag {
+        let committed = l.committed.map_or("-".into(), |c| c.to_string());
+        table.add_row([
+            l.partition.to_string(),
+            committed,
+            l.high_watermark.to_string(),
+            l.lag.to_string(),
+        ]);
+    }
+    for column in table.column_iter_mut() {
+        column.set_cell_alignment(CellAlignment::Right);
+    }
+    format!("{table}\n")
+}
+
+fn counts(rows: &[(String, i64)]) -> String {
+    if rows.is_empty() {
+        return "none".into();
+    }
+    let parts: Vec<String> = rows.iter().map(|(k, n)| format!("{k} {n}")).collect();
+    parts.join(", ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::operator::status::PartitionLag;
+
+    #[test]
+    fn lag_columns_line_up_past_offset_999() {
+        let lag = |partition, committed, high_watermark| PartitionLag {
+            partition,
+            committed,
+            high_watermark,
+            lag: high_watermark - committed.unwrap_or(0),
+        };
+        let status = Status {
+            topic: Some("t".into()),
+            group: Some("g".into()),
+            lag: vec![
+                lag(0, Some(7), 12),
+                lag(1, Some(123_456), 1_234_567),
+                lag(2, None, 5),
+            ],
+            ..Status::default()
+        };
+        let text = status_lines(&status);
+        let ends: Vec<usize> = text.iter().map(|l| l.trim_end().len()).collect();
+        assert!(ends.windows(2).all(|w| w[0] == w[1]), "{text:#?}");
+    }
+
+    /// The lag table's lines: header and one per partition.
+    fn status_lines(status: &Status) -> Vec<String> {
+        lag_table(status).lines().map(str::to_owned).collect()
+    }
+}

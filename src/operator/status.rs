@@ -1,0 +1,114 @@
+//! `replayproof status`: one screen for an operator. Lag per partition of the group, claims by
+//! status, the outbox by state, the oldest due operation, dead letters and key conflicts.
+
+use anyhow::Context as _;
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::{Offset, TopicPartitionList};
+use serde::Serialize;
+use sqlx::PgPool;
+use std::time::Duration;
+
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct PartitionLag {
+    pub partition: i32,
+    /// The group's committed offset; None when it has committed none.
+    pub committed: Option<i64>,
+    /// The partition's end.
+    pub high_watermark: i64,
+    pub lag: i64,
+}
+
+#[derive(Debug, Clone, Serialize, Default, PartialEq)]
+pub struct Status {
+    pub topic: Option<String>,
+    pub group: Option<String>,
+    pub lag: Vec<PartitionLag>,
+    pub claims: Vec<(String, i64)>,
+    pub outbox: Vec<(String, i64)>,
+    pub oldest_due_seconds: f64,
+    pub expired_leases: i64,
+    pub dead_letters: i64,
+    pub dead_letters_not_replayed: i64,
+    pub key_conflicts: i64,
+}
+
+/// Where to read the group's lag from.
+#[derive(Debug, Clone)]
+pub struct KafkaTarget {
+    pub brokers: String,
+    pub topic: String,
+    pub group: String,
+    pub options: Vec<(String, String)>,
+}
+
+/// Reads the screen's numbers from PostgreSQL and, given a target, the group's lag from Kafka.
+pub async fn gather(pool: &PgPool, kafka: Option<KafkaTarget>) -> anyhow::Result<Status> {
+    let gauges = crate::outbox::gauges(pool).await?;
+    let (dead_letters, not_replayed) = crate::claims::dead_letters::counts(pool).await?;
+    let outbox = gauges.by_state.into_iter();
+    let mut status = Status {
+        claims: crate::claims::counts(pool).await?,
+        outbox: outbox.map(|(s, n)| (s.to_string(), n)).collect(),
+        oldest_due_seconds: gauges.oldest_due_seconds,
+        expired_leases: gauges.expired_leases,
+        dead_letters,
+        dead_letters_not_replayed: not_replayed,
+        key_conflicts: crate::claims::conflicts::count(pool).await?,
+        ..Status::default()
+    };
+    if let Some(target) = kafka {
+        status.topic = Some(target.topic.clone());
+        status.group = Some(target.group.clone());
+        status.lag = tokio::task::spawn_blocking(move || lag(&target)).await??;
+    }
+    Ok(status)
+}
+
+fn lag(target: &KafkaTarget) -> anyhow::Result<Vec<PartitionLag>> {
+    let settings = [
+        ("group.id", target.group.clone()),
+        ("enable.auto.commit", "false".into()),
+    ];
+    let config = crate::kafka::client_config(&target.brokers, &settings, &target.options);
+    let consumer: BaseConsumer = config.create().context("creating a Kafka client")?;
+    let timeout = Duration::from_secs(10);
+    let metadata = consumer
+        .fetch_metadata(Some(&target.topic), timeout)
+        .context("reading the topic's metadata")?;
+    let topic = metadata
+        .topics()
+        .first()
+        .context("the broker returned no topic")?;
+    anyhow::ensure!(
+        topic.error().is_none() && !topic.partitions().is_empty(),
+        "the topic {} does not exist",
+        target.topic
+    );
+    let mut tpl = TopicPartitionList::new();
+    for p in topic.partitions() {
+        tpl.add_partition(&target.topic, p.id());
+    }
+    let committed = consumer
+        .committed_offsets(tpl, timeout)
+        .context("reading the group's offsets")?;
+    let mut lags = Vec::new();
+    for p in topic.partitions() {
+        let (_, high) = consumer.fetch_watermarks(&target.topic, p.id(), timeout)?;
+        let committed = match committed
+            .find_partition(&target.topic, p.id())
+            .map(|e| e.offset())
+        {
+            Some(Offset::Offset(o)) => Some(o),
+            _ => None,
+        };
+        let lag = high - committed.unwrap_or(0);
+        lags.push(PartitionLag {
+            partition: p.id(),
+            committed,
+            high_watermark: high,
+            lag,
+        });
+    }
+    lags.sort_by_key(|l| l.partition);
+    Ok(lags)
+}

@@ -1,0 +1,396 @@
+//! All SQL for the outbox tables: `outbox` and `outbox_attempts`; their states in [`state`].
+//!
+//! An operation is enqueued inside the consume transaction, so it exists exactly when its
+//! event's claim does. Dispatchers lease due rows with `FOR UPDATE SKIP LOCKED`, each lease
+//! stamping a fresh fencing token; a completion only changes a row whose token it presents, so a
+//! worker whose lease expired and was taken over changes nothing.
+
+pub mod state;
+
+pub use state::{AttemptKind, OutboxState, Outcome};
+
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+use sqlx::{PgConnection, PgPool};
+use std::time::Duration;
+
+/// An operation to enqueue.
+#[derive(Debug, Clone)]
+pub struct NewOperation<'a> {
+    pub event_key: &'a str,
+    /// The operation's name within its event, such as `deliver`; one event can drive several.
+    pub operation: &'a str,
+    pub destination: &'a str,
+    pub payload: Vec<u8>,
+    pub reconcile_url: Option<String>,
+    pub max_attempts: i32,
+}
+
+impl NewOperation<'_> {
+    /// The key sent downstream as `Idempotency-Key` on every attempt.
+    pub fn operation_key(&self) -> String {
+        operation_key(self.event_key, self.operation)
+    }
+}
+
+pub fn operation_key(event_key: &str, operation: &str) -> String {
+    format!("{event_key}#{operation}")
+}
+
+/// Enqueues an operation in the caller's transaction. Enqueuing one twice keeps the first.
+pub async fn enqueue(conn: &mut PgConnection, op: &NewOperation<'_>) -> sqlx::Result<()> {
+    sqlx::query!(
+        "INSERT INTO outbox (operation_key, event_key, operation, destination, payload, \
+         reconcile_url, max_attempts) VALUES ($1, $2, $3, $4, $5, $6, $7) \
+         ON CONFLICT (operation_key) DO NOTHING",
+        op.operation_key(),
+        op.event_key,
+        op.operation,
+        op.destination,
+        &op.payload,
+        op.reconcile_url.as_deref(),
+        op.max_attempts,
+    )
+    .execute(conn)
+    .await?;
+    Ok(())
+}
+
+/// A row leased to this worker.
+#[derive(Debug, Clone)]
+pub struct Leased {
+    pub id: i64,
+    pub operation_key: String,
+    pub destination: String,
+    pub payload: Vec<u8>,
+    pub reconcile_url: Option<String>,
+    /// Attempts so far, this one included.
+    pub attempts: i32,
+    pub max_attempts: i32,
+    pub fencing_token: i64,
+    /// `uncertain`, or `in_progress` for a lease taken over from a worker that vanished: the
+    /// operation may already have been applied.
+    pub previous_state: OutboxState,
+}
+
+impl Leased {
+    /// `state`, or `dead` when this was the row's last attempt.
+    pub fn unless_out_of_attempts(&self, state: OutboxState) -> OutboxState {
+        if self.attempts >= self.max_attempts {
+            OutboxState::Dead
+        } else {
+            state
+        }
+    }
+
+    /// Whether an earlier attempt may already have reached the downstream: the row was
+    /// `uncertain`, or its lease was taken over from a worker that vanished mid-request.
+    pub fn may_have_been_applied(&self) -> bool {
+        matches!(
+            self.previous_state,
+            OutboxState::Uncertain | OutboxState::InProgress
+        )
+    }
+}
+
+/// Leases up to `limit` due rows: pending, retryable or uncertain ones whose time has come, and
+/// in-progress ones whose lease expired. Rows another worker is leasing are skipped, not
+/// waited for. Every lease counts as an attempt, so a row whose worker dies or hangs on it each
+/// time goes `dead` once its attempts are spent, instead of taking down worker after worker.
+pub async fn lease(
+    pool: &PgPool,
+    worker: &str,
+    limit: i64,
+    lease: Duration,
+) -> sqlx::Result<Vec<Leased>> {
+    bury_expired_last_attempts(pool).await?;
+    sqlx::query_as!(
+        Leased,
+        r#"WITH due AS (
+               SELECT id, state AS previous_state FROM outbox
+               WHERE (state IN ('pending', 'retryable', 'uncertain') AND next_attempt_at <= now())
+                  OR (state = 'in_progress' AND lease_expires_at <= now())
+               ORDER BY next_attempt_at
+               LIMIT $1
+               FOR UPDATE SKIP LOCKED)
+           UPDATE outbox o
+           SET state = 'in_progress', attempts = o.attempts + 1, leased_by = $2,
+               lease_expires_at = now() + make_interval(secs => $3),
+               fencing_token = nextval('outbox_fencing_token'), updated_at = now()
+           FROM due WHERE o.id = due.id
+           RETURNING o.id, o.operation_key, o.destination, o.payload, o.reconcile_url, o.attempts,
+                     o.max_attempts, o.fencing_token AS "fencing_token!",
+                     due.previous_state AS "previous_state: OutboxState""#,
+        limit,
+        worker,
+        lease.as_secs_f64(),
+    )
+    .fetch_all(pool)
+    .await
+}
+
+/// Rows whose lease expired on their last attempt go `dead` instead of being leased again.
+async fn bury_expired_last_attempts(pool: &PgPool) -> sqlx::Result<()> {
+    let buried = sqlx::query!(
+        "UPDATE outbox SET state = 'dead', lease_expires_at = NULL, updated_at = now(), \
+         last_error = format('the lease expired on attempt %s of %s: its worker died or hung', \
+                             attempts, max_attempts) \
+         WHERE state = 'in_progress' AND lease_expires_at <= now() AND attempts >= max_attempts",
+    )
+    .execute(pool)
+    .await?
+    .rows_affected();
+    if buried > 0 {
+        tracing::warn!(
+            operations = buried,
+            "Operations whose lease expired on their last attempt are now dead."
+        );
+    }
+    Ok(())
+}
+
+/// Where an attempt leaves its row.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Settlement {
+    /// `done`, `retryable`, `uncertain`, `failed` or `dead`.
+    pub state: OutboxState,
+    pub next_attempt_at: Option<DateTime<Utc>>,
+    pub status: Option<i32>,
+    pub error: Option<String>,
+    pub response: Option<String>,
+}
+
+/// One attempt, as recorded whatever its lease became.
+#[derive(Debug, Clone)]
+pub struct Attempt<'a> {
+    pub worker: &'a str,
+    pub kind: AttemptKind,
+    pub started_at: DateTime<Utc>,
+    pub duration: Duration,
+    pub outcome: Outcome,
+}
+
+/// Records an attempt and, if the lease is still this worker's, settles the row. Returns false
+/// when the lease had been taken over: the row is left as its new owner has it.
+pub async fn complete(
+    pool: &PgPool,
+    leased: &Leased,
+    settlement: &Settlement,
+    attempt: &Attempt<'_>,
+) -> sqlx::Result<bool> {
+    let mut tx = pool.begin().await?;
+    let updated = sqlx::query!(
+        "UPDATE outbox SET state = $3, next_attempt_at = coalesce($4, next_attempt_at), \
+         last_status = $5, last_error = $6, last_response = $7, lease_expires_at = NULL, \
+         updated_at = now(), completed_at = CASE WHEN $3 = 'done' THEN now() END \
+         WHERE id = $1 AND fencing_token = $2 AND state = 'in_progress'",
+        leased.id,
+        leased.fencing_token,
+        settlement.state.as_str(),
+        settlement.next_attempt_at,
+        settlement.status,
+        settlement.error.as_deref(),
+        settlement.response.as_deref(),
+    )
+    .execute(&mut *tx)
+    .await?
+    .rows_affected();
+    record_attempt(&mut tx, leased, settlement, attempt, updated > 0).await?;
+    tx.commit().await?;
+    Ok(updated > 0)
+}
+
+async fn record_attempt(
+    conn: &mut PgConnection,
+    leased: &Leased,
+    settlement: &Settlement,
+    attempt: &Attempt<'_>,
+    applied: bool,
+) -> sqlx::Result<()> {
+    let sha: [u8; 32] = <sha2::Sha256 as sha2::Digest>::digest(&leased.payload).into();
+    sqlx::query!(
+        "INSERT INTO outbox_attempts (outbox_id, fencing_token, worker, kind, idempotency_key, \
+         payload_sha256, started_at, duration_ms, status_code, error, outcome, applied) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)",
+        leased.id,
+        leased.fencing_token,
+        attempt.worker,
+        attempt.kind.as_str(),
+        &leased.operation_key,
+        &sha[..],
+        attempt.started_at,
+        attempt.duration.as_millis().min(i32::MAX as u128) as i32,
+        settlement.status,
+        settlement.error.as_deref(),
+        attempt.outcome.as_str(),
+        applied,
+    )
+    .execute(conn)
+    .await?;
+    Ok(())
+}
+
+/// What the metrics show of the outbox.
+#[derive(Debug, Clone, Default)]
+pub struct Gauges {
+    pub by_state: Vec<(OutboxState, i64)>,
+    /// Seconds since the oldest due operation became due.
+    pub oldest_due_seconds: f64,
+    /// In-progress rows whose lease expired: their worker is gone.
+    pub expired_leases: i64,
+}
+
+pub async fn gauges(pool: &PgPool) -> sqlx::Result<Gauges> {
+    let by_state = sqlx::query!(
+        r#"SELECT state AS "state: OutboxState", count(*) AS "n!"
+           FROM outbox GROUP BY state ORDER BY state"#
+    )
+    .fetch_all(pool)
+    .await?
+    .into_iter()
+    .map(|r| (r.state, r.n))
+    .collect();
+    let row = sqlx::query!(
+        r#"SELECT (SELECT extract(epoch FROM now() - min(next_attempt_at))::float8 FROM outbox
+                   WHERE state IN ('pending', 'retryable', 'uncertain')
+                     AND next_attempt_at <= now()) AS oldest,
+                  (SELECT count(*) FROM outbox
+                   WHERE state = 'in_progress' AND lease_expires_at <= now()) AS "expired!""#
+    )
+    .fetch_one(pool)
+    .await?;
+    Ok(Gauges {
+        by_state,
+        oldest_due_seconds: row.oldest.unwrap_or(0.0),
+        expired_leases: row.expired,
+    })
+}
+
+/// An operation as the operator sees it.
+#[derive(Debug, Clone, Serialize)]
+pub struct OperationRow {
+    pub operation_key: String,
+    pub state: OutboxState,
+    pub attempts: String,
+    pub destination: String,
+    pub next_attempt_at: DateTime<Utc>,
+    pub lease_expires_at: Option<DateTime<Utc>>,
+    pub last_status: Option<i32>,
+    pub last_error: Option<String>,
+    pub completed_at: Option<DateTime<Utc>>,
+}
+
+/// An event's operations.
+pub async fn of_event(pool: &PgPool, key: &str) -> sqlx::Result<Vec<OperationRow>> {
+    sqlx::query_as!(
+        OperationRow,
+        r#"SELECT operation_key, state AS "state: OutboxState",
+                  attempts || '/' || max_attempts AS "attempts!", destination, next_attempt_at,
+                  lease_expires_at, last_status, last_error, completed_at
+           FROM outbox WHERE event_key = $1 ORDER BY operation"#,
+        key
+    )
+    .fetch_all(pool)
+    .await
+}
+
+/// One recorded attempt, as the operator sees it.
+#[derive(Debug, Clone, Serialize)]
+pub struct AttemptRow {
+    pub operation: String,
+    pub kind: String,
+    pub started_at: DateTime<Utc>,
+    pub duration_ms: i32,
+    pub status_code: Option<i32>,
+    pub outcome: String,
+    pub applied: bool,
+    pub worker: String,
+    pub error: Option<String>,
+}
+
+/// Every attempt at an event's operations, in order.
+pub async fn attempts_of_event(pool: &PgPool, key: &str) -> sqlx::Result<Vec<AttemptRow>> {
+    sqlx::query_as!(
+        AttemptRow,
+        r#"SELECT o.operation, a.kind, a.started_at, a.duration_ms, a.status_code, a.outcome,
+                  a.applied, a.worker, a.error
+           FROM outbox_attempts a JOIN outbox o ON o.id = a.outbox_id
+           WHERE o.event_key = $1 ORDER BY a.id"#,
+        key
+    )
+    .fetch_all(pool)
+    .await
+}
+
+/// An operation locked for an operator's change.
+#[derive(Debug, Clone)]
+pub struct Locked {
+    pub id: i64,
+    pub operation_key: String,
+    pub state: OutboxState,
+    /// Whether a worker holds a lease on it that has not expired.
+    pub leased: bool,
+}
+
+/// An event's operations (or only `operation`), locked until the caller's transaction ends.
+pub async fn lock_of_event(
+    conn: &mut PgConnection,
+    key: &str,
+    operation: Option<&str>,
+) -> sqlx::Result<Vec<Locked>> {
+    sqlx::query_as!(
+        Locked,
+        r#"SELECT id, operation_key, state AS "state: OutboxState",
+                  coalesce(lease_expires_at > now(), false) AS "leased!"
+           FROM outbox WHERE event_key = $1 AND ($2::text IS NULL OR operation = $2)
+           ORDER BY operation FOR UPDATE"#,
+        key,
+        operation
+    )
+    .fetch_all(conn)
+    .await
+}
+
+/// Makes an operation due again with fresh attempts; its key and payload stay as they were.
+pub async fn requeue(conn: &mut PgConnection, id: i64) -> sqlx::Result<()> {
+    sqlx::query!(
+        "UPDATE outbox SET state = 'pending', attempts = 0, next_attempt_at = now(), \
+         updated_at = now() WHERE id = $1",
+        id
+    )
+    .execute(conn)
+    .await?;
+    Ok(())
+}
+
+/// Settles an operation by hand.
+pub async fn resolve(conn: &mut PgConnection, id: i64, to: OutboxState) -> sqlx::Result<()> {
+    sqlx::query!(
+        "UPDATE outbox SET state = $2, lease_expires_at = NULL, updated_at = now(), \
+         completed_at = CASE WHEN $2 = 'done' THEN now() END WHERE id = $1",
+        id,
+        to.as_str()
+    )
+    .execute(conn)
+    .await?;
+    Ok(())
+}
+
+/// Operations not yet done.
+pub async fn open_count(pool: &PgPool) -> sqlx::Result<i64> {
+    sqlx::query_scalar!(r#"SELECT count(*) AS "n!" FROM outbox WHERE state <> 'done'"#)
+        .fetch_one(pool)
+        .await
+}
+
+/// Attempts recorded, and how many of them settled an operation by reconciliation.
+pub async fn attempt_counts(pool: &PgPool) -> sqlx::Result<(i64, i64)> {
+    let row = sqlx::query!(
+        r#"SELECT count(*) AS "all!",
+                  count(*) FILTER (WHERE outcome = 'reconciled_done') AS "reconciled!"
+           FROM outbox_attempts"#
+    )
+    .fetch_one(pool)
+    .await?;
+    Ok((row.all, row.reconciled))
+}

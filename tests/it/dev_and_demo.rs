@@ -1,0 +1,109 @@
+//! `replayproof demo` and `replayproof dev` as a newcomer runs them.
+
+use crate::harness::*;
+use hmac::{Hmac, Mac};
+use sha2::Sha256;
+use std::time::Duration;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn demo_reports_a_clean_verdict() {
+    let db = TestDb::new().await;
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_replayproof"))
+        .args([
+            "demo",
+            "--events",
+            "120",
+            "--seed",
+            "7",
+            "--database-url",
+            &db.url,
+        ])
+        .env_remove("REPLAYPROOF_BROKERS")
+        .output()
+        .await
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("VERDICT: PASS"), "{stdout}");
+    assert!(stdout.contains("1 with SIGKILL, restarted"), "{stdout}");
+    // The report's numbers are the database's.
+    assert_eq!(db.count("SELECT count(*) FROM ledger").await, 120);
+    assert_eq!(
+        db.count("SELECT count(DISTINCT event_key) FROM ledger")
+            .await,
+        120
+    );
+    assert_eq!(
+        db.count("SELECT count(*) FROM outbox WHERE state = 'done'")
+            .await,
+        120
+    );
+    assert_eq!(db.count("SELECT count(*) FROM dead_letters").await, 3);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dev_applies_a_signed_delivery_and_stops_on_sigint() {
+    let db = TestDb::new().await;
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let mut dev = tokio::process::Command::new(env!("CARGO_BIN_EXE_replayproof"))
+        .args([
+            "dev",
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+            "--database-url",
+            &db.url,
+        ])
+        .env_remove("REPLAYPROOF_BROKERS")
+        .env_remove("GITHUB_WEBHOOK_SECRET")
+        .stdin(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let http = reqwest::Client::new();
+    let base = format!("http://127.0.0.1:{port}");
+    wait_for("dev to be ready", Duration::from_secs(60), || async {
+        http.get(format!("{base}/readyz"))
+            .send()
+            .await
+            .is_ok_and(|r| r.status() == 200)
+    })
+    .await;
+    let body = br#"{"action":"opened","number":1}"#;
+    let mut mac = Hmac::<Sha256>::new_from_slice(b"dev-secret-for-replayproof").unwrap();
+    mac.update(body);
+    let sig = format!("sha256={}", hex::encode(mac.finalize().into_bytes()));
+    let r = http
+        .post(format!("{base}/webhooks/github"))
+        .header("x-hub-signature-256", sig)
+        .header("x-github-delivery", "dev-1")
+        .header("x-github-event", "pull_request")
+        .body(body.to_vec())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    wait_for("the event applied", Duration::from_secs(60), || async {
+        db.count("SELECT count(*) FROM ledger WHERE event_key = 'github:dev-1'")
+            .await
+            == 1
+    })
+    .await;
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(dev.id().unwrap() as i32),
+        nix::sys::signal::Signal::SIGINT,
+    )
+    .unwrap();
+    let status = tokio::time::timeout(Duration::from_secs(30), dev.wait())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(status.success(), "{status:?}");
+}

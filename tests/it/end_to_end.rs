@@ -1,0 +1,228 @@
+//! `replayproof ingest` and `replayproof consume` as real processes, against a real PostgreSQL
+//! and the broker process (`KAFKA_BROKERS`, or the mock cluster hosted by this test).
+
+use crate::harness::*;
+use hmac::{Hmac, Mac};
+use sha2::Sha256;
+use std::collections::HashSet;
+use std::process::Stdio;
+use std::sync::Arc;
+use std::time::Duration;
+
+const CONFIG: &str = r#"
+[[sources]]
+name = "github"
+kind = "github"
+secrets_env = ["E2E_GITHUB_SECRET"]
+
+[[sources]]
+name = "stripe"
+kind = "stripe"
+secrets_env = ["E2E_STRIPE_SECRET"]
+"#;
+
+fn sign(secret: &str, parts: &[&[u8]]) -> String {
+    let mut mac = Hmac::<Sha256>::new_from_slice(secret.as_bytes()).unwrap();
+    for p in parts {
+        mac.update(p);
+    }
+    hex::encode(mac.finalize().into_bytes())
+}
+
+/// One delivery: the event number decides the source and the id.
+async fn deliver(http: &reqwest::Client, base: &str, n: usize) -> u16 {
+    let response = if n.is_multiple_of(2) {
+        let body = format!(r#"{{"action":"opened","number":{n}}}"#);
+        http.post(format!("{base}/webhooks/github"))
+            .header(
+                "x-hub-signature-256",
+                format!(
+                    "sha256={}",
+                    sign("gh-secret-for-the-e2e-test", &[body.as_bytes()])
+                ),
+            )
+            .header("x-github-delivery", format!("delivery-{n}"))
+            .header("x-github-event", "pull_request")
+            .body(body)
+    } else {
+        let body = format!(r#"{{"id":"evt_{n}","type":"charge.succeeded","object":"event"}}"#);
+        let t = chrono::Utc::now().timestamp().to_string();
+        let sig = sign(
+            "whsec_e2e-secret-for-the-test",
+            &[t.as_bytes(), b".", body.as_bytes()],
+        );
+        http.post(format!("{base}/webhooks/stripe"))
+            .header("stripe-signature", format!("t={t},v1={sig}"))
+            .body(body)
+    };
+    response
+        .send()
+        .await
+        .map(|r| r.status().as_u16())
+        .unwrap_or(0)
+}
+
+/// A `replayproof ingest` process on a free port, with the two sources above.
+struct Ingress;
+
+impl Ingress {
+    fn spawn(
+        kafka: &TestKafka,
+        topic: &str,
+        failpoints: Option<&str>,
+    ) -> (tokio::process::Child, u16, tempfile::TempDir) {
+        let dir = tempfile::tempdir().unwrap();
+        let config = dir.path().join("replayproof.toml");
+        std::fs::write(&config, CONFIG).unwrap();
+        let port = free_port();
+        let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_replayproof"));
+        cmd.arg("ingest")
+            .arg("--config")
+            .arg(&config)
+            .args(["--listen", &format!("127.0.0.1:{port}")])
+            .args(["--brokers", &kafka.brokers(), "--topic", topic])
+            .args(["--kafka-option", "broker.address.family=v4"])
+            .args(["--metrics-addr", "127.0.0.1:0"])
+            .env("E2E_GITHUB_SECRET", "gh-secret-for-the-e2e-test")
+            .env("E2E_STRIPE_SECRET", "whsec_e2e-secret-for-the-test")
+            .env("RUST_LOG", "warn")
+            .env_remove("FAILPOINTS")
+            .stdin(Stdio::null())
+            .kill_on_drop(true);
+        if let Some(f) = failpoints {
+            cmd.env("FAILPOINTS", f);
+        }
+        (cmd.spawn().unwrap(), port, dir)
+    }
+}
+
+async fn wait_ready(http: &reqwest::Client, base: &str) {
+    wait_for(
+        "the ingress to be ready",
+        Duration::from_secs(60),
+        || async {
+            http.get(format!("{base}/readyz"))
+                .send()
+                .await
+                .is_ok_and(|r| r.status() == 200)
+        },
+    )
+    .await;
+}
+
+fn key(n: usize) -> String {
+    if n.is_multiple_of(2) {
+        format!("github:delivery-{n}")
+    } else {
+        format!("stripe:evt_{n}")
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_thousand_signed_deliveries_with_redeliveries_have_one_effect_each() {
+    const DISTINCT: usize = 1_400;
+    const DELIVERIES: usize = 2_000;
+    let (kafka, db) = (TestKafka::for_processes(), TestDb::new().await);
+    let (topic, group) = (kafka.topic(4).await, unique("group"));
+    let (mut ingest, port, _dir) = Ingress::spawn(&kafka, &topic, None);
+    let consumer = ConsumerProcess::spawn(&kafka.brokers(), &topic, &group, &db.url, None);
+    let base = format!("http://127.0.0.1:{port}");
+    let http = reqwest::Client::new();
+    wait_ready(&http, &base).await;
+
+    // Every event once, plus 600 redeliveries, shuffled over 8 concurrent senders so that some
+    // copies of one event are in flight at the same time.
+    let mut rng = fastrand::Rng::with_seed(3);
+    let mut plan: Vec<usize> = (0..DISTINCT).collect();
+    plan.extend((0..DELIVERIES - DISTINCT).map(|_| rng.usize(..DISTINCT)));
+    rng.shuffle(&mut plan);
+    let plan = Arc::new(plan);
+    let senders: Vec<_> = (0..8)
+        .map(|client| {
+            let (plan, http, base) = (plan.clone(), http.clone(), base.clone());
+            tokio::spawn(async move {
+                for n in plan.iter().skip(client).step_by(8) {
+                    // A sender retries until it gets a 2xx.
+                    let mut status = deliver(&http, &base, *n).await;
+                    while status != 200 {
+                        assert!(
+                            status == 503 || status == 0,
+                            "delivery {n} answered {status}"
+                        );
+                        tokio::time::sleep(Duration::from_millis(200)).await;
+                        status = deliver(&http, &base, *n).await;
+                    }
+                }
+            })
+        })
+        .collect();
+    for s in senders {
+        s.await.unwrap();
+    }
+
+    let expected: HashSet<String> = (0..DISTINCT).map(key).collect();
+    assert_exactly_once(&db, &expected, Duration::from_secs(120)).await;
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(ingest.id().unwrap() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .unwrap();
+    let status = tokio::time::timeout(Duration::from_secs(30), ingest.wait())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(status.success(), "ingest exited with {status:?}");
+    assert!(consumer.terminate(Duration::from_secs(30)).await.success());
+}
+
+#[cfg(feature = "failpoints")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ingress_killed_after_the_ack_before_the_answer_makes_the_retry_a_harmless_replay() {
+    let (kafka, db) = (TestKafka::for_processes(), TestDb::new().await);
+    let (topic, group) = (kafka.topic(1).await, unique("group"));
+    let http = reqwest::Client::new();
+    // The first ingress stops between the broker's acknowledgement and its answer.
+    let (mut first, port, _dir) = Ingress::spawn(&kafka, &topic, Some("ingest::after_ack=pause"));
+    let base = format!("http://127.0.0.1:{port}");
+    wait_ready(&http, &base).await;
+    let sent = tokio::spawn({
+        let (http, base) = (http.clone(), base.clone());
+        async move { deliver(&http, &base, 7).await }
+    });
+    let brokers = kafka.brokers();
+    let watermark = || {
+        let (brokers, topic) = (brokers.clone(), topic.clone());
+        async move {
+            tokio::task::spawn_blocking(move || {
+                use rdkafka::consumer::Consumer;
+                let c: rdkafka::consumer::BaseConsumer = client_config(&brokers).create().unwrap();
+                c.fetch_watermarks(&topic, 0, Duration::from_secs(5))
+                    .map(|(_, high)| high)
+                    .unwrap_or(0)
+            })
+            .await
+            .unwrap()
+        }
+    };
+    wait_for(
+        "the broker to have the record",
+        Duration::from_secs(60),
+        || async { watermark().await == 1 },
+    )
+    .await;
+    first.kill().await.unwrap();
+    assert_eq!(sent.await.unwrap(), 0, "the sender got no answer");
+
+    // The sender retries against a restarted ingress: a second record, a harmless replay.
+    let (mut second, port, _dir2) = Ingress::spawn(&kafka, &topic, None);
+    let base = format!("http://127.0.0.1:{port}");
+    wait_ready(&http, &base).await;
+    assert_eq!(deliver(&http, &base, 7).await, 200);
+    assert_eq!(watermark().await, 2);
+    let consumer = ConsumerProcess::spawn(&kafka.brokers(), &topic, &group, &db.url, None);
+    let once = HashSet::from([key(7)]);
+    assert_exactly_once(&db, &once, Duration::from_secs(60)).await;
+    wait_committed_total(&kafka, &group, &topic, 1, 2).await;
+    assert!(consumer.terminate(Duration::from_secs(30)).await.success());
+    second.kill().await.unwrap();
+}

@@ -1,0 +1,114 @@
+//! Scenarios that stop this process's own code at a chosen step with `fail` failpoints,
+//! configured in-process. Failpoints are global to the process, so each of these tests runs
+//! alone in a child process of the test binary (`harness::isolation`).
+
+use crate::harness::dispatcher::Downstream;
+use crate::harness::*;
+use replayproof::dispatch::{DispatchMetrics, DispatchSettings, Dispatcher};
+use replayproof::outbox;
+use serde_json::json;
+use std::collections::HashSet;
+use std::time::Duration;
+
+const WAIT: Duration = Duration::from_secs(60);
+
+/// One failpoint scenario at a time.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_cut_at_commit_moves_no_offset_and_the_retry_applies_once() {
+    if !crate::harness::isolation::in_child_process(
+        "failpoints::a_connection_cut_at_commit_moves_no_offset_and_the_retry_applies_once",
+    ) {
+        return;
+    }
+    let _serial = SERIAL.lock().await;
+    let (kafka, db) = (TestKafka::mock(), TestDb::new().await);
+    let (topic, group) = (kafka.topic(1).await, unique("group"));
+    // The batch's transaction waits at COMMIT long enough for its connection to be cut.
+    fail::cfg("consume::stall_before_commit", "1*return(3000)").unwrap();
+    let consumer =
+        InProcessConsumer::start(settings(&kafka.brokers(), &topic, &group), db.pool.clone());
+    produce(
+        &producer(&kafka.brokers()),
+        &topic,
+        &[Record::event("evt-cut", json!(1))],
+    )
+    .await;
+    wait_for("the batch holding its transaction open", WAIT, || async {
+        idle_in_transaction(&db).await == 1
+    })
+    .await;
+    let cut: bool = sqlx::query_scalar(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+         WHERE datname = current_database() AND state = 'idle in transaction'",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert!(cut);
+    fail::remove("consume::stall_before_commit");
+    assert_eq!(
+        committed(&kafka, &group, &topic, 1).await,
+        [-1],
+        "no offset moved for the cut batch"
+    );
+    // At the end of the stall the COMMIT meets a closed connection: its outcome is an error,
+    // the offset stays, and the retried batch applies the event once.
+    let once = HashSet::from(["evt-cut".to_owned()]);
+    assert_exactly_once(&db, &once, WAIT).await;
+    wait_committed_total(&kafka, &group, &topic, 1, 1).await;
+    assert!(consumer.metric("replayproof_batch_retries_total") >= 1.0);
+    consumer.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delivery_is_not_started_with_less_than_a_request_timeout_left_on_the_lease() {
+    if !crate::harness::isolation::in_child_process(
+        "failpoints::a_delivery_is_not_started_with_less_than_a_request_timeout_left_on_the_lease",
+    ) {
+        return;
+    }
+    let _serial = SERIAL.lock().await;
+    let (db, downstream) = (TestDb::new().await, Downstream::start().await);
+    let op = outbox::operation_key("evt-slow", "deliver");
+    enqueue_http(&db, &downstream, &["evt-slow".to_owned()], true).await;
+    // The operation may have been applied: the attempt reconciles (404), then would deliver.
+    sqlx::query("UPDATE outbox SET state = 'uncertain'")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let tight = DispatchSettings {
+        lease: Duration::from_millis(2500),
+        request_timeout: Duration::from_millis(1000),
+        poll_interval: Duration::from_millis(20),
+        ..DispatchSettings::new("tight")
+    };
+    let d = Dispatcher::new(
+        tight,
+        db.pool.clone(),
+        DispatchMetrics::new(&prometheus::Registry::new()).unwrap(),
+    )
+    .unwrap();
+    // Something slow between the reconcile and the delivery eats most of the lease.
+    fail::cfg("dispatch::before_delivery", "1*return(1800)").unwrap();
+    assert_eq!(d.dispatch_once().await.unwrap(), 1);
+    fail::remove("dispatch::before_delivery");
+    assert_eq!(downstream.bodies().get(&op), None, "nothing was sent");
+    let (state, error): (String, String) = sqlx::query_as("SELECT state, last_error FROM outbox")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(state, "uncertain");
+    assert!(error.contains("lease"), "{error}");
+    let outcome: String =
+        sqlx::query_scalar("SELECT outcome FROM outbox_attempts ORDER BY id DESC LIMIT 1")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(outcome, "lease_short");
+    // With a fresh lease the next attempt reconciles and delivers, once.
+    assert_eq!(d.dispatch_once().await.unwrap(), 1);
+    assert_eq!(downstream.applied().get(&op), Some(&1));
+    assert_eq!(downstream.max_in_flight(), 1);
+}

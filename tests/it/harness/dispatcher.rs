@@ -1,0 +1,293 @@
+//! The outbox side: operations enqueued through the consume transaction, and a fake
+//! downstream HTTP server that honours idempotency keys like Stripe's API does, counts
+//! side effects per key, and misbehaves on demand.
+
+use super::{envelope, TestDb};
+use replayproof::consume::{BatchProcessor, EffectRetry, RawMessage};
+use std::collections::{HashMap, VecDeque};
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+/// What the downstream does with one POST.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Behaviour {
+    /// Applies the operation (once per key) and answers 200.
+    Ok,
+    /// Applies the operation, then closes the connection without an answer.
+    ApplyThenDrop,
+    /// Answers this status without applying anything; 429 comes with `Retry-After: 1`.
+    Refuse(u16),
+    /// Applies the operation and never answers.
+    Hang,
+    /// Answers 503 with this `Retry-After` value, applying nothing.
+    RetryAfter(&'static str),
+    /// Answers a redirect with this status to `/elsewhere`, applying nothing.
+    Redirect(u16),
+}
+
+#[derive(Default)]
+struct State {
+    /// Side effects per idempotency key: how many times the operation really happened.
+    applied: HashMap<String, u32>,
+    /// Every body received per key, in order.
+    bodies: HashMap<String, Vec<Vec<u8>>>,
+    /// POSTs without an idempotency key.
+    unkeyed: u32,
+    in_flight: HashMap<String, u32>,
+    max_in_flight: u32,
+    reconciles: u32,
+    /// Requests that followed a redirect to `/elsewhere`.
+    followed_redirects: u32,
+    /// Lookups (GET) answered with a redirect to `/elsewhere`.
+    redirect_lookups: bool,
+    script: HashMap<String, VecDeque<Behaviour>>,
+}
+
+#[derive(Clone)]
+pub struct Downstream {
+    pub addr: SocketAddr,
+    state: Arc<Mutex<State>>,
+}
+
+impl Downstream {
+    pub async fn start() -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let me = Self {
+            addr: listener.local_addr().unwrap(),
+            state: Arc::default(),
+        };
+        let server = me.clone();
+        tokio::spawn(async move {
+            while let Ok((stream, _)) = listener.accept().await {
+                tokio::spawn(server.clone().serve(stream));
+            }
+        });
+        me
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}/ops", self.addr)
+    }
+
+    pub fn reconcile_url(&self) -> String {
+        format!("http://{}/ops/{{key}}", self.addr)
+    }
+
+    /// The behaviours of the next POSTs with `key`, in order; `Ok` once they run out.
+    pub fn script(&self, key: &str, behaviours: &[Behaviour]) {
+        self.state
+            .lock()
+            .unwrap()
+            .script
+            .insert(key.into(), behaviours.iter().copied().collect());
+    }
+
+    pub fn applied(&self) -> HashMap<String, u32> {
+        self.state.lock().unwrap().applied.clone()
+    }
+
+    pub fn bodies(&self) -> HashMap<String, Vec<Vec<u8>>> {
+        self.state.lock().unwrap().bodies.clone()
+    }
+
+    pub fn unkeyed(&self) -> u32 {
+        self.state.lock().unwrap().unkeyed
+    }
+
+    /// The most requests ever in flight at once for one key.
+    pub fn max_in_flight(&self) -> u32 {
+        self.state.lock().unwrap().max_in_flight
+    }
+
+    pub fn in_flight(&self) -> u32 {
+        self.state.lock().unwrap().in_flight.values().sum()
+    }
+
+    /// Answers every lookup (reconcile GET) with a redirect from now on.
+    pub fn redirect_lookups(&self) {
+        self.state.lock().unwrap().redirect_lookups = true;
+    }
+
+    pub fn followed_redirects(&self) -> u32 {
+        self.state.lock().unwrap().followed_redirects
+    }
+
+    pub fn reconciles(&self) -> u32 {
+        self.state.lock().unwrap().reconciles
+    }
+
+    async fn serve(self, mut stream: TcpStream) {
+        let Some((method, path, key, body)) = read_request(&mut stream).await else {
+            return;
+        };
+        if path == "/elsewhere" {
+            self.state.lock().unwrap().followed_redirects += 1;
+            let _ = respond(&mut stream, 200).await;
+            return;
+        }
+        if method == "GET" && self.state.lock().unwrap().redirect_lookups {
+            let location = format!("Location: http://{}/elsewhere\r\n", self.addr);
+            let _ = respond_with(&mut stream, 302, &location).await;
+            return;
+        }
+        if method == "GET" {
+            let key = path.trim_start_matches("/ops/");
+            let key = percent_encoding::percent_decode_str(key)
+                .decode_utf8_lossy()
+                .into_owned();
+            let known = {
+                let mut s = self.state.lock().unwrap();
+                s.reconciles += 1;
+                s.applied.contains_key(&key)
+            };
+            let _ = respond(&mut stream, if known { 200 } else { 404 }).await;
+            return;
+        }
+        let Some(key) = key else {
+            self.state.lock().unwrap().unkeyed += 1;
+            let _ = respond(&mut stream, 400).await;
+            return;
+        };
+        let behaviour = {
+            let mut s = self.state.lock().unwrap();
+            s.bodies.entry(key.clone()).or_default().push(body);
+            let n = s.in_flight.entry(key.clone()).or_default();
+            *n += 1;
+            let n = *n;
+            s.max_in_flight = s.max_in_flight.max(n);
+            s.script
+                .get_mut(&key)
+                .and_then(VecDeque::pop_front)
+                .unwrap_or(Behaviour::Ok)
+        };
+        let apply = |s: &mut State| {
+            s.applied.entry(key.clone()).or_insert(1);
+        };
+        match behaviour {
+            Behaviour::Ok => {
+                apply(&mut self.state.lock().unwrap());
+                self.done(&key);
+                let _ = respond(&mut stream, 200).await;
+            }
+            Behaviour::ApplyThenDrop => {
+                apply(&mut self.state.lock().unwrap());
+                self.done(&key);
+                drop(stream);
+            }
+            Behaviour::Refuse(status) => {
+                self.done(&key);
+                let _ = respond(&mut stream, status).await;
+            }
+            Behaviour::RetryAfter(value) => {
+                self.done(&key);
+                let _ = respond_with(&mut stream, 503, &format!("Retry-After: {value}\r\n")).await;
+            }
+            Behaviour::Redirect(status) => {
+                self.done(&key);
+                let location = format!("Location: http://{}/elsewhere\r\n", self.addr);
+                let _ = respond_with(&mut stream, status, &location).await;
+            }
+            Behaviour::Hang => {
+                apply(&mut self.state.lock().unwrap());
+                // Holds the connection until the client gives up.
+                let mut buf = [0u8; 1];
+                let _ = tokio::time::timeout(Duration::from_secs(120), stream.read(&mut buf)).await;
+                self.done(&key);
+            }
+        }
+    }
+
+    fn done(&self, key: &str) {
+        if let Some(n) = self.state.lock().unwrap().in_flight.get_mut(key) {
+            *n -= 1;
+        }
+    }
+}
+
+async fn read_request(stream: &mut TcpStream) -> Option<(String, String, Option<String>, Vec<u8>)> {
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 4096];
+    let head_end = loop {
+        let n = stream.read(&mut chunk).await.ok()?;
+        if n == 0 {
+            return None;
+        }
+        buf.extend_from_slice(&chunk[..n]);
+        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            break i + 4;
+        }
+    };
+    let head = String::from_utf8_lossy(&buf[..head_end]).into_owned();
+    let mut lines = head.lines();
+    let mut first = lines.next()?.split_whitespace();
+    let (method, path) = (first.next()?.to_owned(), first.next()?.to_owned());
+    let mut length = 0;
+    let mut key = None;
+    for line in lines {
+        if let Some((name, value)) = line.split_once(':') {
+            match name.trim().to_ascii_lowercase().as_str() {
+                "content-length" => length = value.trim().parse().ok()?,
+                "idempotency-key" => key = Some(value.trim().to_owned()),
+                _ => {}
+            }
+        }
+    }
+    let mut body = buf[head_end..].to_vec();
+    while body.len() < length {
+        let n = stream.read(&mut chunk).await.ok()?;
+        if n == 0 {
+            return None;
+        }
+        body.extend_from_slice(&chunk[..n]);
+    }
+    Some((method, path, key, body))
+}
+
+async fn respond(stream: &mut TcpStream, status: u16) -> std::io::Result<()> {
+    let extra = if status == 429 {
+        "Retry-After: 1\r\n"
+    } else {
+        ""
+    };
+    respond_with(stream, status, extra).await
+}
+
+async fn respond_with(stream: &mut TcpStream, status: u16, extra: &str) -> std::io::Result<()> {
+    let body = format!("{{\"status\":{status}}}");
+    let response = format!(
+        "HTTP/1.1 {status} X\r\nContent-Type: application/json\r\nContent-Length: {}\r\n{extra}Connection: close\r\n\r\n{body}",
+        body.len()
+    );
+    stream.write_all(response.as_bytes()).await?;
+    stream.shutdown().await
+}
+
+/// Claims `keys` through the consume transaction with the http effect, which enqueues one
+/// `deliver` operation each to `downstream` (with its reconcile URL when `reconcile`).
+pub async fn enqueue_http(db: &TestDb, downstream: &Downstream, keys: &[String], reconcile: bool) {
+    let effect = replayproof::effect::HttpOutbox {
+        target_url: downstream.url(),
+        reconcile_url: reconcile.then(|| downstream.reconcile_url()),
+        max_attempts: 8,
+    };
+    let processor = BatchProcessor {
+        pool: db.pool.clone(),
+        effect: Arc::new(effect),
+        retry: EffectRetry::default(),
+    };
+    let messages: Vec<RawMessage> = keys
+        .iter()
+        .enumerate()
+        .map(|(i, k)| RawMessage {
+            offset: i as i64,
+            key: Some(k.as_bytes().to_vec()),
+            value: Some(envelope(k, serde_json::json!({"n": i}))),
+        })
+        .collect();
+    for chunk in messages.chunks(100) {
+        processor.process("t", 0, chunk).await.unwrap();
+    }
+}

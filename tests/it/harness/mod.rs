@@ -1,0 +1,81 @@
+//! Test helpers: a fresh database per test, a broker per test, producers, processes, an
+//! ingress envelope builder and a fake downstream.
+
+pub mod database;
+pub mod dispatcher;
+pub mod ingress;
+pub mod isolation;
+pub mod kafka;
+pub mod processes;
+
+pub use database::*;
+pub use dispatcher::enqueue_http;
+pub use ingress::*;
+pub use kafka::*;
+pub use processes::*;
+
+use std::future::Future;
+use std::time::{Duration, Instant};
+
+/// A name no other test uses, for topics, groups and databases.
+pub fn unique(prefix: &str) -> String {
+    format!("{prefix}_{}_{:08x}", std::process::id(), fastrand::u32(..))
+}
+
+/// The sum of a metric's samples across labels (counters, gauges, histogram counts).
+pub fn metric_value(registry: &prometheus::Registry, name: &str) -> f64 {
+    use prometheus::proto::MetricType;
+    registry
+        .gather()
+        .iter()
+        .filter(|f| f.name() == name)
+        .flat_map(|f| f.get_metric().iter().map(move |m| (f.get_field_type(), m)))
+        .map(|(kind, m)| match kind {
+            MetricType::COUNTER => m.get_counter().get_value(),
+            MetricType::GAUGE => m.get_gauge().get_value(),
+            _ => m.get_histogram().get_sample_count() as f64,
+        })
+        .sum()
+}
+
+/// Polls `check` until it is true, failing the test after `timeout`.
+pub async fn wait_for<F, Fut>(what: &str, timeout: Duration, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let deadline = Instant::now() + timeout;
+    loop {
+        if check().await {
+            return;
+        }
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// A free TCP port on 127.0.0.1, for a process's metrics server.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// GET `http://127.0.0.1:{port}{path}`: the status and body, or None when nothing answers.
+pub async fn http_get(port: u16, path: &str) -> Option<(u16, String)> {
+    let r = reqwest::get(format!("http://127.0.0.1:{port}{path}"))
+        .await
+        .ok()?;
+    Some((r.status().as_u16(), r.text().await.ok()?))
+}
+
+/// The value of an unlabelled (or summed) metric in a Prometheus text page.
+pub fn scraped(page: &str, name: &str) -> f64 {
+    page.lines()
+        .filter(|l| l.starts_with(name) && !l.starts_with('#'))
+        .filter(|l| l[name.len()..].starts_with([' ', '{']))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}

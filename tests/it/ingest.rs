@@ -1,0 +1,741 @@
+//! The ingress over HTTP, producing to a real Kafka-protocol broker (the mock cluster).
+
+use crate::harness::*;
+use futures_util::StreamExt as _;
+use hmac::{Hmac, Mac};
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::message::Message;
+use rdkafka::{Offset, TopicPartitionList};
+use replayproof::ingest::config::FileConfig;
+use replayproof::ingest::{self, IngestSettings};
+use serde_json::json;
+use sha2::Sha256;
+use std::collections::HashSet;
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+
+const CONFIG: &str = r#"
+[[sources]]
+name = "github"
+kind = "github"
+secrets_env = ["GITHUB"]
+
+[[sources]]
+name = "stripe"
+kind = "stripe"
+secrets_env = ["STRIPE_OLD", "STRIPE"]
+
+[[sources]]
+name = "slack"
+kind = "slack"
+secrets_env = ["SLACK_SIGNING"]
+
+[[sources]]
+name = "svix"
+kind = "standard-webhooks"
+secrets_env = ["SVIX"]
+
+[[sources]]
+name = "shopify"
+kind = "shopify"
+secrets_env = ["SHOPIFY"]
+
+[[sources]]
+name = "github-unguarded"
+kind = "github"
+secrets_env = ["GITHUB"]
+replay_window_secs = 0
+"#;
+
+/// The Standard Webhooks source's key, before base64.
+const SVIX_KEY: &[u8] = b"secret-of-SVIX-standard";
+
+fn secret(name: &str) -> Option<String> {
+    use base64::Engine as _;
+    Some(match name {
+        "SVIX" => format!(
+            "whsec_{}",
+            base64::engine::general_purpose::STANDARD.encode(SVIX_KEY)
+        ),
+        _ => format!("secret-of-{name}"),
+    })
+}
+
+fn hmac_hex(secret: &str, parts: &[&[u8]]) -> String {
+    let mut mac = Hmac::<Sha256>::new_from_slice(secret.as_bytes()).unwrap();
+    for p in parts {
+        mac.update(p);
+    }
+    hex::encode(mac.finalize().into_bytes())
+}
+
+struct Ingress {
+    base: String,
+    shutdown: CancellationToken,
+    running: Option<ingest::Running>,
+    http: reqwest::Client,
+}
+
+impl Ingress {
+    async fn start(brokers: &str, topic: &str, tweak: impl FnOnce(&mut IngestSettings)) -> Self {
+        let sources = toml::from_str::<FileConfig>(CONFIG)
+            .unwrap()
+            .sources_with(secret)
+            .unwrap();
+        let mut settings = IngestSettings::new("127.0.0.1:0".parse().unwrap(), brokers, topic);
+        settings.kafka_options = vec![("broker.address.family".into(), "v4".into())];
+        tweak(&mut settings);
+        let shutdown = CancellationToken::new();
+        let running = ingest::start(
+            settings,
+            sources,
+            prometheus::Registry::new(),
+            shutdown.clone(),
+        )
+        .await
+        .unwrap();
+        Self {
+            base: format!("http://{}", running.addr),
+            shutdown,
+            running: Some(running),
+            http: reqwest::Client::new(),
+        }
+    }
+
+    async fn github(&self, delivery: &str, body: &[u8]) -> reqwest::Response {
+        let sig = format!("sha256={}", hmac_hex("secret-of-GITHUB", &[body]));
+        self.http
+            .post(format!("{}/webhooks/github", self.base))
+            .header("x-hub-signature-256", sig)
+            .header("x-github-delivery", delivery)
+            .header("x-github-event", "push")
+            .body(body.to_vec())
+            .send()
+            .await
+            .unwrap()
+    }
+
+    async fn stripe(&self, secret: &str, t: i64, body: &[u8]) -> reqwest::Response {
+        let sig = hmac_hex(secret, &[t.to_string().as_bytes(), b".", body]);
+        self.http
+            .post(format!("{}/webhooks/stripe", self.base))
+            .header("stripe-signature", format!("t={t},v1={sig}"))
+            .body(body.to_vec())
+            .send()
+            .await
+            .unwrap()
+    }
+
+    async fn readyz(&self) -> u16 {
+        let r = self
+            .http
+            .get(format!("{}/readyz", self.base))
+            .send()
+            .await
+            .unwrap();
+        r.status().as_u16()
+    }
+
+    async fn stop(mut self) {
+        self.shutdown.cancel();
+        self.running.take().unwrap().stopped().await.unwrap();
+    }
+
+    /// Stops the ingress, then reads what it produced.
+    async fn stop_and_read(self, brokers: &str, topic: &str) -> Vec<(String, serde_json::Value)> {
+        self.stop().await;
+        let (brokers, topic) = (brokers.to_owned(), topic.to_owned());
+        tokio::task::spawn_blocking(move || records(&brokers, &topic))
+            .await
+            .unwrap()
+    }
+}
+
+/// The topic's records, as (key, value), in partition 0.
+fn records(brokers: &str, topic: &str) -> Vec<(String, serde_json::Value)> {
+    let consumer: BaseConsumer = client_config(brokers)
+        .set("group.id", unique("reader"))
+        .create()
+        .unwrap();
+    let (_, high) = consumer
+        .fetch_watermarks(topic, 0, Duration::from_secs(10))
+        .unwrap();
+    let mut tpl = TopicPartitionList::new();
+    tpl.add_partition_offset(topic, 0, Offset::Beginning)
+        .unwrap();
+    consumer.assign(&tpl).unwrap();
+    let mut out = Vec::new();
+    while (out.len() as i64) < high {
+        if let Some(m) = consumer.poll(Duration::from_secs(5)) {
+            let m = m.unwrap();
+            let key = String::from_utf8(m.key().unwrap().to_vec()).unwrap();
+            out.push((key, serde_json::from_slice(m.payload().unwrap()).unwrap()));
+        }
+    }
+    out
+}
+
+fn now() -> i64 {
+    chrono::Utc::now().timestamp()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn signed_delivery_sent_three_times_is_three_records_with_one_key_and_one_effect() {
+    let (kafka, db) = (TestKafka::mock(), TestDb::new().await);
+    let topic = kafka.topic(1).await;
+    let ingress = Ingress::start(&kafka.brokers(), &topic, |_| {}).await;
+    let body = br#"{"ref":"refs/heads/main","commits":[]}"#;
+    for _ in 0..3 {
+        let r = ingress.github("72d3162e-cc78-11e3", body).await;
+        assert_eq!(r.status(), 200);
+        let answer: serde_json::Value = r.json().await.unwrap();
+        assert_eq!(answer["key"], "github:72d3162e-cc78-11e3");
+    }
+    let (b, t) = (kafka.brokers(), topic.clone());
+    let recs = tokio::task::spawn_blocking(move || records(&b, &t))
+        .await
+        .unwrap();
+    assert_eq!(recs.len(), 3);
+    for (key, value) in &recs {
+        assert_eq!(key, "github:72d3162e-cc78-11e3");
+        assert_eq!(value["key"], "github:72d3162e-cc78-11e3");
+        assert_eq!(value["source"], "github");
+        assert_eq!(value["type"], "push");
+        assert_eq!(value["payload"]["ref"], "refs/heads/main");
+    }
+    let consumer = InProcessConsumer::start(
+        settings(&kafka.brokers(), &topic, &unique("g")),
+        db.pool.clone(),
+    );
+    assert_exactly_once(
+        &db,
+        &HashSet::from(["github:72d3162e-cc78-11e3".to_owned()]),
+        Duration::from_secs(60),
+    )
+    .await;
+    wait_for("all three consumed", Duration::from_secs(60), || async {
+        consumer.metric("replayproof_consume_events_total") >= 3.0
+    })
+    .await;
+    assert_eq!(db.count("SELECT count(*) FROM ledger").await, 1);
+    consumer.stop().await;
+    ingress.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_requests_get_their_status_and_produce_nothing() {
+    let kafka = TestKafka::mock();
+    let topic = kafka.topic(1).await;
+    let ingress = Ingress::start(&kafka.brokers(), &topic, |s| s.max_body_bytes = 1024).await;
+    let secret = "secret-of-STRIPE";
+    let valid = br#"{"id":"evt_1","type":"charge.succeeded"}"#;
+
+    // 17: malformed JSON with a valid signature; 18: no event id.
+    assert_eq!(
+        ingress.stripe(secret, now(), b"{not json").await.status(),
+        400
+    );
+    assert_eq!(
+        ingress
+            .stripe(secret, now(), br#"{"type":"x"}"#)
+            .await
+            .status(),
+        400
+    );
+    // 19: over the limit, declared or streamed without a length.
+    let big = format!(r#"{{"id":"evt_big","pad":"{}"}}"#, "x".repeat(2000));
+    assert_eq!(
+        ingress.stripe(secret, now(), big.as_bytes()).await.status(),
+        413
+    );
+    let chunks: Vec<Result<Vec<u8>, std::io::Error>> =
+        vec![Ok(vec![b'x'; 800]), Ok(vec![b'x'; 800])];
+    let streamed = ingress
+        .http
+        .post(format!("{}/webhooks/github", ingress.base))
+        .header("x-hub-signature-256", "sha256=00")
+        .body(reqwest::Body::wrap_stream(futures_util::stream::iter(
+            chunks,
+        )))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(streamed.status(), 413);
+    // 20: bad signature, wrong secret, re-serialised body; the answer says nothing more.
+    let wrong = ingress.stripe("not-the-secret", now(), valid).await;
+    assert_eq!(wrong.status(), 401);
+    let said = wrong.text().await.unwrap();
+    assert!(
+        !said.contains("secret-of") && !said.contains("timestamp"),
+        "{said}"
+    );
+    let t = now();
+    let sig = hmac_hex(secret, &[t.to_string().as_bytes(), b".", valid]);
+    let reserialised = br#"{"id": "evt_1", "type": "charge.succeeded"}"#;
+    let r = ingress
+        .http
+        .post(format!("{}/webhooks/stripe", ingress.base))
+        .header("stripe-signature", format!("t={t},v1={sig}"))
+        .body(reserialised.to_vec())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 401);
+    // 21: empty, truncated, v0 only.
+    for header in [
+        format!("t={t},v1="),
+        format!("t={t},v1={}", &sig[..40]),
+        format!("t={t},v0={sig}"),
+    ] {
+        let r = ingress
+            .http
+            .post(format!("{}/webhooks/stripe", ingress.base))
+            .header("stripe-signature", header)
+            .body(valid.to_vec())
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 401);
+    }
+    // 22 and 23: an old signature, and skew just past the tolerance either way.
+    assert_eq!(
+        ingress.stripe(secret, now() - 3600, valid).await.status(),
+        401
+    );
+    assert_eq!(
+        ingress.stripe(secret, now() - 320, valid).await.status(),
+        401
+    );
+    assert_eq!(
+        ingress.stripe(secret, now() + 320, valid).await.status(),
+        401
+    );
+    // Unknown source, another method, a missing signature.
+    let unknown = ingress
+        .http
+        .post(format!("{}/webhooks/nope", ingress.base))
+        .body("{}")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(unknown.status(), 404);
+    let get = ingress
+        .http
+        .get(format!("{}/webhooks/stripe", ingress.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(get.status(), 405);
+    let unsigned = ingress
+        .http
+        .post(format!("{}/webhooks/github", ingress.base))
+        .body("{}")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(unsigned.status(), 401);
+    // Slack's url_verification is answered without producing.
+    let challenge = br#"{"type":"url_verification","challenge":"c-123"}"#;
+    let slack_sig = format!(
+        "v0={}",
+        hmac_hex(
+            "secret-of-SLACK_SIGNING",
+            &[b"v0:", t.to_string().as_bytes(), b":", challenge]
+        )
+    );
+    let r = ingress
+        .http
+        .post(format!("{}/webhooks/slack", ingress.base))
+        .header("x-slack-request-timestamp", t.to_string())
+        .header("x-slack-signature", slack_sig)
+        .body(challenge.to_vec())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(
+        r.json::<serde_json::Value>().await.unwrap(),
+        json!({"challenge": "c-123"})
+    );
+
+    let (b, tp) = (kafka.brokers(), topic.clone());
+    assert!(
+        tokio::task::spawn_blocking(move || records(&b, &tp))
+            .await
+            .unwrap()
+            .is_empty(),
+        "nothing was produced"
+    );
+    // Within the tolerance (and with the older of two rotated secrets) the same event passes.
+    assert_eq!(
+        ingress
+            .stripe("secret-of-STRIPE_OLD", now() - 290, valid)
+            .await
+            .status(),
+        200
+    );
+    ingress.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn broker_down_gives_503_with_retry_after_and_back_up_gives_2xx() {
+    let TestKafka::Mock(kafka) = TestKafka::mock() else {
+        unreachable!()
+    };
+    let brokers = kafka.bootstrap_servers();
+    let topic = unique("webhooks");
+    kafka.create_topic(&topic, 1).unwrap();
+    let ingress = Ingress::start(&brokers, &topic, |s| {
+        s.produce_timeout = Duration::from_millis(1500)
+    })
+    .await;
+    assert_eq!(ingress.github("before", b"{}").await.status(), 200);
+    wait_for("ready", Duration::from_secs(30), || async {
+        ingress.readyz().await == 200
+    })
+    .await;
+
+    kafka.set_broker_up(false).unwrap();
+    let down = ingress.github("during", b"{}").await;
+    assert_eq!(down.status(), 503);
+    assert_eq!(down.headers()["retry-after"], "5");
+    wait_for("not ready", Duration::from_secs(30), || async {
+        ingress.readyz().await == 503
+    })
+    .await;
+
+    kafka.set_broker_up(true).unwrap();
+    // The sender retries until it gets a 2xx, as senders do.
+    let mut answered = 0;
+    for _ in 0..20 {
+        answered = ingress.github("during", b"{}").await.status().as_u16();
+        if answered == 200 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    assert_eq!(answered, 200);
+    let recs = ingress.stop_and_read(&brokers, &topic).await;
+    let keys: HashSet<String> = recs.into_iter().map(|(k, _)| k).collect();
+    assert_eq!(
+        keys,
+        HashSet::from(["github:before".to_owned(), "github:during".to_owned()])
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn text_postgresql_cannot_store_gets_400_with_a_reason_and_produces_nothing() {
+    let kafka = TestKafka::mock();
+    let brokers = kafka.brokers();
+    let topic = kafka.topic(1).await;
+    let ingress = Ingress::start(&brokers, &topic, |_| {}).await;
+    let nul_in_json = br#"{"id":"evt_nul","type":"customer.updated","name":"a\u0000b"}"#;
+    let stripe = ingress.stripe("secret-of-STRIPE", now(), nul_in_json).await;
+    assert_eq!(stripe.status(), 400);
+    let said: serde_json::Value = stripe.json().await.unwrap();
+    assert!(
+        said["error"].as_str().unwrap().contains("NUL"),
+        "the reason is named: {said}"
+    );
+    // A body that is not JSON is kept as text; a NUL byte in it cannot be stored either.
+    assert_eq!(ingress.github("nul-bytes", b"a\0b").await.status(), 400);
+    // An escaped backslash is ordinary text.
+    let fine = br#"{"id":"evt_ok","name":"a\\u0000b"}"#;
+    assert_eq!(
+        ingress
+            .stripe("secret-of-STRIPE", now(), fine)
+            .await
+            .status(),
+        200
+    );
+    let recs = ingress.stop_and_read(&brokers, &topic).await;
+    let keys: Vec<String> = recs.into_iter().map(|(k, _)| k).collect();
+    assert_eq!(keys, ["stripe:evt_ok"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_are_served_on_their_own_listener_not_the_webhook_port() {
+    let kafka = TestKafka::mock();
+    let topic = kafka.topic(1).await;
+    let mut ingress = Ingress::start(&kafka.brokers(), &topic, |s| {
+        s.metrics_listen = Some("127.0.0.1:0".parse().unwrap())
+    })
+    .await;
+    assert_eq!(ingress.github("m-1", b"{}").await.status(), 200);
+    let public = ingress
+        .http
+        .get(format!("{}/metrics", ingress.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(public.status(), 404, "no metrics on the public port");
+    let at = ingress.running.as_ref().unwrap().metrics_addr.unwrap();
+    let page = reqwest::get(format!("http://{at}/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        page.contains(r#"replayproof_ingest_requests_total{outcome="accepted",source="github"} 1"#),
+        "{page}"
+    );
+    ingress.shutdown.cancel();
+    ingress.running.take().unwrap().stopped().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn overload_gets_503_at_once_and_a_stalled_body_gets_408() {
+    let kafka = TestKafka::mock();
+    let topic = kafka.topic(1).await;
+    let ingress = Ingress::start(&kafka.brokers(), &topic, |s| {
+        s.max_in_flight = 1;
+        s.body_timeout = Duration::from_millis(1500);
+    })
+    .await;
+    // A sender that starts its body and never finishes it holds the only place.
+    let stalled_body = futures_util::stream::iter([Ok::<_, std::io::Error>(b"{\"id\":".to_vec())])
+        .chain(futures_util::stream::pending());
+    let stalled = ingress
+        .http
+        .post(format!("{}/webhooks/github", ingress.base))
+        .header("x-github-delivery", "stalled")
+        .body(reqwest::Body::wrap_stream(stalled_body))
+        .send();
+    let stalled = tokio::spawn(stalled);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let started = std::time::Instant::now();
+    let shed = ingress.github("shed", b"{}").await;
+    assert_eq!(shed.status(), 503);
+    assert_eq!(shed.headers()["retry-after"], "5");
+    assert!(
+        started.elapsed() < Duration::from_secs(1),
+        "answered at once"
+    );
+    let stalled = stalled.await.unwrap().unwrap();
+    assert_eq!(stalled.status(), 408);
+    // The place is free again.
+    assert_eq!(ingress.github("after", b"{}").await.status(), 200);
+    ingress.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn numbers_reach_the_topic_byte_for_byte() {
+    let kafka = TestKafka::mock();
+    let brokers = kafka.brokers();
+    let topic = kafka.topic(1).await;
+    let ingress = Ingress::start(&brokers, &topic, |_| {}).await;
+    let body = br#"{"id":"evt_big","amount":123456789012345678901234567890,"rate":0.1000000000000000055511151231257827}"#;
+    assert_eq!(
+        ingress
+            .stripe("secret-of-STRIPE", now(), body)
+            .await
+            .status(),
+        200
+    );
+    let recs = ingress.stop_and_read(&brokers, &topic).await;
+    let text = serde_json::to_string(&recs[0].1["payload"]).unwrap();
+    assert!(
+        text.contains(r#""amount":123456789012345678901234567890"#),
+        "{text}"
+    );
+    assert!(
+        text.contains(r#""rate":0.1000000000000000055511151231257827"#),
+        "{text}"
+    );
+}
+
+/// The produced records as the consumer receives them, offsets from 0.
+fn as_messages(records: &[(String, serde_json::Value)]) -> Vec<replayproof::consume::RawMessage> {
+    records
+        .iter()
+        .enumerate()
+        .map(|(i, (key, value))| replayproof::consume::RawMessage {
+            offset: i as i64,
+            key: Some(key.as_bytes().to_vec()),
+            value: Some(serde_json::to_vec(value).unwrap()),
+        })
+        .collect()
+}
+
+/// A batch processor with the ledger effect on `db`.
+fn ledger(db: &TestDb) -> replayproof::consume::BatchProcessor {
+    replayproof::consume::BatchProcessor {
+        pool: db.pool.clone(),
+        effect: std::sync::Arc::new(replayproof::effect::Ledger),
+        retry: replayproof::consume::EffectRetry::default(),
+    }
+}
+
+/// Delivers `body` as `kind`'s sender would, with the event id `id`.
+async fn deliver(ingress: &Ingress, kind: &str, id: &str, body: &[u8]) -> u16 {
+    use base64::Engine as _;
+    let b64 = |bytes: Vec<u8>| base64::engine::general_purpose::STANDARD.encode(bytes);
+    let mac = |secret: &[u8], parts: &[&[u8]]| {
+        let mut m = Hmac::<Sha256>::new_from_slice(secret).unwrap();
+        parts.iter().for_each(|p| m.update(p));
+        m.finalize().into_bytes().to_vec()
+    };
+    let t = now().to_string();
+    let post = |path: &str| {
+        ingress
+            .http
+            .post(format!("{}/webhooks/{path}", ingress.base))
+            .body(body.to_vec())
+    };
+    let response = match kind {
+        "stripe" => {
+            return ingress
+                .stripe("secret-of-STRIPE", now(), body)
+                .await
+                .status()
+                .as_u16()
+        }
+        "github" => return ingress.github(id, body).await.status().as_u16(),
+        "svix" => post("svix")
+            .header("webhook-id", id)
+            .header("webhook-timestamp", &t)
+            .header(
+                "webhook-signature",
+                format!(
+                    "v1,{}",
+                    b64(mac(
+                        SVIX_KEY,
+                        &[id.as_bytes(), b".", t.as_bytes(), b".", body]
+                    ))
+                ),
+            ),
+        "shopify" => post("shopify")
+            .header(
+                "x-shopify-hmac-sha256",
+                b64(mac(b"secret-of-SHOPIFY", &[body])),
+            )
+            .header("x-shopify-shop-domain", "shop.myshopify.com")
+            .header("x-shopify-event-id", id),
+        "slack" => post("slack")
+            .header("x-slack-request-timestamp", &t)
+            .header("x-slack-retry-num", "1")
+            .header(
+                "x-slack-signature",
+                format!(
+                    "v0={}",
+                    hex::encode(mac(
+                        b"secret-of-SLACK_SIGNING",
+                        &[b"v0:", t.as_bytes(), b":", body]
+                    ))
+                ),
+            ),
+        other => panic!("no sender for {other}"),
+    };
+    response.send().await.unwrap().status().as_u16()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redelivery_is_a_duplicate_and_a_changed_business_field_is_a_conflict_for_every_kind() {
+    let (kafka, db) = (TestKafka::mock(), TestDb::new().await);
+    let brokers = kafka.brokers();
+    let topic = kafka.topic(1).await;
+    let ingress = Ingress::start(&brokers, &topic, |_| {}).await;
+    // (kind, id, first delivery, the provider's redelivery, the same id with another amount)
+    let cases: [(&str, &str, String, String, String); 5] = [
+        (
+            "stripe",
+            "evt_r",
+            r#"{"id":"evt_r","type":"invoice.paid","pending_webhooks":2,"request":{"id":null},"data":{"amount":100}}"#.into(),
+            r#"{"id":"evt_r","type":"invoice.paid","pending_webhooks":1,"request":{"id":"req_9","idempotency_key":null},"data":{"amount":100}}"#.into(),
+            r#"{"id":"evt_r","type":"invoice.paid","pending_webhooks":1,"request":{"id":null},"data":{"amount":200}}"#.into(),
+        ),
+        ("github", "d-1", r#"{"action":"opened","amount":100}"#.into(), r#"{"action":"opened","amount":100}"#.into(), r#"{"action":"opened","amount":200}"#.into()),
+        ("svix", "msg_1", r#"{"type":"x","amount":100}"#.into(), r#"{"type":"x","amount":100}"#.into(), r#"{"type":"x","amount":200}"#.into()),
+        ("shopify", "e-1", r#"{"id":1,"amount":100}"#.into(), r#"{"id":1,"amount":100}"#.into(), r#"{"id":1,"amount":200}"#.into()),
+        (
+            "slack",
+            "Ev1",
+            r#"{"type":"event_callback","team_id":"T1","event_id":"Ev1","event_time":1,"amount":100}"#.into(),
+            r#"{"type":"event_callback","team_id":"T1","event_id":"Ev1","event_time":1,"amount":100}"#.into(),
+            r#"{"type":"event_callback","team_id":"T1","event_id":"Ev1","event_time":1,"amount":200}"#.into(),
+        ),
+    ];
+    for (kind, id, first, again, changed) in &cases {
+        for body in [first, again, changed] {
+            assert_eq!(
+                deliver(&ingress, kind, id, body.as_bytes()).await,
+                200,
+                "{kind}"
+            );
+        }
+    }
+    let recs = ingress.stop_and_read(&brokers, &topic).await;
+    assert_eq!(recs.len(), 15);
+    let processor = ledger(&db);
+    let messages = as_messages(&recs);
+    for ((kind, ..), three) in cases.iter().zip(messages.chunks(3)) {
+        let report = processor.process("webhooks", 0, three).await.unwrap();
+        assert_eq!(
+            (report.applied, report.duplicates, report.conflicts),
+            (1, 1, 1),
+            "{kind}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_captured_delivery_resent_under_forged_ids_has_one_effect() {
+    let (kafka, db) = (TestKafka::mock(), TestDb::new().await);
+    let brokers = kafka.brokers();
+    let topic = kafka.topic(1).await;
+    let ingress = Ingress::start(&brokers, &topic, |_| {}).await;
+    let capture = br#"{"action":"completed","check_run":{"id":7}}"#;
+    // The real delivery, GitHub's own redelivery, then the capture under three forged ids.
+    for delivery in ["real", "real", "forged-1", "forged-2", "forged-3"] {
+        assert_eq!(ingress.github(delivery, capture).await.status(), 200);
+    }
+    // The same capture at a source whose guard is off is applied under each id.
+    for delivery in ["open-1", "open-2"] {
+        let sig = format!("sha256={}", hmac_hex("secret-of-GITHUB", &[capture]));
+        let r = ingress
+            .http
+            .post(format!("{}/webhooks/github-unguarded", ingress.base))
+            .header("x-hub-signature-256", sig)
+            .header("x-github-delivery", delivery)
+            .body(capture.to_vec())
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+    }
+    let recs = ingress.stop_and_read(&brokers, &topic).await;
+    let messages = as_messages(&recs);
+    let processor = ledger(&db);
+    // One batch, then the forged ones again one by one: neither way gets past the guard.
+    processor.process("webhooks", 0, &messages).await.unwrap();
+    for m in &messages[2..5] {
+        processor
+            .process("webhooks", 0, std::slice::from_ref(m))
+            .await
+            .unwrap();
+    }
+    let counts = db.ledger_counts().await;
+    let mut keys: Vec<&str> = counts.keys().map(String::as_str).collect();
+    keys.sort();
+    assert_eq!(
+        keys,
+        [
+            "github-unguarded:open-1",
+            "github-unguarded:open-2",
+            "github:real"
+        ]
+    );
+    assert!(counts.values().all(|n| *n == 1));
+    let forged: Vec<(String, String)> =
+        sqlx::query_as("SELECT event_key, reason FROM key_conflicts ORDER BY event_key")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(forged.len(), 3, "{forged:?}");
+    assert!(forged[0].0.ends_with("forged-1"));
+    assert!(
+        forged[0].1.contains("delivered as github:real"),
+        "{forged:?}"
+    );
+}

@@ -1,0 +1,520 @@
+//! The operator path: each command does what it says, refuses what the states forbid, and
+//! writes its audit row.
+
+use crate::harness::dispatcher::Downstream;
+use crate::harness::{envelope, TestDb, TestKafka};
+use async_trait::async_trait;
+use replayproof::consume::{BatchProcessor, EffectRetry, RawMessage};
+use replayproof::effect::Registry;
+use replayproof::effect::{Effect, HttpOutbox, Ledger, Tx};
+use replayproof::envelope::Event;
+use replayproof::operator::events::{self, Resolution, Retry};
+use replayproof::operator::{dead_letters, Act, Change, OperatorError};
+use serde_json::json;
+use std::sync::Arc;
+
+/// `events retry` of `key` with the built-in effects, or with `effect` when given.
+async fn retry(
+    db: &TestDb,
+    effect: Option<Arc<dyn Effect>>,
+    key: &str,
+    actor: &str,
+    reason: &str,
+) -> Result<Vec<Change>, OperatorError> {
+    let retry = Retry {
+        operation: None,
+        effect,
+    };
+    let act = Act::new(actor, reason);
+    events::retry(&db.pool, &Registry::default(), key, &retry, &act).await
+}
+
+/// `events resolve` of `key`.
+async fn resolve(
+    db: &TestDb,
+    key: &str,
+    to: Resolution,
+    actor: &str,
+    reason: &str,
+) -> Result<Vec<Change>, OperatorError> {
+    events::resolve(&db.pool, key, None, to, &Act::new(actor, reason)).await
+}
+
+fn change(target: &str, before: &str, after: &str) -> Change {
+    Change {
+        target: target.into(),
+        before: before.into(),
+        after: after.into(),
+    }
+}
+
+fn message(offset: i64, key: &str) -> RawMessage {
+    RawMessage {
+        offset,
+        key: Some(key.as_bytes().to_vec()),
+        value: Some(envelope(key, json!({"n": offset}))),
+    }
+}
+
+async fn process(db: &TestDb, effect: Arc<dyn Effect>, messages: &[RawMessage]) {
+    let p = BatchProcessor {
+        pool: db.pool.clone(),
+        effect,
+        retry: EffectRetry {
+            attempts: 1,
+            backoff: std::time::Duration::ZERO,
+        },
+    };
+    p.process("t", 0, messages).await.unwrap();
+}
+
+/// Operations for `keys`, each then put in the state given.
+async fn operations_in(db: &TestDb, states: &[(&str, &str)]) {
+    let downstream = Downstream::start().await;
+    let effect = HttpOutbox {
+        target_url: downstream.url(),
+        reconcile_url: None,
+        max_attempts: 3,
+    };
+    let messages: Vec<_> = states
+        .iter()
+        .enumerate()
+        .map(|(i, (k, _))| message(i as i64, k))
+        .collect();
+    process(db, Arc::new(effect), &messages).await;
+    for (key, state) in states {
+        sqlx::query("UPDATE outbox SET state = $2, attempts = 3 WHERE event_key = $1")
+            .bind(key)
+            .bind(state)
+            .execute(&db.pool)
+            .await
+            .unwrap();
+    }
+}
+
+async fn state(db: &TestDb, key: &str) -> (String, i32) {
+    sqlx::query_as("SELECT state, attempts FROM outbox WHERE event_key = $1")
+        .bind(key)
+        .fetch_one(&db.pool)
+        .await
+        .unwrap()
+}
+
+async fn audits(db: &TestDb) -> Vec<(String, String, String, String, String, String)> {
+    sqlx::query_as("SELECT actor, action, target, reason, state_before, state_after FROM operator_actions ORDER BY id")
+        .fetch_all(&db.pool)
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn retry_moves_failed_uncertain_and_dead_operations_back_with_the_same_key() {
+    let db = TestDb::new().await;
+    operations_in(
+        &db,
+        &[
+            ("f", "failed"),
+            ("u", "uncertain"),
+            ("d", "dead"),
+            ("ok", "done"),
+            ("p", "pending"),
+        ],
+    )
+    .await;
+    let payload_before: Vec<u8> =
+        sqlx::query_scalar("SELECT payload FROM outbox WHERE event_key = 'u'")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    for key in ["f", "u", "d"] {
+        let changes = retry(&db, None, key, "alice", "downstream fixed")
+            .await
+            .unwrap();
+        assert_eq!(changes[0].after, "pending");
+        assert_eq!(state(&db, key).await, ("pending".into(), 0));
+    }
+    let op_key: String =
+        sqlx::query_scalar("SELECT operation_key FROM outbox WHERE event_key = 'u'")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(op_key, "u#deliver");
+    let payload_after: Vec<u8> =
+        sqlx::query_scalar("SELECT payload FROM outbox WHERE event_key = 'u'")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(payload_before, payload_after);
+
+    let done = retry(&db, None, "ok", "alice", "again").await.unwrap_err();
+    assert!(matches!(done, OperatorError::AlreadyDone(_)), "{done}");
+    let pending = retry(&db, None, "p", "alice", "again").await.unwrap_err();
+    assert!(
+        matches!(pending, OperatorError::OnItsWay { .. }),
+        "{pending}"
+    );
+    assert_eq!(state(&db, "ok").await.0, "done");
+
+    let audit = audits(&db).await;
+    assert_eq!(audit.len(), 3, "refusals write nothing");
+    assert_eq!(
+        audit[0],
+        (
+            "alice".into(),
+            "retry".into(),
+            "f#deliver".into(),
+            "downstream fixed".into(),
+            "failed".into(),
+            "pending".into()
+        )
+    );
+}
+
+#[tokio::test]
+async fn resolve_settles_by_hand_and_refuses_a_live_lease() {
+    let db = TestDb::new().await;
+    operations_in(
+        &db,
+        &[("u", "uncertain"), ("l", "in_progress"), ("ok", "done")],
+    )
+    .await;
+    let changes = resolve(
+        &db,
+        "u",
+        Resolution::Done,
+        "bob",
+        "confirmed in the provider's dashboard",
+    )
+    .await
+    .unwrap();
+    assert_eq!(changes, [change("u#deliver", "uncertain", "done")]);
+    assert_eq!(state(&db, "u").await.0, "done");
+
+    sqlx::query(
+        "UPDATE outbox SET lease_expires_at = now() + interval '1 hour' WHERE event_key = 'l'",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let live = resolve(&db, "l", Resolution::Dead, "bob", "x").await;
+    assert!(matches!(live, Err(OperatorError::LeaseLive(_))), "{live:?}");
+    let settled = resolve(&db, "ok", Resolution::Dead, "bob", "x").await;
+    assert!(
+        matches!(settled, Err(OperatorError::NothingToResolve(_))),
+        "nothing to resolve: {settled:?}"
+    );
+    assert!(
+        <Resolution as clap::ValueEnum>::from_str("pending", false).is_err(),
+        "an event is resolved as done or dead only"
+    );
+    let audit = audits(&db).await;
+    assert_eq!(audit.len(), 1);
+    assert_eq!(
+        (
+            audit[0].1.as_str(),
+            audit[0].4.as_str(),
+            audit[0].5.as_str()
+        ),
+        ("resolve", "uncertain", "done")
+    );
+}
+
+/// Fails until `fixes` has a row, then writes the ledger row.
+struct FailsUntilFixed;
+
+#[async_trait]
+impl Effect for FailsUntilFixed {
+    fn name(&self) -> &'static str {
+        "fails-until-fixed"
+    }
+
+    async fn apply(&self, tx: &mut Tx<'_>, event: &Event) -> anyhow::Result<()> {
+        let fixed: bool = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM fixes)")
+            .fetch_one(&mut **tx)
+            .await?;
+        anyhow::ensure!(fixed, "not fixed yet: no row in fixes");
+        Ledger.apply(tx, event).await
+    }
+}
+
+#[tokio::test]
+async fn retry_runs_a_failed_local_effect_again_from_its_stored_payload() {
+    let db = TestDb::new().await;
+    sqlx::query("CREATE TABLE fixes (at timestamptz)")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    process(&db, Arc::new(FailsUntilFixed), &[message(0, "evt-f")]).await;
+    let status: String = sqlx::query_scalar("SELECT status FROM processed_events")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(status, "failed");
+
+    let err = retry(
+        &db,
+        Some(Arc::new(FailsUntilFixed)),
+        "evt-f",
+        "carol",
+        "try",
+    )
+    .await
+    .unwrap_err();
+    assert!(
+        matches!(&err, OperatorError::EffectFailed { error, .. } if format!("{error:#}").contains("fixes")),
+        "{err:#}"
+    );
+    sqlx::query("INSERT INTO fixes VALUES (now())")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let changes = retry(
+        &db,
+        Some(Arc::new(FailsUntilFixed)),
+        "evt-f",
+        "carol",
+        "fixed",
+    )
+    .await
+    .unwrap();
+    assert_eq!(changes[0].after, "done");
+    assert_eq!(db.ledger_counts().await["evt-f"], 1);
+    let payload: serde_json::Value = sqlx::query_scalar("SELECT payload FROM ledger")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(payload, json!({"n": 0}));
+    let again = retry(&db, Some(Arc::new(Ledger)), "evt-f", "carol", "again").await;
+    assert!(
+        matches!(again, Err(OperatorError::NotRetryable { .. })),
+        "done is refused: {again:?}"
+    );
+    let audit = audits(&db).await;
+    assert_eq!(
+        audit.iter().map(|a| a.5.as_str()).collect::<Vec<_>>(),
+        ["failed", "done"]
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_letters_are_listed_shown_and_replayed() {
+    let (db, kafka) = (TestDb::new().await, TestKafka::mock());
+    let topic = kafka.topic(1).await;
+    process(
+        &db,
+        Arc::new(Ledger),
+        &[RawMessage {
+            offset: 4,
+            key: Some(b"k".to_vec()),
+            value: Some(b"oops".to_vec()),
+        }],
+    )
+    .await;
+    let list = dead_letters::list(&db.pool, 10).await.unwrap();
+    assert_eq!(list.len(), 1);
+    let id = list[0].id;
+    let shown = dead_letters::show(&db.pool, id).await.unwrap();
+    assert_eq!(shown.value.as_deref(), Some("oops"));
+
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_replayproof"))
+        .args([
+            "dead-letters",
+            "replay",
+            &id.to_string(),
+            "--database-url",
+            &db.url,
+            "--brokers",
+            &kafka.brokers(),
+        ])
+        .args([
+            "--topic",
+            &topic,
+            "--reason",
+            "fixed the producer",
+            "--actor",
+            "dave",
+            "--json",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let replayed: Option<String> = sqlx::query_scalar("SELECT replayed_at::text FROM dead_letters")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert!(replayed.is_some());
+    let brokers = kafka.brokers();
+    let (_, high) = tokio::task::spawn_blocking(move || {
+        use rdkafka::consumer::Consumer;
+        let c: rdkafka::consumer::BaseConsumer =
+            crate::harness::client_config(&brokers).create().unwrap();
+        c.fetch_watermarks(&topic, 0, std::time::Duration::from_secs(10))
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    assert_eq!(high, 1, "the raw message is back on the topic");
+    let audit = audits(&db).await;
+    assert_eq!(
+        (audit[0].0.as_str(), audit[0].1.as_str()),
+        ("dave", "replay")
+    );
+}
+
+#[tokio::test]
+async fn events_commands_print_tables_and_json() {
+    let db = TestDb::new().await;
+    operations_in(&db, &[("evt-1", "uncertain"), ("evt-2", "done")]).await;
+    let run = |args: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_replayproof"))
+            .args(args)
+            .args(["--database-url", &db.url])
+            .output()
+            .unwrap();
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let (ok, stdout, _) = run(&["events", "list", "--state", "uncertain", "--json"]);
+    assert!(ok);
+    let rows: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    assert_eq!(rows.as_array().unwrap().len(), 1);
+    assert_eq!(rows[0]["event_key"], "evt-1");
+    assert_eq!(rows[0]["operations"], "deliver=uncertain");
+
+    let (ok, stdout, _) = run(&["events", "show", "evt-1"]);
+    assert!(ok);
+    assert!(
+        stdout.contains("== outbox operations")
+            && stdout.contains("evt-1#deliver")
+            && stdout.contains("uncertain"),
+        "{stdout}"
+    );
+
+    let (ok, _, stderr) = run(&["events", "retry", "evt-2", "--reason", "why not"]);
+    assert!(!ok, "retrying a done operation is refused");
+    assert!(stderr.contains("done"), "{stderr}");
+    let (ok, stdout, _) = run(&[
+        "events",
+        "retry",
+        "evt-1",
+        "--reason",
+        "try again",
+        "--actor",
+        "erin",
+    ]);
+    assert!(ok);
+    assert!(
+        stdout.contains("evt-1#deliver: uncertain -> pending"),
+        "{stdout}"
+    );
+}
+
+/// A ledger that refuses one source until the operator lifts the block, then an outbox
+/// operation: the chain a `--effect ledger,http` consumer runs.
+async fn failed_chain(db: &TestDb, downstream: &Downstream, keys: &[&str]) {
+    sqlx::query("ALTER TABLE ledger ADD CONSTRAINT blocked CHECK (source <> 'test')")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let http = HttpOutbox {
+        target_url: downstream.url(),
+        reconcile_url: None,
+        max_attempts: 4,
+    };
+    let chain = Registry::default()
+        .build(&["ledger".into(), "http".into()], Some(&http))
+        .unwrap();
+    let messages: Vec<_> = keys
+        .iter()
+        .enumerate()
+        .map(|(i, k)| message(i as i64, k))
+        .collect();
+    process(db, chain, &messages).await;
+    assert_eq!(
+        db.count("SELECT count(*) FROM processed_events WHERE status = 'failed'")
+            .await,
+        keys.len() as i64
+    );
+    assert_eq!(db.count("SELECT count(*) FROM outbox").await, 0);
+    sqlx::query("ALTER TABLE ledger DROP CONSTRAINT blocked")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+}
+
+#[tokio::test]
+async fn retry_runs_the_recorded_chain_again_outbox_operation_included() {
+    let db = TestDb::new().await;
+    let downstream = Downstream::start().await;
+    failed_chain(&db, &downstream, &["evt-chain"]).await;
+    // Naming only one of the recorded effects would skip the other: refused.
+    let partial = retry(&db, Some(Arc::new(Ledger)), "evt-chain", "erin", "try")
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(partial, OperatorError::OtherEffects { .. }),
+        "{partial:#}"
+    );
+    assert_eq!(db.count("SELECT count(*) FROM ledger").await, 0);
+    // No effect named: the claim's recorded effects run again, both of them.
+    let changes = retry(&db, None, "evt-chain", "erin", "unblocked")
+        .await
+        .unwrap();
+    assert_eq!(changes, [change("evt-chain", "failed", "done")]);
+    assert_eq!(db.ledger_counts().await["evt-chain"], 1);
+    let (destination, state): (String, String) =
+        sqlx::query_as("SELECT destination, state FROM outbox WHERE event_key = 'evt-chain'")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!((destination, state.as_str()), (downstream.url(), "pending"));
+}
+
+#[tokio::test]
+async fn bulk_retry_dry_runs_then_retries_each_matching_event_with_an_audit_row() {
+    let db = TestDb::new().await;
+    let downstream = Downstream::start().await;
+    failed_chain(&db, &downstream, &["evt-b1", "evt-b2", "evt-b3"]).await;
+    let run = |extra: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_replayproof"))
+            .args(["events", "retry", "--state", "failed", "--source", "test"])
+            .args(["--since", "2000-01-01T00:00:00Z", "--reason", "unblocked"])
+            .args(["--actor", "frank", "--database-url", &db.url])
+            .args(extra)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let planned = run(&["--dry-run"]);
+    assert!(planned.contains("3 events would be retried"), "{planned}");
+    assert_eq!(
+        db.count("SELECT count(*) FROM ledger").await,
+        0,
+        "a dry run changes nothing"
+    );
+    assert!(audits(&db).await.is_empty());
+
+    let done = run(&[]);
+    assert_eq!(done.lines().count(), 3, "{done}");
+    assert_eq!(db.count("SELECT count(*) FROM ledger").await, 3);
+    assert_eq!(db.count("SELECT count(*) FROM outbox").await, 3);
+    let audit = audits(&db).await;
+    assert_eq!(audit.len(), 3);
+    assert!(audit
+        .iter()
+        .all(|a| a.0 == "frank" && a.1 == "retry" && a.4 == "failed"));
+    // Nothing is failed any more: a second bulk retry finds nothing.
+    assert!(run(&["--dry-run"]).contains("0 events would be retried"));
+}

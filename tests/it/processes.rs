@@ -1,0 +1,568 @@
+//! `replayproof consume` as real processes: killed with SIGKILL at chosen steps, stopped with
+//! SIGTERM, and run three at a time. The broker is `KAFKA_BROKERS` (the test script starts a
+//! nisshi broker process) or, without it, the mock cluster hosted by this test process.
+
+use crate::harness::*;
+use serde_json::json;
+use std::collections::HashSet;
+use std::time::{Duration, Instant};
+
+const WAIT: Duration = Duration::from_secs(120);
+
+fn spawn(
+    kafka: &TestKafka,
+    topic: &str,
+    group: &str,
+    db: &TestDb,
+    failpoints: Option<&str>,
+) -> ConsumerProcess {
+    ConsumerProcess::spawn(&kafka.brokers(), topic, group, &db.url, failpoints)
+}
+
+/// One event on a fresh one-partition topic, for killing its consumer at a chosen step.
+#[cfg(feature = "failpoints")]
+struct OneEvent {
+    kafka: TestKafka,
+    db: TestDb,
+    topic: String,
+    group: String,
+    /// More `consume` arguments, such as another effect.
+    extra: &'static [&'static str],
+}
+
+#[cfg(feature = "failpoints")]
+impl OneEvent {
+    async fn start(extra: &'static [&'static str]) -> Self {
+        let (kafka, db) = (TestKafka::for_processes(), TestDb::new().await);
+        let (topic, group) = (kafka.topic(1).await, unique("group"));
+        Self {
+            kafka,
+            db,
+            topic,
+            group,
+            extra,
+        }
+    }
+
+    fn consumer(&self, failpoints: Option<&str>) -> ConsumerProcess {
+        let brokers = self.kafka.brokers();
+        ConsumerProcess::spawn_with(
+            &brokers,
+            &self.topic,
+            &self.group,
+            &self.db.url,
+            failpoints,
+            self.extra,
+        )
+    }
+
+    async fn produce(&self, key: &str) {
+        let record = Record::event(key, json!({"n": 1}));
+        produce(&producer(&self.kafka.brokers()), &self.topic, &[record]).await;
+    }
+
+    async fn committed(&self) -> Vec<i64> {
+        committed(&self.kafka, &self.group, &self.topic, 1).await
+    }
+
+    /// Starts a fresh consumer, waits for the event's offset to be committed, stops it cleanly.
+    async fn restart_until_committed(&self, check: impl std::future::Future<Output = ()>) {
+        let second = self.consumer(None);
+        wait_committed_total(&self.kafka, &self.group, &self.topic, 1, 1).await;
+        check.await;
+        assert!(second.terminate(Duration::from_secs(30)).await.success());
+    }
+}
+
+#[cfg(feature = "failpoints")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn consumer_killed_between_claim_and_commit_applies_the_event_once_after_restart() {
+    let t = OneEvent::start(&[]).await;
+    let first = t.consumer(Some("consume::before_commit=pause"));
+    t.produce("evt-kill").await;
+    kill_inside_transaction(first, &t.db).await;
+    assert_eq!(
+        t.db.count("SELECT count(*) FROM processed_events").await,
+        0,
+        "the claim rolled back"
+    );
+    assert_eq!(t.committed().await, [-1], "no offset was committed");
+
+    let once = HashSet::from(["evt-kill".to_owned()]);
+    t.restart_until_committed(assert_exactly_once(&t.db, &once, WAIT))
+        .await;
+}
+
+#[cfg(feature = "failpoints")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn consumer_killed_after_commit_before_offset_commit_replays_harmlessly() {
+    let t = OneEvent::start(&[]).await;
+    let first = t.consumer(Some("consume::after_commit=pause"));
+    t.produce("evt-kill").await;
+    wait_for("the transaction to commit", WAIT, || async {
+        t.db.count("SELECT count(*) FROM ledger").await == 1
+    })
+    .await;
+    first.kill9().await;
+    assert_eq!(t.committed().await, [-1], "the offset was not committed");
+
+    let once = HashSet::from(["evt-kill".to_owned()]);
+    t.restart_until_committed(assert_exactly_once(&t.db, &once, WAIT))
+        .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_commits_what_committed_and_exits_zero() {
+    let (kafka, db) = (TestKafka::for_processes(), TestDb::new().await);
+    let (topic, group) = (kafka.topic(2).await, unique("group"));
+    let consumer = spawn(&kafka, &topic, &group, &db, None);
+    let records: Vec<Record> = (0..3_000)
+        .map(|i| Record::event(&format!("evt-{i}"), json!(i)))
+        .collect();
+    produce(&producer(&kafka.brokers()), &topic, &records).await;
+    wait_for("some events applied", WAIT, || async {
+        db.count("SELECT count(*) FROM ledger").await >= 500
+    })
+    .await;
+
+    let status = consumer.terminate(Duration::from_secs(30)).await;
+    assert!(status.success(), "exit status {status:?}");
+    // After a clean stop the committed offsets cover exactly what was applied: nothing will be
+    // replayed, and nothing is skipped.
+    let offsets = committed(&kafka, &group, &topic, 2).await;
+    for partition in 0..2 {
+        let applied: i64 = sqlx::query_scalar(
+            "SELECT coalesce(max(kafka_offset) + 1, 0) FROM processed_events WHERE kafka_partition = $1",
+        )
+        .bind(partition)
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+        let offset = offsets[partition as usize];
+        if applied == 0 {
+            assert!(
+                offset <= 0,
+                "partition {partition}: offset {offset} with nothing applied"
+            );
+        } else {
+            assert_eq!(offset, applied, "partition {partition}");
+        }
+    }
+}
+
+/// Test 7 of the consumer's promise: 20,000 events, 30% redelivered, 4 partitions, 3 consumer
+/// processes, one of them killed with SIGKILL twice. Prints the sustained rate.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn twenty_thousand_events_three_processes_one_killed_twice() {
+    const EVENTS: usize = 20_000;
+    let (kafka, db) = (TestKafka::for_processes(), TestDb::new().await);
+    let (topic, group) = (kafka.topic(4).await, unique("group"));
+    let mut rng = fastrand::Rng::with_seed(7);
+    let keys: Vec<String> = (0..EVENTS).map(|i| format!("evt-{i:05}")).collect();
+    let mut records: Vec<Record> = keys
+        .iter()
+        .map(|k| Record::event(k, json!({"k": k})))
+        .collect();
+    for _ in 0..EVENTS * 3 / 10 {
+        let k = &keys[rng.usize(..EVENTS)];
+        let at = rng.usize(..records.len());
+        records.insert(at, Record::event(k, json!({"k": k})));
+    }
+    let messages = records.len() as i64;
+
+    let started = Instant::now();
+    let mut victim = spawn(&kafka, &topic, &group, &db, None);
+    let steady = [
+        spawn(&kafka, &topic, &group, &db, None),
+        spawn(&kafka, &topic, &group, &db, None),
+    ];
+    produce(&producer(&kafka.brokers()), &topic, &records).await;
+    for at in [5_000, 12_000] {
+        wait_for("progress before the kill", WAIT, || async {
+            db.count("SELECT count(*) FROM ledger").await >= at
+        })
+        .await;
+        victim.kill9().await;
+        victim = spawn(&kafka, &topic, &group, &db, None);
+    }
+    let expected: HashSet<String> = keys.into_iter().collect();
+    assert_exactly_once(&db, &expected, Duration::from_secs(300)).await;
+    let elapsed = started.elapsed();
+    let (first, last): (chrono::DateTime<chrono::Utc>, chrono::DateTime<chrono::Utc>) =
+        sqlx::query_as("SELECT min(applied_at), max(applied_at) FROM ledger")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    let applying = (last - first).to_std().unwrap_or_default().as_secs_f64();
+    eprintln!(
+        "{EVENTS} events ({messages} messages) applied by 3 consumers in {:.1} s from start \
+         ({:.0} events/s); first to last effect {applying:.1} s ({:.0} events/s, {:.0} messages/s)",
+        elapsed.as_secs_f64(),
+        EVENTS as f64 / elapsed.as_secs_f64(),
+        EVENTS as f64 / applying,
+        messages as f64 / applying,
+    );
+    wait_committed_total(&kafka, &group, &topic, 4, messages).await;
+    for consumer in steady.into_iter().chain([victim]) {
+        assert!(consumer.terminate(Duration::from_secs(30)).await.success());
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dispatcher_killed_mid_request_is_taken_over_and_its_late_completion_changes_nothing() {
+    use crate::harness::dispatcher::{Behaviour, Downstream};
+    use replayproof::outbox;
+    let (db, downstream) = (TestDb::new().await, Downstream::start().await);
+    let op = outbox::operation_key("evt-d", "deliver");
+    downstream.script(&op, &[Behaviour::Hang]);
+    let processor = replayproof::consume::BatchProcessor {
+        pool: db.pool.clone(),
+        effect: std::sync::Arc::new(replayproof::effect::HttpOutbox {
+            target_url: downstream.url(),
+            reconcile_url: None,
+            max_attempts: 5,
+        }),
+        retry: Default::default(),
+    };
+    let message = replayproof::consume::RawMessage {
+        offset: 0,
+        key: Some(b"evt-d".to_vec()),
+        value: Some(envelope("evt-d", json!({"amount": 5}))),
+    };
+    processor.process("t", 0, &[message]).await.unwrap();
+
+    let mut first = tokio::process::Command::new(env!("CARGO_BIN_EXE_replayproof"))
+        .args([
+            "dispatch",
+            "--database-url",
+            &db.url,
+            "--lease-secs",
+            "2",
+            "--request-timeout-ms",
+            "900",
+        ])
+        .args([
+            "--poll-ms",
+            "50",
+            "--metrics-addr",
+            "127.0.0.1:0",
+            "--worker",
+            "first",
+        ])
+        .env("RUST_LOG", "warn")
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    wait_for("the request to be in flight", WAIT, || async {
+        downstream.in_flight() == 1
+    })
+    .await;
+    let token: i64 = sqlx::query_scalar("SELECT fencing_token FROM outbox")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(first.id().unwrap() as i32),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    first.wait().await.unwrap();
+
+    let metrics =
+        replayproof::dispatch::DispatchMetrics::new(&prometheus::Registry::new()).unwrap();
+    let settings = replayproof::dispatch::DispatchSettings {
+        poll_interval: Duration::from_millis(50),
+        request_timeout: Duration::from_secs(2),
+        ..replayproof::dispatch::DispatchSettings::new("second")
+    };
+    let second =
+        replayproof::dispatch::Dispatcher::new(settings, db.pool.clone(), metrics).unwrap();
+    let stop = tokio_util::sync::CancellationToken::new();
+    let running = tokio::spawn({
+        let stop = stop.clone();
+        async move { second.run(stop).await }
+    });
+    wait_for(
+        "the operation done by the second dispatcher",
+        WAIT,
+        || async {
+            db.count("SELECT count(*) FROM outbox WHERE state = 'done' AND leased_by = 'second'")
+                .await
+                == 1
+        },
+    )
+    .await;
+    stop.cancel();
+    running.await.unwrap().unwrap();
+    assert_eq!(downstream.applied()[&op], 1, "one side effect");
+    assert!(downstream.bodies()[&op]
+        .iter()
+        .all(|b| b == &downstream.bodies()[&op][0]));
+
+    // The first dispatcher's completion, arriving late with its old token, changes nothing.
+    let (id, payload): (i64, Vec<u8>) = sqlx::query_as("SELECT id, payload FROM outbox")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    let stale = outbox::Leased {
+        id,
+        operation_key: op.clone(),
+        destination: downstream.url(),
+        payload,
+        reconcile_url: None,
+        attempts: 1,
+        max_attempts: 5,
+        fencing_token: token,
+        previous_state: outbox::OutboxState::Pending,
+    };
+    let settlement = outbox::Settlement {
+        state: outbox::OutboxState::Failed,
+        next_attempt_at: None,
+        status: Some(500),
+        error: Some("late".into()),
+        response: None,
+    };
+    let attempt = outbox::Attempt {
+        worker: "first",
+        kind: outbox::AttemptKind::Deliver,
+        started_at: chrono::Utc::now(),
+        duration: Duration::from_secs(3),
+        outcome: outbox::Outcome::Failed,
+    };
+    assert!(!outbox::complete(&db.pool, &stale, &settlement, &attempt)
+        .await
+        .unwrap());
+    assert_eq!(
+        db.count("SELECT count(*) FROM outbox WHERE state = 'done'")
+            .await,
+        1
+    );
+}
+
+#[cfg(feature = "failpoints")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_consumer_leaves_no_orphan_outbox_operation() {
+    let t = OneEvent::start(&["--effect", "http", "--target-url", "http://127.0.0.1:9/ops"]).await;
+    let first = t.consumer(Some("consume::before_commit=pause"));
+    t.produce("evt-o").await;
+    kill_inside_transaction(first, &t.db).await;
+    assert_eq!(
+        t.db.count("SELECT count(*) FROM outbox").await,
+        0,
+        "no orphan operation"
+    );
+    assert_eq!(t.db.count("SELECT count(*) FROM processed_events").await, 0);
+
+    t.restart_until_committed(async {
+        let sql = "SELECT count(*) FROM outbox WHERE operation_key = 'evt-o#deliver'";
+        assert_eq!(t.db.count(sql).await, 1);
+    })
+    .await;
+}
+
+/// The partitions a consumer process owns, read from its metrics.
+async fn assigned(port: u16) -> Option<f64> {
+    let (_, page) = http_get(port, "/metrics").await?;
+    Some(scraped(&page, "replayproof_assigned_partitions"))
+}
+
+#[cfg(feature = "failpoints")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn consumer_stopped_with_sigstop_mid_batch_is_taken_over_and_nothing_doubles() {
+    const EVENTS: usize = 400;
+    let (kafka, db) = (TestKafka::for_processes(), TestDb::new().await);
+    let (topic, group) = (kafka.topic(2).await, unique("group"));
+    let ports = [free_port(), free_port()];
+    let spawn_on = |port: u16| {
+        let addr: &'static str = Box::leak(format!("127.0.0.1:{port}").into_boxed_str());
+        ConsumerProcess::spawn_with(
+            &kafka.brokers(),
+            &topic,
+            &group,
+            &db.url,
+            // Each holds its first batch's transaction open for 8 s: long enough to stop it there.
+            Some("consume::stall_before_commit=1*return(8000)"),
+            &[
+                "--metrics-addr",
+                addr,
+                "--idle-in-transaction-timeout-ms",
+                "3000",
+                "--lock-timeout-ms",
+                "2000",
+            ],
+        )
+    };
+    let (stopped, survivor) = (spawn_on(ports[0]), spawn_on(ports[1]));
+    wait_for("each consumer to own one partition", WAIT, || async {
+        assigned(ports[0]).await == Some(1.0) && assigned(ports[1]).await == Some(1.0)
+    })
+    .await;
+    let keys: Vec<String> = (0..EVENTS).map(|i| format!("evt-{i}")).collect();
+    let records: Vec<Record> = keys
+        .iter()
+        .enumerate()
+        .map(|(i, k)| Record::event(k, json!(i)).on(i as i32 % 2))
+        .collect();
+    produce(&producer(&kafka.brokers()), &topic, &records).await;
+    wait_for("both consumers inside a batch", WAIT, || async {
+        open_transactions(&db).await == 2
+    })
+    .await;
+
+    stopped.signal(nix::sys::signal::Signal::SIGSTOP);
+    // The stopped member's claims end with its session, its partition moves to the survivor.
+    wait_for(
+        "the survivor to apply every event",
+        Duration::from_secs(90),
+        || async { db.count("SELECT count(*) FROM ledger").await == EVENTS as i64 },
+    )
+    .await;
+    stopped.signal(nix::sys::signal::Signal::SIGCONT);
+
+    let expected: HashSet<String> = keys.into_iter().collect();
+    wait_committed_total(&kafka, &group, &topic, 2, EVENTS as i64).await;
+    assert_exactly_once(&db, &expected, WAIT).await;
+    survivor.terminate(Duration::from_secs(30)).await;
+    stopped.terminate(Duration::from_secs(30)).await;
+    assert_exactly_once(&db, &expected, WAIT).await;
+}
+
+#[cfg(feature = "failpoints")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lane_stuck_past_its_limits_fails_health_then_exits_non_zero() {
+    let t = OneEvent::start(&[]).await;
+    let port = free_port();
+    let addr = format!("127.0.0.1:{port}");
+    let stuck = ConsumerProcess::spawn_with(
+        &t.kafka.brokers(),
+        &t.topic,
+        &t.group,
+        &t.db.url,
+        Some("consume::stall_before_commit=return(600000)"),
+        &[
+            "--metrics-addr",
+            &addr,
+            "--unhealthy-after-secs",
+            "2",
+            "--stall-exit-secs",
+            "8",
+            "--shutdown-grace-secs",
+            "2",
+        ],
+    );
+    wait_for("healthy at first", WAIT, || async {
+        http_get(port, "/healthz")
+            .await
+            .is_some_and(|(s, _)| s == 200)
+    })
+    .await;
+    t.produce("evt-stuck").await;
+    wait_for_open_transaction(&t.db).await;
+    wait_for("/healthz to name the stuck lane", WAIT, || async {
+        http_get(port, "/healthz")
+            .await
+            .is_some_and(|(s, body)| s == 503 && body.contains("has not committed its batch"))
+    })
+    .await;
+    let status = stuck.exited(Duration::from_secs(60)).await;
+    assert!(
+        !status.success(),
+        "a stalled consumer exits non-zero: {status:?}"
+    );
+    assert_eq!(t.committed().await, [-1], "no offset was committed");
+
+    let once = HashSet::from(["evt-stuck".to_owned()]);
+    t.restart_until_committed(assert_exactly_once(&t.db, &once, WAIT))
+        .await;
+}
+
+#[cfg(feature = "failpoints")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_sigterm_stops_at_once_and_the_event_is_applied_once_later() {
+    let t = OneEvent::start(&[]).await;
+    let stuck = ConsumerProcess::spawn_with(
+        &t.kafka.brokers(),
+        &t.topic,
+        &t.group,
+        &t.db.url,
+        Some("consume::stall_before_commit=return(600000)"),
+        &["--shutdown-grace-secs", "600"],
+    );
+    t.produce("evt-impatient").await;
+    wait_for_open_transaction(&t.db).await;
+    stuck.signal(nix::sys::signal::Signal::SIGTERM);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    stuck.signal(nix::sys::signal::Signal::SIGTERM);
+    let status = stuck.exited(Duration::from_secs(10)).await;
+    assert_eq!(status.code(), Some(130), "{status:?}");
+    let once = HashSet::from(["evt-impatient".to_owned()]);
+    t.restart_until_committed(assert_exactly_once(&t.db, &once, WAIT))
+        .await;
+}
+
+#[cfg(feature = "failpoints")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn consumer_cut_off_from_its_group_keeps_its_claims_and_the_new_owner_replays_harmlessly() {
+    const EVENTS: usize = 200;
+    let (kafka, db) = (TestKafka::for_processes(), TestDb::new().await);
+    let (topic, group) = (kafka.topic(2).await, unique("group"));
+    let ports = [free_port(), free_port()];
+    let addrs = ports.map(|p| format!("127.0.0.1:{p}"));
+    // The first member's poll thread stalls for 15 s right after its first batch committed:
+    // past max.poll.interval.ms, librdkafka takes it out of the group while its database work
+    // stands, and its offsets are never committed.
+    let cut = ConsumerProcess::spawn_with(
+        &kafka.brokers(),
+        &topic,
+        &group,
+        &db.url,
+        Some("consume::before_store=1*sleep(15000)"),
+        &[
+            "--metrics-addr",
+            &addrs[0],
+            "--kafka-option",
+            "max.poll.interval.ms=6000",
+        ],
+    );
+    let survivor = ConsumerProcess::spawn_with(
+        &kafka.brokers(),
+        &topic,
+        &group,
+        &db.url,
+        None,
+        &["--metrics-addr", &addrs[1]],
+    );
+    wait_for("each member to own one partition", WAIT, || async {
+        assigned(ports[0]).await == Some(1.0) && assigned(ports[1]).await == Some(1.0)
+    })
+    .await;
+    let keys: Vec<String> = (0..EVENTS).map(|i| format!("evt-{i}")).collect();
+    let records: Vec<Record> = keys
+        .iter()
+        .enumerate()
+        .map(|(i, k)| Record::event(k, json!(i)).on(i as i32 % 2))
+        .collect();
+    produce(&producer(&kafka.brokers()), &topic, &records).await;
+
+    let expected: HashSet<String> = keys.into_iter().collect();
+    wait_for("the survivor to own both partitions", WAIT, || async {
+        assigned(ports[1]).await == Some(2.0)
+    })
+    .await;
+    wait_committed_total(&kafka, &group, &topic, 2, EVENTS as i64).await;
+    assert_exactly_once(&db, &expected, WAIT).await;
+    // The new owner replayed what the cut-off member had committed to the database.
+    let (_, page) = http_get(ports[1], "/metrics").await.unwrap();
+    let duplicates: f64 = page
+        .lines()
+        .find_map(|l| l.strip_prefix(r#"replayproof_consume_events_total{outcome="duplicate"} "#))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0.0);
+    assert!(
+        duplicates > 0.0,
+        "the survivor replayed the cut-off member's batch: {page}"
+    );
+    survivor.terminate(Duration::from_secs(30)).await;
+    cut.terminate(Duration::from_secs(30)).await;
+    assert_exactly_once(&db, &expected, WAIT).await;
+}

@@ -1,0 +1,94 @@
+//! `replayproof status` on a seeded database and topic.
+
+use crate::harness::*;
+use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer};
+use rdkafka::{Offset, TopicPartitionList};
+use replayproof::consume::{BatchProcessor, EffectRetry, RawMessage};
+use replayproof::effect::Ledger;
+use serde_json::json;
+use std::sync::Arc;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_prints_the_right_counts() {
+    let (kafka, db) = (TestKafka::mock(), TestDb::new().await);
+    let topic = kafka.topic(2).await;
+    let group = unique("group");
+    let records: Vec<Record> = (0..5)
+        .map(|i| Record::event(&format!("a{i}"), json!(i)).on(0))
+        .chain((0..3).map(|i| Record::event(&format!("b{i}"), json!(i)).on(1)))
+        .collect();
+    produce(&producer(&kafka.brokers()), &topic, &records).await;
+    let (brokers, t, g) = (kafka.brokers(), topic.clone(), group.clone());
+    tokio::task::spawn_blocking(move || {
+        let c: BaseConsumer = client_config(&brokers)
+            .set("group.id", &g)
+            .create()
+            .unwrap();
+        let mut tpl = TopicPartitionList::new();
+        tpl.add_partition_offset(&t, 0, Offset::Offset(2)).unwrap();
+        c.commit(&tpl, CommitMode::Sync).unwrap();
+    })
+    .await
+    .unwrap();
+
+    let p = BatchProcessor {
+        pool: db.pool.clone(),
+        effect: Arc::new(Ledger),
+        retry: EffectRetry::default(),
+    };
+    let raw = |offset, key: &str, value: &[u8]| RawMessage {
+        offset,
+        key: Some(key.as_bytes().to_vec()),
+        value: Some(value.to_vec()),
+    };
+    let batch = [
+        raw(0, "k1", &envelope("k1", json!(1))),
+        raw(1, "k2", &envelope("k2", json!(2))),
+        raw(2, "k3", b"not json"),
+        raw(3, "k1", &envelope("k1", json!("other"))),
+    ];
+    p.process("t", 0, &batch).await.unwrap();
+    sqlx::query("UPDATE processed_events SET status = 'failed' WHERE event_key = 'k2'")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_replayproof"))
+        .args([
+            "status",
+            "--database-url",
+            &db.url,
+            "--brokers",
+            &kafka.brokers(),
+        ])
+        .args(["--topic", &topic, "--group", &group, "--json"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let s: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(s["claims"], json!([["done", 1], ["failed", 1]]));
+    assert_eq!(s["dead_letters"], 1);
+    assert_eq!(s["key_conflicts"], 1);
+    assert_eq!(s["outbox"], json!([]));
+    assert_eq!(
+        s["lag"],
+        json!([
+            {"partition": 0, "committed": 2, "high_watermark": 5, "lag": 3},
+            {"partition": 1, "committed": null, "high_watermark": 3, "lag": 3}
+        ])
+    );
+    let text = std::process::Command::new(env!("CARGO_BIN_EXE_replayproof"))
+        .args(["status", "--database-url", &db.url])
+        .output()
+        .unwrap();
+    let text = String::from_utf8(text.stdout).unwrap();
+    assert!(text.contains("Claims: done 1, failed 1"), "{text}");
+    assert!(
+        text.contains("Dead letters: 1 (1 not replayed); key conflicts: 1"),
+        "{text}"
+    );
+}

@@ -1,0 +1,58 @@
+//! The metrics server a user scrapes.
+
+use replayproof::consume::BatchReport;
+use replayproof::consume::ConsumeMetrics;
+use replayproof::telemetry::{serve_metrics, Health};
+
+#[tokio::test]
+async fn metrics_and_health_are_served() {
+    let registry = prometheus::Registry::new();
+    let metrics = ConsumeMetrics::new(&registry).unwrap();
+    metrics.record(&BatchReport {
+        applied: 3,
+        duplicates: 2,
+        dead_letters: vec![(7, "the message has no value".into())],
+        ..BatchReport::default()
+    });
+    let health = Health::default();
+    let stop = tokio_util::sync::CancellationToken::new();
+    let addr = serve_metrics(
+        "127.0.0.1:0".parse().unwrap(),
+        registry,
+        health.clone(),
+        stop.clone().cancelled_owned(),
+    )
+    .await
+    .unwrap();
+    let get = |path: &'static str| async move {
+        let r = reqwest::get(format!("http://{addr}{path}")).await.unwrap();
+        (r.status().as_u16(), r.text().await.unwrap())
+    };
+    let (status, body) = get("/metrics").await;
+    assert_eq!(status, 200);
+    assert!(
+        body.contains(r#"replayproof_consume_events_total{outcome="applied"} 3"#),
+        "{body}"
+    );
+    assert!(body.contains(r#"replayproof_consume_events_total{outcome="duplicate"} 2"#));
+    assert!(body.contains(r#"replayproof_consume_events_total{outcome="dead_letter"} 1"#));
+    assert_eq!(get("/healthz").await.0, 200);
+    health.report("database", Some("unreachable for 61 s".into()));
+    let (status, body) = get("/healthz").await;
+    assert_eq!(
+        (status, body.as_str()),
+        (503, "database: unreachable for 61 s\n")
+    );
+    health.report("database", None);
+    assert_eq!(get("/healthz").await.0, 200);
+    // A loop whose heartbeat is overdue is unhealthy until it beats again.
+    health.beat("poll loop", std::time::Duration::from_millis(50));
+    assert_eq!(get("/healthz").await.0, 200);
+    tokio::time::sleep(std::time::Duration::from_millis(120)).await;
+    let (status, body) = get("/healthz").await;
+    assert_eq!(status, 503);
+    assert!(body.starts_with("poll loop: no progress"), "{body}");
+    health.beat("poll loop", std::time::Duration::from_secs(60));
+    assert_eq!(get("/healthz").await.0, 200);
+    stop.cancel();
+}
