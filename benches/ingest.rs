@@ -6,11 +6,9 @@
 //! cluster in this process. `BENCH_REQUESTS` (default 20000) and `BENCH_CONCURRENCY` (default
 //! 64) size the run. The load generator shares the machine with what it measures.
 
-use hmac::{Hmac, Mac};
 use replayproof::devkit::embedded::EmbeddedKafka;
 use replayproof::ingest::config::FileConfig;
 use replayproof::ingest::{self, IngestSettings};
-use sha2::Sha256;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
@@ -20,12 +18,6 @@ fn env_or(name: &str, default: usize) -> usize {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(default)
-}
-
-fn signature(body: &[u8]) -> String {
-    let mut mac = Hmac::<Sha256>::new_from_slice(b"bench-secret").unwrap();
-    mac.update(body);
-    format!("sha256={}", hex::encode(mac.finalize().into_bytes()))
 }
 
 struct Report {
@@ -60,7 +52,10 @@ async fn drive(url: String, requests: usize, concurrency: usize) -> Report {
                     let t = Instant::now();
                     let r = http
                         .post(&url)
-                        .header("x-hub-signature-256", signature(body.as_bytes()))
+                        .header(
+                            "x-hub-signature-256",
+                            replayproof::devkit::sign::github("bench-secret", &body),
+                        )
                         .header("x-github-delivery", format!("bench-{i}"))
                         .header("x-github-event", "pull_request")
                         .body(body)

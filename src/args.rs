@@ -4,6 +4,11 @@ use crate::db::{self, DatabaseUrl, Schema};
 use clap::Args;
 use std::time::Duration;
 
+/// A default duration as a `--…-ms` flag's number.
+pub const fn millis(duration: Duration) -> u64 {
+    duration.as_millis() as u64
+}
+
 /// Where PostgreSQL is, which schema holds replayproof's tables, and the time limits every
 /// session runs under.
 #[derive(Debug, Clone, Args)]
@@ -25,17 +30,17 @@ pub struct SessionArgs {
     pub schema: Schema,
 
     /// PostgreSQL's statement_timeout for every session, in milliseconds.
-    #[arg(long, env = "REPLAYPROOF_STATEMENT_TIMEOUT_MS", default_value_t = db::DEFAULT_STATEMENT_TIMEOUT_MS)]
+    #[arg(long, env = "REPLAYPROOF_STATEMENT_TIMEOUT_MS", default_value_t = millis(db::DEFAULT_STATEMENT_TIMEOUT))]
     pub statement_timeout_ms: u64,
 
     /// PostgreSQL's lock_timeout for every session, in milliseconds: how long a claim waits for
     /// another transaction holding the same key.
-    #[arg(long, env = "REPLAYPROOF_LOCK_TIMEOUT_MS", default_value_t = db::DEFAULT_LOCK_TIMEOUT_MS)]
+    #[arg(long, env = "REPLAYPROOF_LOCK_TIMEOUT_MS", default_value_t = millis(db::DEFAULT_LOCK_TIMEOUT))]
     pub lock_timeout_ms: u64,
 
     /// PostgreSQL's idle_in_transaction_session_timeout, in milliseconds: a paused or cut-off
     /// process's open transaction (and the claims it holds) ends after this.
-    #[arg(long, env = "REPLAYPROOF_IDLE_IN_TRANSACTION_TIMEOUT_MS", default_value_t = db::DEFAULT_IDLE_IN_TRANSACTION_TIMEOUT_MS)]
+    #[arg(long, env = "REPLAYPROOF_IDLE_IN_TRANSACTION_TIMEOUT_MS", default_value_t = millis(db::DEFAULT_IDLE_IN_TRANSACTION_TIMEOUT))]
     pub idle_in_transaction_timeout_ms: u64,
 }
 
@@ -43,9 +48,9 @@ impl Default for SessionArgs {
     fn default() -> Self {
         Self {
             schema: Schema::default(),
-            statement_timeout_ms: db::DEFAULT_STATEMENT_TIMEOUT_MS,
-            lock_timeout_ms: db::DEFAULT_LOCK_TIMEOUT_MS,
-            idle_in_transaction_timeout_ms: db::DEFAULT_IDLE_IN_TRANSACTION_TIMEOUT_MS,
+            statement_timeout_ms: millis(db::DEFAULT_STATEMENT_TIMEOUT),
+            lock_timeout_ms: millis(db::DEFAULT_LOCK_TIMEOUT),
+            idle_in_transaction_timeout_ms: millis(db::DEFAULT_IDLE_IN_TRANSACTION_TIMEOUT),
         }
     }
 }

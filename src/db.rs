@@ -1,4 +1,5 @@
-//! The PostgreSQL pool, the schema migrations, and what a database error means.
+//! The PostgreSQL pool and the schema its sessions run in, the migrations, and what a database
+//! error means.
 
 use anyhow::Context as _;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
@@ -53,21 +54,20 @@ pub struct Limits {
     pub keepalive_idle: Duration,
 }
 
-/// The default of `--statement-timeout-ms`.
-pub const DEFAULT_STATEMENT_TIMEOUT_MS: u64 = 30_000;
-/// The default of `--lock-timeout-ms`.
-pub const DEFAULT_LOCK_TIMEOUT_MS: u64 = 10_000;
-/// The default of `--idle-in-transaction-timeout-ms`.
-pub const DEFAULT_IDLE_IN_TRANSACTION_TIMEOUT_MS: u64 = 30_000;
+/// Limits::statement_timeout unless `--statement-timeout-ms` says otherwise.
+pub const DEFAULT_STATEMENT_TIMEOUT: Duration = Duration::from_secs(30);
+/// A claim held elsewhere is waited for this long at most (`--lock-timeout-ms`).
+pub const DEFAULT_LOCK_TIMEOUT: Duration = Duration::from_secs(10);
+/// A silent session inside a transaction ends after this
+/// (`--idle-in-transaction-timeout-ms`).
+pub const DEFAULT_IDLE_IN_TRANSACTION_TIMEOUT: Duration = Duration::from_secs(30);
 
 impl Default for Limits {
     fn default() -> Self {
         Self {
-            statement_timeout: Duration::from_millis(DEFAULT_STATEMENT_TIMEOUT_MS),
-            lock_timeout: Duration::from_millis(DEFAULT_LOCK_TIMEOUT_MS),
-            idle_in_transaction_timeout: Duration::from_millis(
-                DEFAULT_IDLE_IN_TRANSACTION_TIMEOUT_MS,
-            ),
+            statement_timeout: DEFAULT_STATEMENT_TIMEOUT,
+            lock_timeout: DEFAULT_LOCK_TIMEOUT,
+            idle_in_transaction_timeout: DEFAULT_IDLE_IN_TRANSACTION_TIMEOUT,
             keepalive_idle: Duration::from_secs(30),
         }
     }
@@ -127,7 +127,7 @@ pub fn pool_in(
         .connect_lazy_with(options))
 }
 
-/// The default of `--schema`.
+/// The schema that holds replayproof's tables and migrations' bookkeeping (`--schema`).
 pub const DEFAULT_SCHEMA: &str = "replayproof";
 
 /// The PostgreSQL schema that holds replayproof's tables and its migrations' bookkeeping, so

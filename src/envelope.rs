@@ -1,8 +1,9 @@
 //! The envelope: the contract between any ingress and the consumers.
 //!
 //! The Kafka message key is the dedupe key; the value is a JSON object
-//! `{"key", "source", "type"?, "received_at"?, "payload"}`. Everything is parsed here, at the
-//! boundary, into an [`Event`] that cannot be wrong; past this module nobody checks again.
+//! `{"key", "source", "type"?, "received_at"?, "payload", "unhashed"?, "replay_window_secs"?}`.
+//! Everything is parsed here, at the boundary, into an [`Event`] that cannot be wrong; past
+//! this module nobody checks again.
 
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};

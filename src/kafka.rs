@@ -1,9 +1,12 @@
-//! replayproof's Kafka clients: one config builder, one durable producer, and the properties
-//! they refuse to have overridden.
+//! replayproof's Kafka clients: the default topic, one config builder, one durable producer,
+//! and the properties they refuse to have overridden.
 //!
 //! `--kafka-option` passes any librdkafka property through, which is how TLS, SASL and tuning
 //! reach the clients. The few properties the delivery promises rest on are set by replayproof
 //! and refused here, with the promise they would break, before any client is created.
+
+/// The topic ingest writes the envelopes to and consume reads, unless `--topic` says otherwise.
+pub const DEFAULT_TOPIC: &str = "webhooks";
 
 /// The consumer's guarded properties (with librdkafka's aliases) and why each is guarded.
 const CONSUMER_GUARDED: &[(&str, &str)] = &[

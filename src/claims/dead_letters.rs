@@ -16,7 +16,7 @@ pub struct DeadLetter<'a> {
 
 /// Stores dead letters; a redelivered message that is already dead-lettered is not stored twice,
 /// while a different message at a reused offset (a truncated or recreated topic) is stored too.
-#[tracing::instrument(skip_all, fields(dead_letters = letters.len()))]
+#[tracing::instrument(skip_all, fields(dead_letters = letters.len(), partition = origin.partition))]
 pub async fn insert(
     conn: &mut PgConnection,
     origin: Origin<'_>,
@@ -48,11 +48,11 @@ pub async fn insert(
 #[derive(Debug, Clone, Serialize)]
 pub struct DeadLetterRow {
     pub id: i64,
+    pub created_at: DateTime<Utc>,
     pub topic: String,
     pub partition: i32,
     pub offset: i64,
     pub reason: String,
-    pub created_at: DateTime<Utc>,
     pub replayed_at: Option<DateTime<Utc>>,
     pub key: Option<String>,
     /// Only in [`find`]'s answer.
@@ -64,8 +64,8 @@ pub struct DeadLetterRow {
 pub async fn list(pool: &PgPool, limit: i64) -> sqlx::Result<Vec<DeadLetterRow>> {
     sqlx::query_as!(
         DeadLetterRow,
-        r#"SELECT id, kafka_topic AS topic, kafka_partition AS partition, kafka_offset AS offset,
-                  reason, created_at, replayed_at, encode(raw_key, 'escape') AS key,
+        r#"SELECT id, created_at, kafka_topic AS topic, kafka_partition AS partition,
+                  kafka_offset AS offset, reason, replayed_at, encode(raw_key, 'escape') AS key,
                   NULL::text AS value
            FROM dead_letters ORDER BY id DESC LIMIT $1"#,
         limit
@@ -78,8 +78,8 @@ pub async fn list(pool: &PgPool, limit: i64) -> sqlx::Result<Vec<DeadLetterRow>>
 pub async fn find(pool: &PgPool, id: i64) -> sqlx::Result<Option<DeadLetterRow>> {
     sqlx::query_as!(
         DeadLetterRow,
-        r#"SELECT id, kafka_topic AS topic, kafka_partition AS partition, kafka_offset AS offset,
-                  reason, created_at, replayed_at, encode(raw_key, 'escape') AS key,
+        r#"SELECT id, created_at, kafka_topic AS topic, kafka_partition AS partition,
+                  kafka_offset AS offset, reason, replayed_at, encode(raw_key, 'escape') AS key,
                   encode(raw_value, 'escape') AS value
            FROM dead_letters WHERE id = $1"#,
         id
@@ -92,8 +92,8 @@ pub async fn find(pool: &PgPool, id: i64) -> sqlx::Result<Option<DeadLetterRow>>
 pub async fn of_key(pool: &PgPool, key: &str) -> sqlx::Result<Vec<DeadLetterRow>> {
     sqlx::query_as!(
         DeadLetterRow,
-        r#"SELECT id, kafka_topic AS topic, kafka_partition AS partition, kafka_offset AS offset,
-                  reason, created_at, replayed_at, encode(raw_key, 'escape') AS key,
+        r#"SELECT id, created_at, kafka_topic AS topic, kafka_partition AS partition,
+                  kafka_offset AS offset, reason, replayed_at, encode(raw_key, 'escape') AS key,
                   NULL::text AS value
            FROM dead_letters WHERE raw_key = convert_to($1, 'UTF8') ORDER BY id"#,
         key

@@ -1,20 +1,22 @@
 //! `replayproof consume`'s flags, and the consumer process they start.
 
 use super::*;
-use crate::args::{DatabaseArgs, KafkaArgs, ToArgs};
+use crate::args::{millis, DatabaseArgs, KafkaArgs, ToArgs};
 use crate::effect::{HttpOutbox, Registry};
 use clap::Args;
 use std::net::SocketAddr;
 
-/// The default of `--metrics-addr`.
+/// Where the consumer serves `/metrics` and `/healthz` (`--metrics-addr`).
 pub const DEFAULT_METRICS_ADDR: &str = "127.0.0.1:9464";
-/// The default of `--effect`.
+/// The built-in effect that records each event (`--effect`).
 pub const DEFAULT_EFFECT: &str = "ledger";
-/// The default of `--max-attempts`.
+/// Sends of an outbox operation before it is dead (`--max-attempts`).
 pub const DEFAULT_MAX_ATTEMPTS: i32 = 10;
-/// The default of `--effect-attempts`.
+/// Tries of a failing effect, inside its batch, before the event is settled `failed`
+/// (`--effect-attempts`).
 pub const DEFAULT_EFFECT_ATTEMPTS: u32 = 3;
-/// The default of `--db-pool-size`.
+/// PostgreSQL connections: one per partition lane in flight, and some to spare
+/// (`--db-pool-size`).
 pub const DEFAULT_DB_POOL_SIZE: u32 = 16;
 
 #[derive(Debug, Clone, Args)]
@@ -47,7 +49,7 @@ pub struct ConsumeArgs {
     pub batch_size: u32,
 
     /// How long to wait for more messages once a batch has its first one, in milliseconds.
-    #[arg(long, env = "REPLAYPROOF_LINGER_MS", default_value_t = DEFAULT_LINGER_MS)]
+    #[arg(long, env = "REPLAYPROOF_LINGER_MS", default_value_t = millis(DEFAULT_LINGER))]
     pub linger_ms: u64,
 
     /// Messages queued for one partition before it is paused until the database catches up.
@@ -55,7 +57,7 @@ pub struct ConsumeArgs {
     pub max_backlog: usize,
 
     /// How often committed batches' offsets are committed to Kafka, in milliseconds.
-    #[arg(long, env = "REPLAYPROOF_COMMIT_INTERVAL_MS", default_value_t = DEFAULT_COMMIT_INTERVAL_MS)]
+    #[arg(long, env = "REPLAYPROOF_COMMIT_INTERVAL_MS", default_value_t = millis(DEFAULT_COMMIT_INTERVAL))]
     pub commit_interval_ms: u64,
 
     /// Attempts of a failing effect before its event is recorded as failed.
@@ -64,26 +66,26 @@ pub struct ConsumeArgs {
 
     /// The longest pause between retries of a batch that failed on a database error, in
     /// milliseconds.
-    #[arg(long, env = "REPLAYPROOF_MAX_RETRY_BACKOFF_MS", default_value_t = DEFAULT_MAX_RETRY_BACKOFF_MS)]
+    #[arg(long, env = "REPLAYPROOF_MAX_RETRY_BACKOFF_MS", default_value_t = millis(DEFAULT_MAX_RETRY_BACKOFF))]
     pub max_retry_backoff_ms: u64,
 
     /// On SIGTERM, SIGINT or a revoke: how long batches in flight may take to finish, in seconds.
-    #[arg(long, env = "REPLAYPROOF_SHUTDOWN_GRACE_SECS", default_value_t = DEFAULT_SHUTDOWN_GRACE_SECS)]
+    #[arg(long, env = "REPLAYPROOF_SHUTDOWN_GRACE_SECS", default_value_t = DEFAULT_SHUTDOWN_GRACE.as_secs())]
     pub shutdown_grace_secs: u64,
 
     /// The longest one attempt at a batch may take before it is abandoned (rolled back) and
     /// retried, in seconds.
-    #[arg(long, env = "REPLAYPROOF_BATCH_TIMEOUT_SECS", default_value_t = DEFAULT_BATCH_TIMEOUT_SECS, value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(long, env = "REPLAYPROOF_BATCH_TIMEOUT_SECS", default_value_t = DEFAULT_BATCH_TIMEOUT.as_secs(), value_parser = clap::value_parser!(u64).range(1..))]
     pub batch_timeout_secs: u64,
 
     /// /healthz fails once a partition has not committed its batch for this long, or Kafka has
     /// reported errors this long without a message, in seconds.
-    #[arg(long, env = "REPLAYPROOF_UNHEALTHY_AFTER_SECS", default_value_t = DEFAULT_UNHEALTHY_AFTER_SECS, value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(long, env = "REPLAYPROOF_UNHEALTHY_AFTER_SECS", default_value_t = DEFAULT_UNHEALTHY_AFTER.as_secs(), value_parser = clap::value_parser!(u64).range(1..))]
     pub unhealthy_after_secs: u64,
 
     /// The process exits non-zero once a partition has not committed its batch for this long,
     /// so the group hands its partitions to another member, in seconds.
-    #[arg(long, env = "REPLAYPROOF_STALL_EXIT_SECS", default_value_t = DEFAULT_STALL_EXIT_SECS, value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(long, env = "REPLAYPROOF_STALL_EXIT_SECS", default_value_t = DEFAULT_STALL_EXIT.as_secs(), value_parser = clap::value_parser!(u64).range(1..))]
     pub stall_exit_secs: u64,
 
     /// Connections in the PostgreSQL pool; each partition's batch uses one.
@@ -218,5 +220,94 @@ impl ToArgs for ConsumeArgs {
             args.push("--migrate".into());
         }
         args
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::{Command, FromArgMatches as _};
+
+    fn parse(args: &[String]) -> ConsumeArgs {
+        let matches = ConsumeArgs::augment_args(Command::new("consume"))
+            .no_binary_name(true)
+            .try_get_matches_from(args)
+            .unwrap();
+        ConsumeArgs::from_arg_matches(&matches).unwrap()
+    }
+
+    /// Every flag of `consume`, each set to a value unlike its default.
+    const EVERY_FLAG: &[&str] = &[
+        "--brokers",
+        "b1:9092,b2:9092",
+        "--kafka-option",
+        "client.rack=r1",
+        "--topic",
+        "t",
+        "--group",
+        "g",
+        "--database-url",
+        "postgres://u@db:5433/x",
+        "--schema",
+        "custom",
+        "--statement-timeout-ms",
+        "1",
+        "--lock-timeout-ms",
+        "2",
+        "--idle-in-transaction-timeout-ms",
+        "3",
+        "--effect",
+        "ledger,http",
+        "--target-url",
+        "http://t/ops",
+        "--reconcile-url",
+        "http://t/ops/{key}",
+        "--max-attempts",
+        "4",
+        "--batch-size",
+        "5",
+        "--linger-ms",
+        "6",
+        "--max-backlog",
+        "7",
+        "--commit-interval-ms",
+        "8",
+        "--effect-attempts",
+        "9",
+        "--max-retry-backoff-ms",
+        "10",
+        "--shutdown-grace-secs",
+        "11",
+        "--batch-timeout-secs",
+        "12",
+        "--unhealthy-after-secs",
+        "13",
+        "--stall-exit-secs",
+        "14",
+        "--db-pool-size",
+        "15",
+        "--metrics-addr",
+        "127.0.0.1:1",
+        "--migrate",
+    ];
+
+    #[test]
+    fn to_args_renders_every_flag_and_parses_back_to_the_same_settings() {
+        let given: Vec<String> = EVERY_FLAG.iter().map(|s| s.to_string()).collect();
+        let parsed = parse(&given);
+        let rendered = parsed.to_args();
+        let reparsed = parse(&rendered);
+        assert_eq!(format!("{reparsed:?}"), format!("{parsed:?}"));
+        assert_eq!(reparsed.to_args(), rendered);
+        assert_eq!(
+            reparsed.database.database_url.expose(),
+            "postgres://u@db:5433/x"
+        );
+        // A flag added to `consume` but not to this list, or not rendered, fails here.
+        for arg in ConsumeArgs::augment_args(Command::new("consume")).get_arguments() {
+            let long = format!("--{}", arg.get_long().expect("every flag is long"));
+            assert!(EVERY_FLAG.contains(&long.as_str()), "{long} is not tested");
+            assert!(rendered.contains(&long), "to_args leaves out {long}");
+        }
     }
 }

@@ -104,6 +104,8 @@ pub struct BatchProcessor {
 
 /// The batch, sorted out before any database work.
 struct Plan<'m> {
+    /// Where the messages were read.
+    origin: Origin<'m>,
     /// The first copy of each key, in offset order.
     firsts: Vec<(i64, Event)>,
     /// Later copies of a key within this batch.
@@ -112,8 +114,9 @@ struct Plan<'m> {
 }
 
 impl<'m> Plan<'m> {
-    fn new(messages: &'m [RawMessage]) -> Self {
+    fn new(origin: Origin<'m>, messages: &'m [RawMessage]) -> Self {
         let mut plan = Plan {
+            origin,
             firsts: Vec::new(),
             copies: Vec::new(),
             dead: Vec::new(),
@@ -194,14 +197,14 @@ impl BatchProcessor {
         origin: Origin<'_>,
         messages: &[RawMessage],
     ) -> Result<BatchReport, BatchError> {
-        let plan = Plan::new(messages);
-        match self.run_and_commit(origin, &plan, Mode::Fast).await {
+        let plan = Plan::new(origin, messages);
+        match self.run_and_commit(&plan, Mode::Fast).await {
             Err(RunError::EffectFailed) => {
                 tracing::debug!(
                     partition = origin.partition,
                     "An effect failed; isolating the batch's events."
                 );
-                Ok(self.run_and_commit(origin, &plan, Mode::Isolated).await?)
+                Ok(self.run_and_commit(&plan, Mode::Isolated).await?)
             }
             other => Ok(other?),
         }
@@ -275,14 +278,9 @@ impl BatchProcessor {
         })
     }
 
-    async fn run_and_commit(
-        &self,
-        origin: Origin<'_>,
-        plan: &Plan<'_>,
-        mode: Mode,
-    ) -> Result<BatchReport, RunError> {
+    async fn run_and_commit(&self, plan: &Plan<'_>, mode: Mode) -> Result<BatchReport, RunError> {
         let mut tx = self.pool.begin().await?;
-        match self.run(&mut tx, origin, plan, mode).await {
+        match self.run(&mut tx, plan, mode).await {
             Ok(report) => {
                 crate::failpoint!("consume::before_commit");
                 crate::stallpoint!("consume::stall_before_commit");
@@ -300,10 +298,10 @@ impl BatchProcessor {
     async fn run(
         &self,
         tx: &mut Transaction<'static, Postgres>,
-        origin: Origin<'_>,
         plan: &Plan<'_>,
         mode: Mode,
     ) -> Result<BatchReport, RunError> {
+        let origin = plan.origin;
         let mut report = BatchReport {
             dead_letters: plan
                 .dead
@@ -331,7 +329,7 @@ impl BatchProcessor {
             .await?
             .into_iter()
             .collect();
-        self.sort_out_replays(tx, origin, plan, &claimed, &mut report)
+        self.sort_out_replays(tx, plan, &claimed, &mut report)
             .await?;
         let mut settlements = Vec::with_capacity(claimed.len());
         for (_, event) in firsts
@@ -401,7 +399,6 @@ impl BatchProcessor {
     async fn sort_out_replays(
         &self,
         tx: &mut Transaction<'static, Postgres>,
-        origin: Origin<'_>,
         plan: &Plan<'_>,
         claimed: &HashSet<String>,
         report: &mut BatchReport,
@@ -442,7 +439,7 @@ impl BatchProcessor {
         }
         report.conflicts += conflicts.len();
         if !conflicts.is_empty() {
-            conflicts::record(tx, origin, &conflicts).await?;
+            conflicts::record(tx, plan.origin, &conflicts).await?;
         }
         Ok(())
     }

@@ -31,28 +31,32 @@ use tokio::runtime::Handle;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-/// The default of `--topic`.
-pub const DEFAULT_TOPIC: &str = "webhooks";
-/// The default of `--group`.
+pub use crate::kafka::DEFAULT_TOPIC;
+/// The consumer group (`--group`).
 pub const DEFAULT_GROUP: &str = "replayproof";
-/// The default of `--batch-size`.
+/// Messages claimed in one transaction at most (`--batch-size`): enough to amortise a
+/// commit, few enough that a failing batch reruns quickly.
 pub const DEFAULT_BATCH_SIZE: u32 = 500;
-/// The default of `--linger-ms`.
-pub const DEFAULT_LINGER_MS: u64 = 5;
-/// The default of `--max-backlog`.
+/// How long a partial batch waits for more messages (`--linger-ms`).
+pub const DEFAULT_LINGER: Duration = Duration::from_millis(5);
+/// How often settled offsets go to Kafka (`--commit-interval-ms`); a crash in between only
+/// replays claims that are already done.
+pub const DEFAULT_COMMIT_INTERVAL: Duration = Duration::from_millis(200);
+/// How long a stop waits for the batch in flight (`--shutdown-grace-secs`).
+pub const DEFAULT_SHUTDOWN_GRACE: Duration = Duration::from_secs(20);
+/// Messages fetched but not yet committed, over all partitions, before fetching pauses
+/// (`--max-backlog`).
 pub const DEFAULT_MAX_BACKLOG: usize = 5_000;
-/// The default of `--commit-interval-ms`.
-pub const DEFAULT_COMMIT_INTERVAL_MS: u64 = 200;
-/// The default of `--shutdown-grace-secs`.
-pub const DEFAULT_SHUTDOWN_GRACE_SECS: u64 = 20;
-/// The default of `--max-retry-backoff-ms`.
-pub const DEFAULT_MAX_RETRY_BACKOFF_MS: u64 = 5_000;
-/// The default of `--batch-timeout-secs`.
-pub const DEFAULT_BATCH_TIMEOUT_SECS: u64 = 60;
-/// The default of `--unhealthy-after-secs`.
-pub const DEFAULT_UNHEALTHY_AFTER_SECS: u64 = 60;
-/// The default of `--stall-exit-secs`.
-pub const DEFAULT_STALL_EXIT_SECS: u64 = 300;
+/// The ceiling of the wait between reruns of a batch that hit a transient error
+/// (`--max-retry-backoff-ms`).
+pub const DEFAULT_MAX_RETRY_BACKOFF: Duration = Duration::from_millis(5_000);
+/// A batch transaction longer than this is abandoned and rerun (`--batch-timeout-secs`).
+pub const DEFAULT_BATCH_TIMEOUT: Duration = Duration::from_secs(60);
+/// `/healthz` fails after this long without progress (`--unhealthy-after-secs`).
+pub const DEFAULT_UNHEALTHY_AFTER: Duration = Duration::from_secs(60);
+/// The process exits after this long without progress, so a supervisor restarts it
+/// (`--stall-exit-secs`).
+pub const DEFAULT_STALL_EXIT: Duration = Duration::from_secs(300);
 /// Tries of the synchronous commit on a revoke or a stop.
 const FINAL_COMMIT_ATTEMPTS: u32 = 3;
 /// Kafka errors closer together than this make one streak.
@@ -98,14 +102,14 @@ impl ConsumerSettings {
             group: group.into(),
             kafka_options: Vec::new(),
             batch_size: DEFAULT_BATCH_SIZE as usize,
-            linger: Duration::from_millis(DEFAULT_LINGER_MS),
+            linger: DEFAULT_LINGER,
             max_backlog: DEFAULT_MAX_BACKLOG,
-            commit_interval: Duration::from_millis(DEFAULT_COMMIT_INTERVAL_MS),
-            shutdown_grace: Duration::from_secs(DEFAULT_SHUTDOWN_GRACE_SECS),
-            max_retry_backoff: Duration::from_millis(DEFAULT_MAX_RETRY_BACKOFF_MS),
-            batch_timeout: Duration::from_secs(DEFAULT_BATCH_TIMEOUT_SECS),
-            unhealthy_after: Duration::from_secs(DEFAULT_UNHEALTHY_AFTER_SECS),
-            stall_exit_after: Duration::from_secs(DEFAULT_STALL_EXIT_SECS),
+            commit_interval: DEFAULT_COMMIT_INTERVAL,
+            shutdown_grace: DEFAULT_SHUTDOWN_GRACE,
+            max_retry_backoff: DEFAULT_MAX_RETRY_BACKOFF,
+            batch_timeout: DEFAULT_BATCH_TIMEOUT,
+            unhealthy_after: DEFAULT_UNHEALTHY_AFTER,
+            stall_exit_after: DEFAULT_STALL_EXIT,
         }
     }
 

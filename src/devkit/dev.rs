@@ -14,9 +14,9 @@ use std::time::Duration;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-/// The default of `--listen`.
+/// Where `dev` takes webhooks (`--listen`): this machine only.
 pub const DEFAULT_LISTEN: &str = "127.0.0.1:8080";
-/// The default of `--partitions`.
+/// The embedded topic's partitions (`--partitions`).
 pub const DEFAULT_PARTITIONS: i32 = 4;
 /// The log filter of `dev`: the usual one, and a line for each applied event.
 pub const LOG_FILTER: &str = "info,sqlx=warn,rdkafka=warn,replayproof::applied=debug";

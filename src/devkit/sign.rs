@@ -1,4 +1,5 @@
-//! Signs webhook requests the way each provider does, for the demo's storm.
+//! Signs webhook requests the way each provider does: for the demo's storm, the tests and the
+//! benchmarks.
 
 use base64::Engine as _;
 use hmac::{Hmac, Mac};

@@ -21,19 +21,20 @@ use tokio_util::sync::CancellationToken;
 /// The dispatcher loop's heartbeat, as `/healthz` names it.
 const LOOP: &str = "dispatch loop";
 
-/// The default of `--batch-size`.
+/// Operations leased at once, and so requests in flight at once (`--batch-size`).
 pub const DEFAULT_BATCH_SIZE: i64 = 32;
-/// The default of `--lease-secs`.
-pub const DEFAULT_LEASE_SECS: u64 = 300;
-/// The default of `--request-timeout-ms`.
-pub const DEFAULT_REQUEST_TIMEOUT_MS: u64 = 10_000;
-/// The default of `--backoff-ms`.
-pub const DEFAULT_BACKOFF_MS: u64 = 1_000;
-/// The default of `--max-backoff-ms`.
-pub const DEFAULT_MAX_BACKOFF_MS: u64 = 300_000;
-/// The default of `--poll-ms`.
-pub const DEFAULT_POLL_MS: u64 = 500;
-/// The default of [`DispatchSettings::unhealthy_after`].
+/// How long a lease keeps other workers off an operation (`--lease-secs`).
+pub const DEFAULT_LEASE: Duration = Duration::from_secs(300);
+/// A request without an answer after this long is an uncertain outcome
+/// (`--request-timeout-ms`).
+pub const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_millis(10_000);
+/// The first wait before an operation is sent again (`--backoff-ms`); it doubles.
+pub const DEFAULT_BACKOFF: Duration = Duration::from_millis(1_000);
+/// Where the doubling stops (`--max-backoff-ms`).
+pub const DEFAULT_MAX_BACKOFF: Duration = Duration::from_millis(300_000);
+/// How often an idle worker looks for due operations (`--poll-ms`).
+pub const DEFAULT_POLL: Duration = Duration::from_millis(500);
+/// `/healthz` fails after the loop has not turned for this long.
 pub const DEFAULT_UNHEALTHY_AFTER: Duration = Duration::from_secs(60);
 
 /// How a dispatcher leases and sends.
@@ -61,11 +62,11 @@ impl DispatchSettings {
         Self {
             worker: worker.into(),
             batch_size: DEFAULT_BATCH_SIZE,
-            lease: Duration::from_secs(DEFAULT_LEASE_SECS),
-            request_timeout: Duration::from_millis(DEFAULT_REQUEST_TIMEOUT_MS),
-            poll_interval: Duration::from_millis(DEFAULT_POLL_MS),
-            backoff_base: Duration::from_millis(DEFAULT_BACKOFF_MS),
-            backoff_max: Duration::from_millis(DEFAULT_MAX_BACKOFF_MS),
+            lease: DEFAULT_LEASE,
+            request_timeout: DEFAULT_REQUEST_TIMEOUT,
+            poll_interval: DEFAULT_POLL,
+            backoff_base: DEFAULT_BACKOFF,
+            backoff_max: DEFAULT_MAX_BACKOFF,
             unhealthy_after: DEFAULT_UNHEALTHY_AFTER,
         }
     }

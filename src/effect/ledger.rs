@@ -5,6 +5,7 @@ use crate::envelope::Event;
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use serde::Serialize;
+use serde_json::{json, Value};
 use sqlx::PgPool;
 
 /// The built-in demo effect: one `ledger` row per applied event.
@@ -33,8 +34,8 @@ impl Effect for Ledger {
         Ok(())
     }
 
-    fn spec(&self) -> Option<serde_json::Value> {
-        Some(serde_json::json!({ "effect": "ledger" }))
+    fn spec(&self) -> Option<Value> {
+        Some(json!({ "effect": "ledger" }))
     }
 }
 
@@ -45,7 +46,7 @@ pub struct LedgerRow {
     #[serde(rename = "type")]
     pub event_type: Option<String>,
     pub applied_at: DateTime<Utc>,
-    pub payload: serde_json::Value,
+    pub payload: Value,
 }
 
 /// The ledger rows an event wrote.

@@ -1,21 +1,18 @@
 //! `replayproof ingest`'s flags: each overrides the sources file's setting of the same name.
 
 use super::config::FileConfig;
-use super::{
-    IngestSettings, DEFAULT_BODY_TIMEOUT_MS, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_IN_FLIGHT,
-};
-use crate::args::KafkaOptions;
+use super::{IngestSettings, DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_IN_FLIGHT};
+use crate::args::{millis, KafkaOptions};
+use crate::kafka::DEFAULT_TOPIC;
 use anyhow::Context as _;
 use clap::Args;
 use std::net::SocketAddr;
 use std::time::Duration;
 
-/// The default of `--listen`.
+/// Where webhooks arrive (`--listen`).
 pub const DEFAULT_LISTEN: &str = "0.0.0.0:8080";
-/// The default of `--metrics-addr`.
+/// Where ingest serves `/metrics` (`--metrics-addr`); off the public listener.
 pub const DEFAULT_METRICS_ADDR: &str = "127.0.0.1:9463";
-/// The default of `--topic`.
-pub const DEFAULT_TOPIC: &str = "webhooks";
 
 #[derive(Debug, Clone, Args)]
 pub struct IngestArgs {
@@ -42,7 +39,7 @@ pub struct IngestArgs {
 
     /// How long a sender has to deliver its whole body before the answer is 408, in
     /// milliseconds.
-    #[arg(long, env = "REPLAYPROOF_BODY_TIMEOUT_MS", default_value_t = DEFAULT_BODY_TIMEOUT_MS, value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(long, env = "REPLAYPROOF_BODY_TIMEOUT_MS", default_value_t = millis(DEFAULT_BODY_TIMEOUT), value_parser = clap::value_parser!(u64).range(1..))]
     pub body_timeout_ms: u64,
 
     /// Kafka bootstrap servers, comma-separated host:port.

@@ -20,19 +20,13 @@ use std::path::Path;
 
 /// The file as written.
 #[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(default, deny_unknown_fields)]
 pub struct FileConfig {
-    #[serde(default)]
     pub listen: Option<std::net::SocketAddr>,
-    #[serde(default)]
     pub brokers: Option<String>,
-    #[serde(default)]
     pub topic: Option<String>,
-    #[serde(default)]
     pub max_body_bytes: Option<usize>,
-    #[serde(default)]
     pub produce_timeout_ms: Option<u64>,
-    #[serde(default)]
     pub sources: Vec<SourceConfig>,
 }
 
@@ -58,22 +52,17 @@ pub struct SourceConfig {
     #[serde(default = "default_tolerance")]
     pub tolerance_secs: i64,
     /// `hmac` only: the header carrying the signature.
-    #[serde(default)]
     pub signature_header: Option<String>,
     /// `hmac` only: text before the signature, such as `sha256=`.
-    #[serde(default)]
     pub signature_prefix: Option<String>,
     /// `hmac` only: `hex` (default) or `base64`.
-    #[serde(default)]
     pub encoding: Option<Encoding>,
     /// `hmac` only: `{ header = "X-Event-Id" }` or `{ json_pointer = "/id" }`.
-    #[serde(default)]
     pub key_from: Option<KeyFrom>,
     /// For kinds that sign only the body while the key comes from an unsigned header (github,
     /// shopify, hmac keyed by a header): how long the same signed body under another id is
     /// taken for a replayed capture and recorded as a key conflict instead of applied. Defaults
     /// to the provider's redelivery window; 0 turns the guard off.
-    #[serde(default)]
     pub replay_window_secs: Option<u64>,
 }
 
@@ -240,6 +229,20 @@ mod tests {
         toml::from_str(text).unwrap()
     }
 
+    /// One `[[sources]]` entry reading its secret from `S`, plus any extra lines.
+    fn source(name: &str, kind: &str, extra: &str) -> String {
+        format!(
+            "[[sources]]\nname = \"{name}\"\nkind = \"{kind}\"\nsecrets_env = [\"S\"]\n{extra}\n"
+        )
+    }
+
+    /// The sources of `text` with every secret set to `secret`.
+    fn sources(text: &str, secret: &str) -> anyhow::Result<HashMap<String, Source>> {
+        parse(text).sources_with(|_| Some(secret.into()))
+    }
+
+    const LONG_ENOUGH: &str = "a-long-enough-secret";
+
     #[test]
     fn secrets_come_from_the_environment() {
         let config = parse(
@@ -260,91 +263,52 @@ mod tests {
 
     #[test]
     fn generic_hmac_needs_its_header_and_key() {
-        let config = parse(
-            r#"
-            [[sources]]
-            name = "custom"
-            kind = "hmac"
-            secrets_env = ["S"]
-            signature_header = "X-Signature"
+        let custom = source(
+            "custom",
+            "hmac",
+            r#"signature_header = "X-Signature"
             signature_prefix = "sha256="
             encoding = "base64"
-            key_from = { json_pointer = "/id" }
-            "#,
+            key_from = { json_pointer = "/id" }"#,
         );
-        let sources = config
-            .sources_with(|_| Some("a-long-enough-secret".into()))
-            .unwrap();
+        let built = sources(&custom, LONG_ENOUGH).unwrap();
         assert!(matches!(
-            &sources["custom"].scheme,
+            &built["custom"].scheme,
             Scheme::Hmac {
                 encoding: Encoding::Base64,
                 ..
             }
         ));
-        let incomplete = parse(
-            r#"[[sources]]
-            name = "x"
-            kind = "hmac"
-            secrets_env = ["S"]"#,
-        );
-        assert!(incomplete
-            .sources_with(|_| Some("a-long-enough-secret".into()))
-            .is_err());
+        let incomplete = source("x", "hmac", "");
+        assert!(sources(&incomplete, LONG_ENOUGH).is_err());
     }
 
     #[test]
     fn bad_names_and_duplicates_are_refused() {
-        let dup = parse(
-            r#"
-            [[sources]]
-            name = "a"
-            kind = "github"
-            secrets_env = ["S"]
-            [[sources]]
-            name = "a"
-            kind = "github"
-            secrets_env = ["S"]
-            "#,
-        );
-        assert!(dup
-            .sources_with(|_| Some("a-long-enough-secret".into()))
-            .is_err());
-        let slash = parse(
-            r#"[[sources]]
-            name = "a/b"
-            kind = "github"
-            secrets_env = ["S"]"#,
-        );
-        assert!(slash
-            .sources_with(|_| Some("a-long-enough-secret".into()))
-            .is_err());
+        let dup = source("a", "github", "") + &source("a", "github", "");
+        assert!(sources(&dup, LONG_ENOUGH).is_err());
+        assert!(sources(&source("a/b", "github", ""), LONG_ENOUGH).is_err());
     }
 
     #[test]
     fn short_or_empty_secrets_are_refused_at_start() {
-        let config = |kind: &str| {
-            parse(&format!(
-                "[[sources]]\nname = \"s\"\nkind = \"{kind}\"\nsecrets_env = [\"S\"]"
-            ))
-        };
         for (kind, secret) in [
             ("standard-webhooks", "whsec_"),
             ("standard-webhooks", "whsec_c2hvcnQ="),
             ("github", "short-secret"),
             ("stripe", "whsec_short"),
         ] {
-            let refused = config(kind)
-                .sources_with(|_| Some(secret.into()))
-                .unwrap_err();
+            let refused = sources(&source("s", kind, ""), secret).unwrap_err();
             assert!(
                 format!("{refused:#}").contains("at least 16 are required"),
                 "{kind} {secret}: {refused:#}"
             );
         }
         // base64 of 16 bytes passes.
-        let ok = config("standard-webhooks")
-            .sources_with(|_| Some("whsec_MDEyMzQ1Njc4OWFiY2RlZg==".into()));
+        let ok = sources(
+            &source("s", "standard-webhooks", ""),
+            "whsec_MDEyMzQ1Njc4OWFiY2RlZg==",
+        );
         assert!(ok.is_ok());
     }
 }

@@ -63,12 +63,12 @@ pub struct IngestSettings {
     pub body_timeout: Duration,
 }
 
-/// The default of `--max-in-flight`.
+/// Requests being written to Kafka at once before ingest answers 503 (`--max-in-flight`).
 pub const DEFAULT_MAX_IN_FLIGHT: usize = 1024;
-/// The default of `--max-connections`.
+/// Open connections at once (`--max-connections`).
 pub const DEFAULT_MAX_CONNECTIONS: usize = 4096;
-/// The default of `--body-timeout-ms`.
-pub const DEFAULT_BODY_TIMEOUT_MS: u64 = 30_000;
+/// A body still arriving after this long gets 408 (`--body-timeout-ms`).
+pub const DEFAULT_BODY_TIMEOUT: Duration = Duration::from_secs(30);
 
 impl IngestSettings {
     pub fn new(listen: SocketAddr, brokers: &str, topic: &str) -> Self {
@@ -83,7 +83,7 @@ impl IngestSettings {
             metrics_listen: None,
             max_in_flight: DEFAULT_MAX_IN_FLIGHT,
             max_connections: DEFAULT_MAX_CONNECTIONS,
-            body_timeout: Duration::from_millis(DEFAULT_BODY_TIMEOUT_MS),
+            body_timeout: DEFAULT_BODY_TIMEOUT,
         }
     }
 

@@ -207,6 +207,19 @@ fn check_timestamp(timestamp: &str, tolerance: i64, now: i64) -> Result<(), Reje
     Ok(())
 }
 
+/// A verified event.
+fn event(
+    id: String,
+    event_type: Option<String>,
+    payload: serde_json::Value,
+) -> Result<Verified, Rejection> {
+    Ok(Verified::Event(Identity {
+        id,
+        event_type,
+        payload,
+    }))
+}
+
 fn require(ok: bool) -> Result<(), Rejection> {
     if ok {
         Ok(())
@@ -250,11 +263,8 @@ fn stripe(secrets: &[Secret], tolerance: i64, req: &Request<'_>) -> Result<Verif
         Some(account) => format!("{account}:{id}"),
         None => id,
     };
-    Ok(Verified::Event(Identity {
-        id,
-        event_type: string_at(&body, "type"),
-        payload: body,
-    }))
+    let event_type = string_at(&body, "type");
+    event(id, event_type, body)
 }
 
 /// `X-Hub-Signature-256: sha256=<hex>` over the body; the id is `X-GitHub-Delivery`, which a
@@ -271,11 +281,8 @@ fn github(secrets: &[Secret], req: &Request<'_>) -> Result<Verified, Rejection> 
         .header("x-github-delivery")
         .filter(|s| !s.is_empty())
         .ok_or_else(|| BadRequest("missing X-GitHub-Delivery".into()))?;
-    Ok(Verified::Event(Identity {
-        id: id.to_owned(),
-        event_type: req.header("x-github-event").map(str::to_owned),
-        payload: req.payload(),
-    }))
+    let event_type = req.header("x-github-event").map(str::to_owned);
+    event(id.to_owned(), event_type, req.payload())
 }
 
 /// Standard Webhooks (and Svix): `webhook-id`, `webhook-timestamp`, `webhook-signature:
@@ -307,11 +314,8 @@ fn standard_webhooks(
         &signatures,
     ))?;
     let body = req.payload();
-    Ok(Verified::Event(Identity {
-        id: id.to_owned(),
-        event_type: string_at(&body, "type"),
-        payload: body,
-    }))
+    let event_type = string_at(&body, "type");
+    event(id.to_owned(), event_type, body)
 }
 
 /// `X-Shopify-Hmac-Sha256`: HMAC-SHA256 of the body, base64. The id is `X-Shopify-Event-Id`
@@ -338,11 +342,8 @@ fn shopify(secrets: &[Secret], req: &Request<'_>) -> Result<Verified, Rejection>
             ))
         }
     };
-    Ok(Verified::Event(Identity {
-        id,
-        event_type: req.header("x-shopify-topic").map(str::to_owned),
-        payload: req.payload(),
-    }))
+    let event_type = req.header("x-shopify-topic").map(str::to_owned);
+    event(id, event_type, req.payload())
 }
 
 /// `X-Slack-Signature: v0=<hex>` with `X-Slack-Request-Timestamp`: HMAC-SHA256 of
@@ -374,11 +375,8 @@ fn slack(secrets: &[Secret], tolerance: i64, req: &Request<'_>) -> Result<Verifi
         .pointer("/event/type")
         .and_then(|t| t.as_str())
         .map(str::to_owned);
-    Ok(Verified::Event(Identity {
-        id: format!("{team}:{event_id}"),
-        event_type: event_type.or_else(|| string_at(&body, "type")),
-        payload: body,
-    }))
+    let event_type = event_type.or_else(|| string_at(&body, "type"));
+    event(format!("{team}:{event_id}"), event_type, body)
 }
 
 /// A generic HMAC-SHA256 of the body, in a configured header, hex or base64, with an
@@ -418,9 +416,5 @@ fn generic(
             (id, body)
         }
     };
-    Ok(Verified::Event(Identity {
-        id,
-        event_type: None,
-        payload,
-    }))
+    event(id, None, payload)
 }

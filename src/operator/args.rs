@@ -7,13 +7,8 @@ use crate::effect::Registry;
 use clap::{Args, Subcommand};
 use std::time::Duration;
 
-/// The default of `--topic` and `--group` for `status`, as for `consume`.
+// `status` defaults to the topic and group `consume` defaults to.
 use crate::consume::{DEFAULT_GROUP, DEFAULT_TOPIC};
-
-/// The default of `--limit` for lists.
-pub const DEFAULT_LIST_LIMIT: i64 = 50;
-/// The default of `--limit` for a bulk retry.
-pub const DEFAULT_RETRY_LIMIT: i64 = 1000;
 
 #[derive(Debug, Clone, Args)]
 pub struct OperatorArgs {
@@ -45,6 +40,11 @@ impl OperatorArgs {
         self.database.pool(2)
     }
 }
+
+/// Rows a list shows unless `--limit` says otherwise.
+pub const DEFAULT_LIST_LIMIT: i64 = 50;
+/// Events one bulk retry takes at most, unless `--limit` says otherwise.
+pub const DEFAULT_RETRY_LIMIT: i64 = 1000;
 
 #[derive(Debug, Clone, Subcommand)]
 pub enum EventsCommand {

@@ -298,12 +298,13 @@ pub async fn of_event(pool: &PgPool, key: &str) -> sqlx::Result<Vec<OperationRow
 #[derive(Debug, Clone, Serialize)]
 pub struct AttemptRow {
     pub operation: String,
-    pub kind: String,
+    pub kind: AttemptKind,
+    pub outcome: Outcome,
+    /// The downstream's answer; none when no answer came.
+    pub status_code: Option<i32>,
+    pub applied: bool,
     pub started_at: DateTime<Utc>,
     pub duration_ms: i32,
-    pub status_code: Option<i32>,
-    pub outcome: String,
-    pub applied: bool,
     pub worker: String,
     pub error: Option<String>,
 }
@@ -312,8 +313,8 @@ pub struct AttemptRow {
 pub async fn attempts_of_event(pool: &PgPool, key: &str) -> sqlx::Result<Vec<AttemptRow>> {
     sqlx::query_as!(
         AttemptRow,
-        r#"SELECT o.operation, a.kind, a.started_at, a.duration_ms, a.status_code, a.outcome,
-                  a.applied, a.worker, a.error
+        r#"SELECT o.operation, a.kind AS "kind: AttemptKind", a.outcome AS "outcome: Outcome",
+                  a.status_code, a.applied, a.started_at, a.duration_ms, a.worker, a.error
            FROM outbox_attempts a JOIN outbox o ON o.id = a.outbox_id
            WHERE o.event_key = $1 ORDER BY a.id"#,
         key

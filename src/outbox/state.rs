@@ -71,7 +71,9 @@ impl std::str::FromStr for OutboxState {
 }
 
 /// What an attempt did.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, sqlx::Type)]
+#[sqlx(type_name = "text", rename_all = "snake_case")]
+#[serde(rename_all = "snake_case")]
 pub enum AttemptKind {
     /// Sent the operation.
     Deliver,
@@ -89,7 +91,9 @@ impl AttemptKind {
 }
 
 /// How an attempt ended, as recorded and as the metric's bounded label.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, sqlx::Type)]
+#[sqlx(type_name = "text", rename_all = "snake_case")]
+#[serde(rename_all = "snake_case")]
 pub enum Outcome {
     /// 2xx.
     Done,
@@ -112,6 +116,18 @@ pub enum Outcome {
 }
 
 impl Outcome {
+    pub const ALL: [Self; 9] = [
+        Self::Done,
+        Self::Redirected,
+        Self::Failed,
+        Self::Retryable,
+        Self::Refused,
+        Self::Uncertain,
+        Self::ReconciledDone,
+        Self::ReconcileUnknown,
+        Self::LeaseShort,
+    ];
+
     pub fn as_str(self) -> &'static str {
         match self {
             Self::Done => "done",
@@ -123,6 +139,26 @@ impl Outcome {
             Self::ReconciledDone => "reconciled_done",
             Self::ReconcileUnknown => "reconcile_unknown",
             Self::LeaseShort => "lease_short",
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The stored text (sqlx and serde derive it) and the metric label (`as_str`) are one spelling.
+    #[test]
+    fn every_spelling_agrees() {
+        let spelled = |value: serde_json::Value, label: &str| assert_eq!(value, label);
+        for state in OutboxState::ALL {
+            spelled(serde_json::to_value(state).unwrap(), state.as_str());
+        }
+        for kind in [AttemptKind::Deliver, AttemptKind::Reconcile] {
+            spelled(serde_json::to_value(kind).unwrap(), kind.as_str());
+        }
+        for outcome in Outcome::ALL {
+            spelled(serde_json::to_value(outcome).unwrap(), outcome.as_str());
         }
     }
 }
