@@ -155,9 +155,12 @@ ensure_sqlx_cli() {
 # The queries are checked against a database migrated from scratch, so `.sqlx/` must match
 # both the code and the migrations.
 check_query_data() {
-  local name url
+  local name url base query=""
   name="rp_sqlx_check_$$"
-  url="${DATABASE_URL%/*}/$name"
+  # The same server and parameters as DATABASE_URL, another database.
+  base="${DATABASE_URL%%\?*}"
+  [ "$base" = "$DATABASE_URL" ] || query="?${DATABASE_URL#*\?}"
+  url="${base%/*}/$name$query"
   psql_admin "CREATE DATABASE $name"
   DATABASE_URL="$url" cargo sqlx migrate run --source migrations >/dev/null
   DATABASE_URL="$url" cargo sqlx prepare --check -- --all-features --lib

@@ -1,6 +1,7 @@
 //! The deployment files: the compose file against the Compose specification's JSON schema
 //! (tests/fixtures/compose-spec.json), and everything they configure against the code.
 
+use crate::harness::stdout_of;
 use std::collections::BTreeSet;
 use std::process::Command;
 
@@ -128,17 +129,12 @@ fn ingest_gets_every_secret_its_sources_file_names() {
 
 /// Runs a Python script (PyYAML at hand) in the crate's folder and parses what it prints.
 fn python_json<T: serde::de::DeserializeOwned>(script: &str) -> T {
-    let out = Command::new("python3")
-        .args(["-c", script])
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    let stdout = stdout_of(
+        Command::new("python3")
+            .args(["-c", script])
+            .current_dir(env!("CARGO_MANIFEST_DIR")),
     );
-    serde_json::from_slice(&out.stdout).unwrap()
+    serde_json::from_slice(&stdout).unwrap()
 }
 
 /// The ingest service's environment as written, before interpolation.

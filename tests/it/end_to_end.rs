@@ -2,8 +2,6 @@
 //! and the broker process (`KAFKA_BROKERS`, or the mock cluster hosted by this test).
 
 use crate::harness::*;
-use hmac::{Hmac, Mac};
-use sha2::Sha256;
 use std::collections::HashSet;
 use std::process::Stdio;
 use std::sync::Arc;
@@ -21,14 +19,6 @@ kind = "stripe"
 secrets_env = ["E2E_STRIPE_SECRET"]
 "#;
 
-fn sign(secret: &str, parts: &[&[u8]]) -> String {
-    let mut mac = Hmac::<Sha256>::new_from_slice(secret.as_bytes()).unwrap();
-    for p in parts {
-        mac.update(p);
-    }
-    hex::encode(mac.finalize().into_bytes())
-}
-
 /// One delivery: the event number decides the source and the id.
 async fn deliver(http: &reqwest::Client, base: &str, n: usize) -> u16 {
     let response = if n.is_multiple_of(2) {
@@ -38,7 +28,7 @@ async fn deliver(http: &reqwest::Client, base: &str, n: usize) -> u16 {
                 "x-hub-signature-256",
                 format!(
                     "sha256={}",
-                    sign("gh-secret-for-the-e2e-test", &[body.as_bytes()])
+                    hmac_hex("gh-secret-for-the-e2e-test", &[body.as_bytes()])
                 ),
             )
             .header("x-github-delivery", format!("delivery-{n}"))
@@ -47,7 +37,7 @@ async fn deliver(http: &reqwest::Client, base: &str, n: usize) -> u16 {
     } else {
         let body = format!(r#"{{"id":"evt_{n}","type":"charge.succeeded","object":"event"}}"#);
         let t = chrono::Utc::now().timestamp().to_string();
-        let sig = sign(
+        let sig = hmac_hex(
             "whsec_e2e-secret-for-the-test",
             &[t.as_bytes(), b".", body.as_bytes()],
         );

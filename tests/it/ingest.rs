@@ -2,14 +2,12 @@
 
 use crate::harness::*;
 use futures_util::StreamExt as _;
-use hmac::{Hmac, Mac};
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::message::Message;
 use rdkafka::{Offset, TopicPartitionList};
 use replayproof::ingest::config::FileConfig;
 use replayproof::ingest::{self, IngestSettings};
 use serde_json::json;
-use sha2::Sha256;
 use std::collections::HashSet;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
@@ -59,14 +57,6 @@ fn secret(name: &str) -> Option<String> {
         ),
         _ => format!("secret-of-{name}"),
     })
-}
-
-fn hmac_hex(secret: &str, parts: &[&[u8]]) -> String {
-    let mut mac = Hmac::<Sha256>::new_from_slice(secret.as_bytes()).unwrap();
-    for p in parts {
-        mac.update(p);
-    }
-    hex::encode(mac.finalize().into_bytes())
 }
 
 struct Ingress {
@@ -571,11 +561,7 @@ fn ledger(db: &TestDb) -> replayproof::consume::BatchProcessor {
 async fn deliver(ingress: &Ingress, kind: &str, id: &str, body: &[u8]) -> u16 {
     use base64::Engine as _;
     let b64 = |bytes: Vec<u8>| base64::engine::general_purpose::STANDARD.encode(bytes);
-    let mac = |secret: &[u8], parts: &[&[u8]]| {
-        let mut m = Hmac::<Sha256>::new_from_slice(secret).unwrap();
-        parts.iter().for_each(|p| m.update(p));
-        m.finalize().into_bytes().to_vec()
-    };
+    let mac = replayproof::devkit::sign::hmac;
     let t = now().to_string();
     let post = |path: &str| {
         ingress

@@ -15,6 +15,7 @@ mod failpoints;
 mod ingest;
 mod operator;
 mod processes;
+mod schema;
 mod signatures;
 mod status;
 mod telemetry;

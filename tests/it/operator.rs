@@ -2,7 +2,7 @@
 //! writes its audit row.
 
 use crate::harness::dispatcher::Downstream;
-use crate::harness::{envelope, TestDb, TestKafka};
+use crate::harness::{envelope, stdout_of, TestDb, TestKafka};
 use async_trait::async_trait;
 use replayproof::consume::{BatchProcessor, EffectRetry, RawMessage};
 use replayproof::effect::Registry;
@@ -316,31 +316,26 @@ async fn dead_letters_are_listed_shown_and_replayed() {
     let shown = dead_letters::show(&db.pool, id).await.unwrap();
     assert_eq!(shown.value.as_deref(), Some("oops"));
 
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_replayproof"))
-        .args([
-            "dead-letters",
-            "replay",
-            &id.to_string(),
-            "--database-url",
-            &db.url,
-            "--brokers",
-            &kafka.brokers(),
-        ])
-        .args([
-            "--topic",
-            &topic,
-            "--reason",
-            "fixed the producer",
-            "--actor",
-            "dave",
-            "--json",
-        ])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    stdout_of(
+        std::process::Command::new(env!("CARGO_BIN_EXE_replayproof"))
+            .args([
+                "dead-letters",
+                "replay",
+                &id.to_string(),
+                "--database-url",
+                &db.url,
+                "--brokers",
+                &kafka.brokers(),
+            ])
+            .args([
+                "--topic",
+                &topic,
+                "--reason",
+                "fixed the producer",
+                "--actor",
+                "dave",
+                "--json",
+            ]),
     );
     let replayed: Option<String> = sqlx::query_scalar("SELECT replayed_at::text FROM dead_letters")
         .fetch_one(&db.pool)
@@ -483,19 +478,14 @@ async fn bulk_retry_dry_runs_then_retries_each_matching_event_with_an_audit_row(
     let downstream = Downstream::start().await;
     failed_chain(&db, &downstream, &["evt-b1", "evt-b2", "evt-b3"]).await;
     let run = |extra: &[&str]| {
-        let out = std::process::Command::new(env!("CARGO_BIN_EXE_replayproof"))
-            .args(["events", "retry", "--state", "failed", "--source", "test"])
-            .args(["--since", "2000-01-01T00:00:00Z", "--reason", "unblocked"])
-            .args(["--actor", "frank", "--database-url", &db.url])
-            .args(extra)
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
+        let stdout = stdout_of(
+            std::process::Command::new(env!("CARGO_BIN_EXE_replayproof"))
+                .args(["events", "retry", "--state", "failed", "--source", "test"])
+                .args(["--since", "2000-01-01T00:00:00Z", "--reason", "unblocked"])
+                .args(["--actor", "frank", "--database-url", &db.url])
+                .args(extra),
         );
-        String::from_utf8_lossy(&out.stdout).into_owned()
+        String::from_utf8_lossy(&stdout).into_owned()
     };
     let planned = run(&["--dry-run"]);
     assert!(planned.contains("3 events would be retried"), "{planned}");

@@ -65,6 +65,15 @@ impl OneEvent {
         committed(&self.kafka, &self.group, &self.topic, 1).await
     }
 
+    /// Checks that the killed consumer committed no offset, then that a fresh consumer applies
+    /// `key` exactly once.
+    async fn applied_once_after_restart(&self, key: &str) {
+        assert_eq!(self.committed().await, [-1], "no offset was committed");
+        let once = HashSet::from([key.to_owned()]);
+        self.restart_until_committed(assert_exactly_once(&self.db, &once, WAIT))
+            .await;
+    }
+
     /// Starts a fresh consumer, waits for the event's offset to be committed, stops it cleanly.
     async fn restart_until_committed(&self, check: impl std::future::Future<Output = ()>) {
         let second = self.consumer(None);
@@ -86,11 +95,7 @@ async fn consumer_killed_between_claim_and_commit_applies_the_event_once_after_r
         0,
         "the claim rolled back"
     );
-    assert_eq!(t.committed().await, [-1], "no offset was committed");
-
-    let once = HashSet::from(["evt-kill".to_owned()]);
-    t.restart_until_committed(assert_exactly_once(&t.db, &once, WAIT))
-        .await;
+    t.applied_once_after_restart("evt-kill").await;
 }
 
 #[cfg(feature = "failpoints")]
@@ -104,11 +109,7 @@ async fn consumer_killed_after_commit_before_offset_commit_replays_harmlessly() 
     })
     .await;
     first.kill9().await;
-    assert_eq!(t.committed().await, [-1], "the offset was not committed");
-
-    let once = HashSet::from(["evt-kill".to_owned()]);
-    t.restart_until_committed(assert_exactly_once(&t.db, &once, WAIT))
-        .await;
+    t.applied_once_after_restart("evt-kill").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -366,6 +367,29 @@ async fn assigned(port: u16) -> Option<f64> {
     Some(scraped(&page, "replayproof_assigned_partitions"))
 }
 
+/// Waits until the two consumers serving metrics on `ports` own one of the topic's two
+/// partitions each, then produces `events` keys spread over both; returns the keys.
+#[cfg(feature = "failpoints")]
+async fn once_split_produce(
+    kafka: &TestKafka,
+    topic: &str,
+    ports: [u16; 2],
+    events: usize,
+) -> HashSet<String> {
+    wait_for("each consumer to own one partition", WAIT, || async {
+        assigned(ports[0]).await == Some(1.0) && assigned(ports[1]).await == Some(1.0)
+    })
+    .await;
+    let keys: Vec<String> = (0..events).map(|i| format!("evt-{i}")).collect();
+    let records: Vec<Record> = keys
+        .iter()
+        .enumerate()
+        .map(|(i, k)| Record::event(k, json!(i)).on(i as i32 % 2))
+        .collect();
+    produce(&producer(&kafka.brokers()), topic, &records).await;
+    keys.into_iter().collect()
+}
+
 #[cfg(feature = "failpoints")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn consumer_stopped_with_sigstop_mid_batch_is_taken_over_and_nothing_doubles() {
@@ -393,17 +417,7 @@ async fn consumer_stopped_with_sigstop_mid_batch_is_taken_over_and_nothing_doubl
         )
     };
     let (stopped, survivor) = (spawn_on(ports[0]), spawn_on(ports[1]));
-    wait_for("each consumer to own one partition", WAIT, || async {
-        assigned(ports[0]).await == Some(1.0) && assigned(ports[1]).await == Some(1.0)
-    })
-    .await;
-    let keys: Vec<String> = (0..EVENTS).map(|i| format!("evt-{i}")).collect();
-    let records: Vec<Record> = keys
-        .iter()
-        .enumerate()
-        .map(|(i, k)| Record::event(k, json!(i)).on(i as i32 % 2))
-        .collect();
-    produce(&producer(&kafka.brokers()), &topic, &records).await;
+    let expected = once_split_produce(&kafka, &topic, ports, EVENTS).await;
     wait_for("both consumers inside a batch", WAIT, || async {
         open_transactions(&db).await == 2
     })
@@ -419,7 +433,6 @@ async fn consumer_stopped_with_sigstop_mid_batch_is_taken_over_and_nothing_doubl
     .await;
     stopped.signal(nix::sys::signal::Signal::SIGCONT);
 
-    let expected: HashSet<String> = keys.into_iter().collect();
     wait_committed_total(&kafka, &group, &topic, 2, EVENTS as i64).await;
     assert_exactly_once(&db, &expected, WAIT).await;
     survivor.terminate(Duration::from_secs(30)).await;
@@ -469,11 +482,7 @@ async fn a_lane_stuck_past_its_limits_fails_health_then_exits_non_zero() {
         !status.success(),
         "a stalled consumer exits non-zero: {status:?}"
     );
-    assert_eq!(t.committed().await, [-1], "no offset was committed");
-
-    let once = HashSet::from(["evt-stuck".to_owned()]);
-    t.restart_until_committed(assert_exactly_once(&t.db, &once, WAIT))
-        .await;
+    t.applied_once_after_restart("evt-stuck").await;
 }
 
 #[cfg(feature = "failpoints")]
@@ -495,9 +504,7 @@ async fn a_second_sigterm_stops_at_once_and_the_event_is_applied_once_later() {
     stuck.signal(nix::sys::signal::Signal::SIGTERM);
     let status = stuck.exited(Duration::from_secs(10)).await;
     assert_eq!(status.code(), Some(130), "{status:?}");
-    let once = HashSet::from(["evt-impatient".to_owned()]);
-    t.restart_until_committed(assert_exactly_once(&t.db, &once, WAIT))
-        .await;
+    t.applied_once_after_restart("evt-impatient").await;
 }
 
 #[cfg(feature = "failpoints")]
@@ -532,19 +539,8 @@ async fn consumer_cut_off_from_its_group_keeps_its_claims_and_the_new_owner_repl
         None,
         &["--metrics-addr", &addrs[1]],
     );
-    wait_for("each member to own one partition", WAIT, || async {
-        assigned(ports[0]).await == Some(1.0) && assigned(ports[1]).await == Some(1.0)
-    })
-    .await;
-    let keys: Vec<String> = (0..EVENTS).map(|i| format!("evt-{i}")).collect();
-    let records: Vec<Record> = keys
-        .iter()
-        .enumerate()
-        .map(|(i, k)| Record::event(k, json!(i)).on(i as i32 % 2))
-        .collect();
-    produce(&producer(&kafka.brokers()), &topic, &records).await;
+    let expected = once_split_produce(&kafka, &topic, ports, EVENTS).await;
 
-    let expected: HashSet<String> = keys.into_iter().collect();
     wait_for("the survivor to own both partitions", WAIT, || async {
         assigned(ports[1]).await == Some(2.0)
     })

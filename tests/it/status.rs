@@ -53,23 +53,18 @@ async fn status_prints_the_right_counts() {
         .await
         .unwrap();
 
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_replayproof"))
-        .args([
-            "status",
-            "--database-url",
-            &db.url,
-            "--brokers",
-            &kafka.brokers(),
-        ])
-        .args(["--topic", &topic, "--group", &group, "--json"])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    let stdout = stdout_of(
+        std::process::Command::new(env!("CARGO_BIN_EXE_replayproof"))
+            .args([
+                "status",
+                "--database-url",
+                &db.url,
+                "--brokers",
+                &kafka.brokers(),
+            ])
+            .args(["--topic", &topic, "--group", &group, "--json"]),
     );
-    let s: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let s: serde_json::Value = serde_json::from_slice(&stdout).unwrap();
     assert_eq!(s["claims"], json!([["done", 1], ["failed", 1]]));
     assert_eq!(s["dead_letters"], 1);
     assert_eq!(s["key_conflicts"], 1);

@@ -33,27 +33,36 @@ impl TestDb {
         Self::create_on(&admin, Some(cluster)).await
     }
 
+    /// A fresh, empty database that nothing has migrated, reached without any search_path:
+    /// what a host application's database looks like before replayproof's first `migrate`.
+    pub async fn unmigrated() -> Self {
+        let admin = std::env::var("DATABASE_URL").ok();
+        let cluster = match admin {
+            Some(_) => None,
+            None => Some(
+                tokio::task::spawn_blocking(EmbeddedPostgres::start)
+                    .await
+                    .unwrap()
+                    .expect("a throwaway PostgreSQL cluster"),
+            ),
+        };
+        let admin = admin.unwrap_or_else(|| cluster.as_ref().unwrap().url());
+        let url = create_database(&admin).await;
+        Self {
+            pool: connect(&url).await,
+            url,
+            cluster,
+        }
+    }
+
     async fn create_on(admin: &str, cluster: Option<EmbeddedPostgres>) -> Self {
-        let name = unique("rp_test");
-        let admin_pool = PgPool::connect(admin).await.expect("connect to PostgreSQL");
-        sqlx::query(&format!("CREATE DATABASE {name}"))
-            .execute(&admin_pool)
-            .await
-            .expect("create the test database");
-        admin_pool.close().await;
-        let mut url = url::Url::parse(admin).expect("DATABASE_URL is a URL");
-        url.set_path(&name);
+        let mut url = url::Url::parse(&create_database(admin).await).expect("a URL");
         // Sessions find replayproof's tables in its schema, as the processes' sessions do; a
         // process given this URL sets the same search_path again.
         url.query_pairs_mut()
             .append_pair("options", "-c search_path=replayproof,public");
         let url = url.to_string();
-        let pool = sqlx::postgres::PgPoolOptions::new()
-            .max_connections(8)
-            .acquire_timeout(Duration::from_secs(5))
-            .connect(&url)
-            .await
-            .expect("connect to the test database");
+        let pool = connect(&url).await;
         replayproof::db::migrate(&pool).await.expect("migrate");
         Self { pool, url, cluster }
     }
@@ -74,6 +83,29 @@ impl TestDb {
             .await
             .expect(sql)
     }
+}
+
+/// Creates a database of a unique name on the server `admin` points at; returns its URL.
+async fn create_database(admin: &str) -> String {
+    let name = unique("rp_test");
+    let admin_pool = PgPool::connect(admin).await.expect("connect to PostgreSQL");
+    sqlx::query(&format!("CREATE DATABASE {name}"))
+        .execute(&admin_pool)
+        .await
+        .expect("create the test database");
+    admin_pool.close().await;
+    let mut url = url::Url::parse(admin).expect("DATABASE_URL is a URL");
+    url.set_path(&name);
+    url.to_string()
+}
+
+async fn connect(url: &str) -> PgPool {
+    sqlx::postgres::PgPoolOptions::new()
+        .max_connections(8)
+        .acquire_timeout(Duration::from_secs(5))
+        .connect(url)
+        .await
+        .expect("connect to the test database")
 }
 
 /// Waits until every row of `expected` keys is in the ledger, then checks one row per key and

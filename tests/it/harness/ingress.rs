@@ -1,4 +1,4 @@
-//! Envelopes as the ingress writes them.
+//! Envelopes as the ingress writes them, and signatures as senders make them.
 
 use replayproof::envelope::Envelope;
 
@@ -14,4 +14,9 @@ pub fn envelope(key: &str, payload: serde_json::Value) -> Vec<u8> {
         replay_window_secs: None,
     }
     .to_bytes()
+}
+
+/// Hex HMAC-SHA256 of `parts` under `secret`, as most providers sign.
+pub fn hmac_hex(secret: &str, parts: &[&[u8]]) -> String {
+    hex::encode(replayproof::devkit::sign::hmac(secret.as_bytes(), parts))
 }

@@ -1,4 +1,5 @@
-//! Consumers in this process and as `replayproof consume` processes.
+//! Consumers in this process and as `replayproof consume` processes, and commands run to
+//! completion.
 
 use super::*;
 use replayproof::consume::{self, BatchProcessor, ConsumeMetrics, ConsumerSettings, EffectRetry};
@@ -167,4 +168,16 @@ pub async fn kill_inside_transaction(consumer: ConsumerProcess, db: &TestDb) {
         || async { idle_in_transaction(db).await == 0 },
     )
     .await;
+}
+
+/// Runs `command` to its end and returns its standard output; fails the test with the standard
+/// error unless it succeeded.
+pub fn stdout_of(command: &mut std::process::Command) -> Vec<u8> {
+    let out = command.output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out.stdout
 }
