@@ -85,29 +85,23 @@ impl Cli {
     /// Runs a parsed command line to completion.
     pub async fn execute(&self, args: Args) -> anyhow::Result<()> {
         match args.command {
-            Command::Migrate(args) => self.migrate(&args).await,
+            Command::Migrate(args) => {
+                crate::db::migrate_with(&args.pool(1)?, &self.migrations).await?;
+                tracing::info!(schema = %args.session.schema, "Migrations applied.");
+                Ok(())
+            }
             Command::Consume(args) => args.run(&self.effects).await,
             Command::Ingest(args) => args.run().await,
             Command::Dispatch(args) => args.run().await,
             Command::Events(command) => command.run(&self.effects).await,
             Command::DeadLetters(command) => command.run().await,
             Command::Status(args) => args.run().await,
-            Command::Probe { url } => probe(&url).await,
+            Command::Probe { url } => crate::telemetry::probe(&url).await,
             #[cfg(feature = "devkit")]
             Command::Demo(args) => args.run().await,
             #[cfg(feature = "devkit")]
             Command::Dev(args) => crate::devkit::dev::run(args, &self.effects).await,
         }
-    }
-
-    async fn migrate(&self, args: &DatabaseArgs) -> anyhow::Result<()> {
-        let pool = args.pool(1)?;
-        crate::db::migrate(&pool).await?;
-        for sql in &self.migrations {
-            sqlx::raw_sql(sql).execute(&pool).await?;
-        }
-        tracing::info!(schema = %args.session.schema, "Migrations applied.");
-        Ok(())
     }
 }
 
@@ -140,14 +134,4 @@ fn main_with(cli: Cli, args: Args) -> std::process::ExitCode {
             std::process::ExitCode::FAILURE
         }
     }
-}
-
-/// Exits 0 when `url` answers 2xx within five seconds.
-async fn probe(url: &str) -> anyhow::Result<()> {
-    let client = reqwest::Client::builder()
-        .timeout(std::time::Duration::from_secs(5))
-        .build()?;
-    let status = client.get(url).send().await?.status();
-    anyhow::ensure!(status.is_success(), "{url} answered {status}");
-    Ok(())
 }

@@ -201,6 +201,18 @@ pub async fn migrate(pool: &PgPool) -> anyhow::Result<()> {
     MIGRATOR.run(pool).await.context("applying migrations")
 }
 
+/// [`migrate`], then an application's own `extra` SQL (each safe to run again), in order.
+pub async fn migrate_with(pool: &PgPool, extra: &[&str]) -> anyhow::Result<()> {
+    migrate(pool).await?;
+    for sql in extra {
+        sqlx::raw_sql(sql)
+            .execute(pool)
+            .await
+            .context("applying the application's migration")?;
+    }
+    Ok(())
+}
+
 /// Whether a database error says nothing about the data: the connection, the server or the
 /// schema is at fault, and the same statement may well succeed later.
 ///

@@ -1,6 +1,30 @@
-//! Turns SIGTERM and SIGINT into a cancellation every part of the process listens to.
+//! Turns SIGTERM and SIGINT into a cancellation every part of the process listens to, and
+//! the handle of a started role that runs until that cancellation.
 
+use anyhow::Context as _;
+use std::future::Future;
+use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
+
+/// A started role (the ingress, a consumer, a dispatcher): built and checked by its `start`,
+/// it runs until its shutdown token is cancelled, then finishes what is in flight.
+pub struct Running {
+    task: JoinHandle<anyhow::Result<()>>,
+}
+
+impl Running {
+    /// Runs `work` on the runtime.
+    pub fn spawn(work: impl Future<Output = anyhow::Result<()>> + Send + 'static) -> Self {
+        Self {
+            task: tokio::spawn(work),
+        }
+    }
+
+    /// Waits until it has stopped, and says how it ended.
+    pub async fn stopped(self) -> anyhow::Result<()> {
+        self.task.await.context("the task panicked")?
+    }
+}
 
 /// A token cancelled on the first SIGTERM or SIGINT. A second one ends the process at once
 /// with status 130, for an operator who will not wait for the graceful stop: what was in flight

@@ -1,4 +1,5 @@
-//! Logging, and the small HTTP server that exposes a process's `/metrics` and `/healthz`.
+//! Logging, the small HTTP server that exposes a process's `/metrics` and `/healthz`, and the
+//! probe that asks a `/healthz` from outside.
 
 use axum::{extract::State, http::StatusCode, routing::get, Router};
 use prometheus::{Encoder, Registry, TextEncoder};
@@ -147,4 +148,15 @@ async fn healthz(State(state): State<ServerState>) -> (StatusCode, String) {
         body.push('\n');
         (StatusCode::SERVICE_UNAVAILABLE, body)
     }
+}
+
+/// `replayproof probe`: succeeds when `url` (a `/healthz`) answers 2xx within five seconds, for
+/// images without curl.
+pub async fn probe(url: &str) -> anyhow::Result<()> {
+    let client = reqwest::Client::builder()
+        .timeout(Duration::from_secs(5))
+        .build()?;
+    let status = client.get(url).send().await?.status();
+    anyhow::ensure!(status.is_success(), "{url} answered {status}");
+    Ok(())
 }

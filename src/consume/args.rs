@@ -177,7 +177,9 @@ impl ConsumeArgs {
                 ..EffectRetry::default()
             },
         };
-        run_with_health(self.settings(), processor, metrics, health, shutdown).await
+        start(self.settings(), processor, metrics, health, shutdown)?
+            .stopped()
+            .await
     }
 }
 

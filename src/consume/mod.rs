@@ -16,6 +16,7 @@ mod metrics;
 pub use batch::{BatchError, BatchProcessor, BatchReport, EffectRetry, RawMessage, APPLIED_LOG};
 pub use metrics::ConsumeMetrics;
 
+pub use crate::shutdown::Running;
 use crate::telemetry::Health;
 use anyhow::Context as _;
 use rdkafka::config::ClientConfig;
@@ -127,27 +128,30 @@ impl ConsumerSettings {
 }
 
 /// Runs a consumer group member until `shutdown` is cancelled, then finishes the batches in
-/// flight, commits their offsets, leaves the group and returns.
+/// flight, commits their offsets, leaves the group and returns. See [`start`].
 pub async fn run(
     settings: ConsumerSettings,
     processor: BatchProcessor,
     metrics: ConsumeMetrics,
     shutdown: CancellationToken,
 ) -> anyhow::Result<()> {
-    run_with_health(settings, processor, metrics, Health::default(), shutdown).await
+    start(settings, processor, metrics, Health::default(), shutdown)?
+        .stopped()
+        .await
 }
 
-/// Like [`run`], reporting to `health` what `/healthz` should say. Returns an error, after
-/// leaving the group cleanly, when a lane panicked or stalled past
-/// [`ConsumerSettings::stall_exit_after`]: the process should exit non-zero so the group
-/// reassigns its partitions.
-pub async fn run_with_health(
+/// Creates the consumer, joins the group and starts polling; a refused option or a consumer
+/// that cannot be created is an error here. The member runs until `shutdown` is cancelled,
+/// reporting to `health` what `/healthz` should say. It ends with an error, after leaving the
+/// group cleanly, when a lane panicked or stalled past [`ConsumerSettings::stall_exit_after`]:
+/// the process should exit non-zero so the group reassigns its partitions.
+pub fn start(
     settings: ConsumerSettings,
     processor: BatchProcessor,
     metrics: ConsumeMetrics,
     health: Health,
     shutdown: CancellationToken,
-) -> anyhow::Result<()> {
+) -> anyhow::Result<Running> {
     crate::kafka::check_options(crate::kafka::Role::Consumer, &settings.kafka_options)?;
     let vitals = Arc::new(Vitals::new(shutdown.child_token()));
     let pool = processor.pool.clone();
@@ -184,16 +188,18 @@ pub async fn run_with_health(
             let _ = done_tx.send(());
         })
         .context("starting the Kafka poll thread")?;
-    let polled = done_rx.await;
-    vitals.stop.cancel();
-    let _ = watchdog.await;
-    let _ = probe.await;
-    health.forget(POLL_LOOP);
-    polled.context("the Kafka poll thread panicked")?;
-    match vitals.fatal() {
-        Some(reason) => Err(anyhow::anyhow!(reason)),
-        None => Ok(()),
-    }
+    Ok(Running::spawn(async move {
+        let polled = done_rx.await;
+        vitals.stop.cancel();
+        let _ = watchdog.await;
+        let _ = probe.await;
+        health.forget(POLL_LOOP);
+        polled.context("the Kafka poll thread panicked")?;
+        match vitals.fatal() {
+            Some(reason) => Err(anyhow::anyhow!(reason)),
+            None => Ok(()),
+        }
+    }))
 }
 
 /// The poll loop's heartbeat, as `/healthz` names it.

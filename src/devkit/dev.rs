@@ -8,10 +8,11 @@ use crate::dispatch::{DispatchMetrics, DispatchSettings, Dispatcher};
 use crate::effect::{HttpOutbox, Registry};
 use crate::ingest::config::FileConfig;
 use crate::ingest::{self, IngestSettings};
+use crate::shutdown::Running;
+use crate::telemetry::Health;
 use clap::Args;
 use std::net::SocketAddr;
 use std::time::Duration;
-use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 /// Where `dev` takes webhooks (`--listen`): this machine only.
@@ -79,9 +80,9 @@ pub async fn run(opts: DevArgs, registry: &Registry) -> anyhow::Result<()> {
         banner(&stack, &base, &names, &secrets, opts.target_url.as_deref())
     );
     ingress.stopped().await?;
-    consumer.await??;
+    consumer.stopped().await?;
     if let Some(d) = dispatcher {
-        d.await??;
+        d.stopped().await?;
     }
     tracing::info!("Stopped.");
     Ok(())
@@ -92,7 +93,7 @@ fn start_consumer(
     opts: &DevArgs,
     registry: &Registry,
     stop: CancellationToken,
-) -> anyhow::Result<JoinHandle<anyhow::Result<()>>> {
+) -> anyhow::Result<Running> {
     let mut effects = vec!["ledger".to_owned()];
     effects.extend(opts.target_url.as_ref().map(|_| "http".to_owned()));
     let http = opts.target_url.clone().map(|target_url| HttpOutbox {
@@ -110,22 +111,16 @@ fn start_consumer(
         ..ConsumerSettings::new(&stack.brokers, &stack.topic, "replayproof-dev")
     };
     let metrics = ConsumeMetrics::new(&prometheus::Registry::new())?;
-    Ok(tokio::spawn(consume::run(
-        settings, processor, metrics, stop,
-    )))
+    consume::start(settings, processor, metrics, Health::default(), stop)
 }
 
-fn start_dispatcher(
-    stack: &Stack,
-    stop: CancellationToken,
-) -> anyhow::Result<JoinHandle<anyhow::Result<()>>> {
+fn start_dispatcher(stack: &Stack, stop: CancellationToken) -> anyhow::Result<Running> {
     let metrics = DispatchMetrics::new(&prometheus::Registry::new())?;
     let settings = DispatchSettings {
         poll_interval: Duration::from_millis(200),
         ..DispatchSettings::new("dev")
     };
-    let d = Dispatcher::new(settings, stack.pool.clone(), metrics)?;
-    Ok(tokio::spawn(async move { d.run(stop).await }))
+    Ok(Dispatcher::new(settings, stack.pool.clone(), metrics)?.start(stop))
 }
 
 /// What is running where, and how to send it a webhook.

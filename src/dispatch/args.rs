@@ -77,6 +77,6 @@ impl DispatchArgs {
         let pool = self.database.pool((self.batch_size as u32).clamp(2, 64))?;
         let mut dispatcher = Dispatcher::new(self.settings(), pool, metrics)?;
         dispatcher.health = health;
-        dispatcher.run(shutdown).await
+        dispatcher.start(shutdown).stopped().await
     }
 }

@@ -13,6 +13,7 @@ mod metrics;
 pub use metrics::DispatchMetrics;
 
 use crate::outbox::{self, Attempt, AttemptKind, Leased, OutboxState, Outcome, Settlement};
+pub use crate::shutdown::Running;
 use crate::telemetry::Health;
 use sqlx::PgPool;
 use std::time::{Duration, Instant};
@@ -112,6 +113,13 @@ impl Dispatcher {
         })
     }
 
+    /// Dispatches on the runtime until `shutdown` is cancelled; see [`Dispatcher::run`].
+    pub fn start(self, shutdown: CancellationToken) -> Running {
+        Running::spawn(async move { self.run(shutdown).await })
+    }
+
+    /// Leases due operations and delivers them until `shutdown` is cancelled, then finishes the
+    /// requests in flight.
     pub async fn run(&self, shutdown: CancellationToken) -> anyhow::Result<()> {
         tracing::info!(worker = %self.settings.worker, lease_secs = self.settings.lease.as_secs(), "Dispatching the outbox.");
         let mut last_refresh = Instant::now() - Duration::from_secs(60);

@@ -122,13 +122,13 @@ pub struct Running {
     pub addr: SocketAddr,
     /// Where `/metrics` is served, when it is.
     pub metrics_addr: Option<SocketAddr>,
-    task: tokio::task::JoinHandle<anyhow::Result<()>>,
+    task: crate::shutdown::Running,
 }
 
 impl Running {
     /// Waits until the ingress has stopped (after its shutdown token is cancelled).
     pub async fn stopped(self) -> anyhow::Result<()> {
-        self.task.await.context("the ingress task panicked")?
+        self.task.stopped().await
     }
 }
 
@@ -165,7 +165,7 @@ pub async fn start(
     names.sort();
     tracing::info!(%addr, sources = ?names, topic = %state.settings.topic, "Accepting webhooks at /webhooks/{{source}}.");
     let app = router(state.clone());
-    let task = tokio::spawn(async move {
+    let task = crate::shutdown::Running::spawn(async move {
         axum::serve(listener, app)
             .with_graceful_shutdown(shutdown.cancelled_owned())
             .await

@@ -501,13 +501,8 @@ async fn an_idle_consumer_whose_database_is_gone_fails_health() {
     let metrics = replayproof::consume::ConsumeMetrics::new(&prometheus::Registry::new()).unwrap();
     let health = replayproof::telemetry::Health::default();
     let stop = tokio_util::sync::CancellationToken::new();
-    let running = tokio::spawn(replayproof::consume::run_with_health(
-        s,
-        processor,
-        metrics,
-        health.clone(),
-        stop.clone(),
-    ));
+    let running =
+        replayproof::consume::start(s, processor, metrics, health.clone(), stop.clone()).unwrap();
     wait_for("/healthz to name the database", WAIT, || async {
         health
             .problems()
@@ -516,5 +511,5 @@ async fn an_idle_consumer_whose_database_is_gone_fails_health() {
     })
     .await;
     stop.cancel();
-    running.await.unwrap().unwrap();
+    running.stopped().await.unwrap();
 }

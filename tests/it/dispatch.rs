@@ -24,20 +24,16 @@ fn settings(worker: &str) -> DispatchSettings {
 }
 
 /// Dispatchers running in this process until stopped.
-struct Running(
-    CancellationToken,
-    Vec<tokio::task::JoinHandle<anyhow::Result<()>>>,
-);
+struct Dispatchers(CancellationToken, Vec<replayproof::dispatch::Running>);
 
-impl Running {
+impl Dispatchers {
     fn start(db: &TestDb, n: usize, settings: impl Fn(usize) -> DispatchSettings) -> Self {
         let token = CancellationToken::new();
         let tasks = (0..n)
             .map(|i| {
                 let metrics = DispatchMetrics::new(&prometheus::Registry::new()).unwrap();
                 let d = Dispatcher::new(settings(i), db.pool.clone(), metrics).unwrap();
-                let t = token.clone();
-                tokio::spawn(async move { d.run(t).await })
+                d.start(token.clone())
             })
             .collect();
         Self(token, tasks)
@@ -46,7 +42,7 @@ impl Running {
     async fn stop(self) {
         self.0.cancel();
         for t in self.1 {
-            t.await.unwrap().unwrap();
+            t.stopped().await.unwrap();
         }
     }
 }
@@ -86,7 +82,7 @@ async fn storm_settles_with_one_side_effect_per_event_and_one_key_and_payload_pe
         downstream.script(&op, &script);
     }
     enqueue_http(&db, &downstream, &keys, false).await;
-    let dispatchers = Running::start(&db, 3, |i| settings(&format!("worker-{i}")));
+    let dispatchers = Dispatchers::start(&db, 3, |i| settings(&format!("worker-{i}")));
     wait_for("the outbox to settle", WAIT, || async {
         unsettled(&db).await == 0
     })
@@ -178,7 +174,7 @@ async fn uncertain_outcome_is_reconciled_without_resending() {
     let op = outbox::operation_key("evt-r", "deliver");
     downstream.script(&op, &[Behaviour::ApplyThenDrop]);
     enqueue_http(&db, &downstream, &["evt-r".to_owned()], true).await;
-    let dispatchers = Running::start(&db, 1, |_| settings("w"));
+    let dispatchers = Dispatchers::start(&db, 1, |_| settings("w"));
     wait_for("settled", WAIT, || async { unsettled(&db).await == 0 }).await;
     dispatchers.stop().await;
     let seen: Vec<(String, Option<String>)> =
@@ -208,7 +204,7 @@ async fn uncertain_outcome_is_reconciled_without_resending() {
         .execute(&db.pool)
         .await
         .unwrap();
-    let dispatchers = Running::start(&db, 1, |_| settings("w"));
+    let dispatchers = Dispatchers::start(&db, 1, |_| settings("w"));
     wait_for("settled", WAIT, || async { unsettled(&db).await == 0 }).await;
     dispatchers.stop().await;
     assert_eq!(downstream.applied()[&op], 1);
@@ -517,10 +513,7 @@ async fn an_unreadable_outbox_fails_health_until_it_is_back() {
     let health = replayproof::telemetry::Health::default();
     d.health = health.clone();
     let stop = CancellationToken::new();
-    let task = tokio::spawn({
-        let stop = stop.clone();
-        async move { d.run(stop).await }
-    });
+    let task = d.start(stop.clone());
     wait_for("/healthz to name the outbox", WAIT, || async {
         health
             .problems()
@@ -538,5 +531,5 @@ async fn an_unreadable_outbox_fails_health_until_it_is_back() {
     })
     .await;
     stop.cancel();
-    task.await.unwrap().unwrap();
+    task.stopped().await.unwrap();
 }

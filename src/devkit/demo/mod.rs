@@ -19,6 +19,7 @@ use crate::consume::args::ConsumeArgs;
 use crate::dispatch::{DispatchMetrics, DispatchSettings, Dispatcher};
 use crate::ingest::config::Kind;
 use crate::ingest::{self, IngestSettings};
+use crate::shutdown::Running;
 use consumers::Consumers;
 use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
 use std::sync::Arc;
@@ -175,7 +176,7 @@ pub async fn run(o: DemoOptions) -> anyhow::Result<bool> {
     shutdown.cancel();
     consumers.stop().await;
     ingress.stopped().await?;
-    dispatching.await??;
+    dispatching.stopped().await?;
     stack.pool.close().await;
     Ok(report.passed())
 }
@@ -213,10 +214,7 @@ fn consumer_args(stack: &Stack, downstream_url: &str) -> anyhow::Result<ConsumeA
 }
 
 /// A dispatcher with short timeouts, so the downstream's slow answers come back uncertain.
-fn start_dispatcher(
-    stack: &Stack,
-    stop: CancellationToken,
-) -> anyhow::Result<tokio::task::JoinHandle<anyhow::Result<()>>> {
+fn start_dispatcher(stack: &Stack, stop: CancellationToken) -> anyhow::Result<Running> {
     let settings = DispatchSettings {
         request_timeout: Duration::from_secs(1),
         lease: Duration::from_secs(10),
@@ -226,8 +224,7 @@ fn start_dispatcher(
         ..DispatchSettings::new("demo")
     };
     let metrics = DispatchMetrics::new(&prometheus::Registry::new())?;
-    let dispatcher = Dispatcher::new(settings, stack.pool.clone(), metrics)?;
-    Ok(tokio::spawn(async move { dispatcher.run(stop).await }))
+    Ok(Dispatcher::new(settings, stack.pool.clone(), metrics)?.start(stop))
 }
 
 /// The progress bars, and the consumer kill once a third of the events are applied.
