@@ -7,6 +7,7 @@ use std::time::Duration;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn demo_reports_a_clean_verdict() {
+    let _heavy = heavy().await;
     let db = TestDb::new().await;
     let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_replayproof"))
         .args([

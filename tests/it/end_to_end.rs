@@ -110,6 +110,7 @@ fn key(n: usize) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_thousand_signed_deliveries_with_redeliveries_have_one_effect_each() {
+    let _heavy = heavy().await;
     const DISTINCT: usize = 1_400;
     const DELIVERIES: usize = 2_000;
     let (kafka, db) = (TestKafka::for_processes(), TestDb::new().await);
@@ -168,6 +169,7 @@ async fn two_thousand_signed_deliveries_with_redeliveries_have_one_effect_each()
 #[cfg(feature = "failpoints")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ingress_killed_after_the_ack_before_the_answer_makes_the_retry_a_harmless_replay() {
+    let _heavy = heavy().await;
     let (kafka, db) = (TestKafka::for_processes(), TestDb::new().await);
     let (topic, group) = (kafka.topic(1).await, unique("group"));
     let http = reqwest::Client::new();

@@ -12,17 +12,14 @@ use std::time::Duration;
 
 const WAIT: Duration = Duration::from_secs(60);
 
-/// One failpoint scenario at a time.
-static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_connection_cut_at_commit_moves_no_offset_and_the_retry_applies_once() {
+    let _heavy = heavy().await;
     if !crate::harness::isolation::in_child_process(
         "failpoints::a_connection_cut_at_commit_moves_no_offset_and_the_retry_applies_once",
     ) {
         return;
     }
-    let _serial = SERIAL.lock().await;
     let (kafka, db) = (TestKafka::mock(), TestDb::new().await);
     let (topic, group) = (kafka.topic(1).await, unique("group"));
     // The batch's transaction waits at COMMIT long enough for its connection to be cut.
@@ -64,12 +61,12 @@ async fn a_connection_cut_at_commit_moves_no_offset_and_the_retry_applies_once()
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_delivery_is_not_started_with_less_than_a_request_timeout_left_on_the_lease() {
+    let _heavy = heavy().await;
     if !crate::harness::isolation::in_child_process(
         "failpoints::a_delivery_is_not_started_with_less_than_a_request_timeout_left_on_the_lease",
     ) {
         return;
     }
-    let _serial = SERIAL.lock().await;
     let (db, downstream) = (TestDb::new().await, Downstream::start().await);
     let op = outbox::operation_key("evt-slow", "deliver");
     enqueue_http(&db, &downstream, &["evt-slow".to_owned()], true).await;

@@ -86,6 +86,7 @@ impl OneEvent {
 #[cfg(feature = "failpoints")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn consumer_killed_between_claim_and_commit_applies_the_event_once_after_restart() {
+    let _heavy = heavy().await;
     let t = OneEvent::start(&[]).await;
     let first = t.consumer(Some("consume::before_commit=pause"));
     t.produce("evt-kill").await;
@@ -101,6 +102,7 @@ async fn consumer_killed_between_claim_and_commit_applies_the_event_once_after_r
 #[cfg(feature = "failpoints")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn consumer_killed_after_commit_before_offset_commit_replays_harmlessly() {
+    let _heavy = heavy().await;
     let t = OneEvent::start(&[]).await;
     let first = t.consumer(Some("consume::after_commit=pause"));
     t.produce("evt-kill").await;
@@ -114,6 +116,7 @@ async fn consumer_killed_after_commit_before_offset_commit_replays_harmlessly() 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_commits_what_committed_and_exits_zero() {
+    let _heavy = heavy().await;
     let (kafka, db) = (TestKafka::for_processes(), TestDb::new().await);
     let (topic, group) = (kafka.topic(2).await, unique("group"));
     let consumer = spawn(&kafka, &topic, &group, &db, None);
@@ -155,6 +158,7 @@ async fn sigterm_commits_what_committed_and_exits_zero() {
 /// processes, one of them killed with SIGKILL twice. Prints the sustained rate.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn twenty_thousand_events_three_processes_one_killed_twice() {
+    let _heavy = heavy().await;
     const EVENTS: usize = 20_000;
     let (kafka, db) = (TestKafka::for_processes(), TestDb::new().await);
     let (topic, group) = (kafka.topic(4).await, unique("group"));
@@ -211,6 +215,7 @@ async fn twenty_thousand_events_three_processes_one_killed_twice() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dispatcher_killed_mid_request_is_taken_over_and_its_late_completion_changes_nothing() {
+    let _heavy = heavy().await;
     use crate::harness::dispatcher::{Behaviour, Downstream};
     use replayproof::outbox;
     let (db, downstream) = (TestDb::new().await, Downstream::start().await);
@@ -279,10 +284,7 @@ async fn dispatcher_killed_mid_request_is_taken_over_and_its_late_completion_cha
     let second =
         replayproof::dispatch::Dispatcher::new(settings, db.pool.clone(), metrics).unwrap();
     let stop = tokio_util::sync::CancellationToken::new();
-    let running = tokio::spawn({
-        let stop = stop.clone();
-        async move { second.run(stop).await }
-    });
+    let running = second.start(stop.clone());
     wait_for(
         "the operation done by the second dispatcher",
         WAIT,
@@ -294,7 +296,7 @@ async fn dispatcher_killed_mid_request_is_taken_over_and_its_late_completion_cha
     )
     .await;
     stop.cancel();
-    running.await.unwrap().unwrap();
+    running.stopped().await.unwrap();
     assert_eq!(downstream.applied()[&op], 1, "one side effect");
     assert!(downstream.bodies()[&op]
         .iter()
@@ -343,6 +345,7 @@ async fn dispatcher_killed_mid_request_is_taken_over_and_its_late_completion_cha
 #[cfg(feature = "failpoints")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killed_consumer_leaves_no_orphan_outbox_operation() {
+    let _heavy = heavy().await;
     let t = OneEvent::start(&["--effect", "http", "--target-url", "http://127.0.0.1:9/ops"]).await;
     let first = t.consumer(Some("consume::before_commit=pause"));
     t.produce("evt-o").await;
@@ -393,6 +396,7 @@ async fn once_split_produce(
 #[cfg(feature = "failpoints")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn consumer_stopped_with_sigstop_mid_batch_is_taken_over_and_nothing_doubles() {
+    let _heavy = heavy().await;
     const EVENTS: usize = 400;
     let (kafka, db) = (TestKafka::for_processes(), TestDb::new().await);
     let (topic, group) = (kafka.topic(2).await, unique("group"));
@@ -443,6 +447,7 @@ async fn consumer_stopped_with_sigstop_mid_batch_is_taken_over_and_nothing_doubl
 #[cfg(feature = "failpoints")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lane_stuck_past_its_limits_fails_health_then_exits_non_zero() {
+    let _heavy = heavy().await;
     let t = OneEvent::start(&[]).await;
     let port = free_port();
     let addr = format!("127.0.0.1:{port}");
@@ -488,6 +493,7 @@ async fn a_lane_stuck_past_its_limits_fails_health_then_exits_non_zero() {
 #[cfg(feature = "failpoints")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_second_sigterm_stops_at_once_and_the_event_is_applied_once_later() {
+    let _heavy = heavy().await;
     let t = OneEvent::start(&[]).await;
     let stuck = ConsumerProcess::spawn_with(
         &t.kafka.brokers(),
@@ -510,6 +516,7 @@ async fn a_second_sigterm_stops_at_once_and_the_event_is_applied_once_later() {
 #[cfg(feature = "failpoints")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn consumer_cut_off_from_its_group_keeps_its_claims_and_the_new_owner_replays_harmlessly() {
+    let _heavy = heavy().await;
     const EVENTS: usize = 200;
     let (kafka, db) = (TestKafka::for_processes(), TestDb::new().await);
     let (topic, group) = (kafka.topic(2).await, unique("group"));

@@ -17,6 +17,14 @@ pub use processes::*;
 use std::future::Future;
 use std::time::{Duration, Instant};
 
+/// Held by the scenarios that run several processes against timeouts (kills, stalls, storms,
+/// failpoint children): they run one at a time, so that on a two-core machine they do not
+/// starve each other into timing out, while the light tests run beside them.
+pub async fn heavy() -> tokio::sync::MutexGuard<'static, ()> {
+    static HEAVY: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+    HEAVY.lock().await
+}
+
 /// A name no other test uses, for topics, groups and databases.
 pub fn unique(prefix: &str) -> String {
     format!("{prefix}_{}_{:08x}", std::process::id(), fastrand::u32(..))
