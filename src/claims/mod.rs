@@ -34,6 +34,8 @@ pub enum ClaimStatus {
 }
 
 impl ClaimStatus {
+    pub const ALL: [Self; 4] = [Self::InProgress, Self::Done, Self::Failed, Self::Dead];
+
     pub fn as_str(self) -> &'static str {
         match self {
             Self::InProgress => "in_progress",

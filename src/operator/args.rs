@@ -1,6 +1,6 @@
 //! The operator commands' flags, and how each runs: `events`, `dead-letters` and `status`.
 
-use super::events::{self, EventFilter, Resolution, Retry, RetryFilter};
+use super::events::{self, EventFilter, Resolution, Retry, RetryFilter, StateName};
 use super::{dead_letters, render, status, Act};
 use crate::args::{DatabaseArgs, KafkaOptions};
 use crate::effect::Registry;
@@ -55,7 +55,7 @@ pub enum EventsCommand {
         /// A claim status (done, failed) or an operation state (pending, in_progress,
         /// retryable, uncertain, done, failed, dead).
         #[arg(long)]
-        state: Option<String>,
+        state: Option<StateName>,
         #[arg(long)]
         source: Option<String>,
         /// Only events claimed at least this many seconds ago.
@@ -103,8 +103,8 @@ pub struct RetryArgs {
     #[arg(long)]
     effect: Option<String>,
     /// Bulk: retry every event whose claim or an operation is in this state.
-    #[arg(long, value_parser = ["failed", "uncertain", "dead"], conflicts_with = "key")]
-    state: Option<String>,
+    #[arg(long, value_parser = StateName::retryable, conflicts_with = "key")]
+    state: Option<StateName>,
     /// Bulk: only events of this source.
     #[arg(long, requires = "state")]
     source: Option<String>,
@@ -174,7 +174,7 @@ impl RetryArgs {
             effect: effect.transpose()?,
         };
         let act = self.op.act(&self.reason);
-        let Some(state) = self.state.clone() else {
+        let Some(state) = self.state else {
             let key = self.key.as_deref().unwrap_or_default();
             let changes = events::retry(&pool, registry, key, &retry, &act).await?;
             render::print(self.op.json, &changes, |c| render::changes(c));

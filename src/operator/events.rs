@@ -11,11 +11,45 @@ use serde::Serialize;
 use sqlx::{PgConnection, PgPool};
 use std::sync::Arc;
 
+/// A state `--state` names: a claim status or an operation state (`done` and `failed` are
+/// both). An event is in it when its claim or any of its operations is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StateName(&'static str);
+
+impl StateName {
+    pub fn as_str(self) -> &'static str {
+        self.0
+    }
+
+    /// A state a bulk retry takes: `failed`, `uncertain` or `dead`.
+    pub fn retryable(s: &str) -> Result<Self, String> {
+        let name: Self = s.parse()?;
+        match name.0.parse::<OutboxState>() {
+            Ok(state) if state.is_retryable_by_hand() => Ok(name),
+            _ => Err(format!("a retry takes failed, uncertain or dead, not {s}")),
+        }
+    }
+}
+
+impl std::str::FromStr for StateName {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let claims = ClaimStatus::ALL.map(ClaimStatus::as_str);
+        let operations = OutboxState::ALL.map(OutboxState::as_str);
+        claims
+            .into_iter()
+            .chain(operations)
+            .find(|name| *name == s)
+            .map(Self)
+            .ok_or_else(|| format!("{s:?} is not a claim status or an operation state"))
+    }
+}
+
 /// Filters for `events list`.
 #[derive(Debug, Clone, Default)]
 pub struct EventFilter {
-    /// A claim status or an operation state.
-    pub state: Option<String>,
+    pub state: Option<StateName>,
     pub source: Option<String>,
     /// Only events claimed at least this long ago.
     pub older_than: Option<std::time::Duration>,
@@ -46,7 +80,7 @@ pub async fn list(pool: &PgPool, f: &EventFilter) -> Result<Vec<EventSummary>, O
              AND ($3::float8 IS NULL OR claimed_at <= now() - make_interval(secs => $3))
            ORDER BY claimed_at DESC, event_key
            LIMIT $4"#,
-        f.state.as_deref(),
+        f.state.map(StateName::as_str),
         f.source.as_deref(),
         f.older_than.map(|d| d.as_secs_f64()),
         f.limit,
@@ -84,8 +118,8 @@ pub async fn show(pool: &PgPool, key: &str) -> Result<EventDetail, OperatorError
 /// Which events a bulk retry takes.
 #[derive(Debug, Clone)]
 pub struct RetryFilter {
-    /// `failed`, `uncertain` or `dead`: of the claim or of one of its operations.
-    pub state: String,
+    /// `failed`, `uncertain` or `dead` ([`StateName::retryable`]).
+    pub state: StateName,
     pub source: Option<String>,
     /// Only events claimed at or after this time.
     pub since: Option<DateTime<Utc>>,
@@ -101,7 +135,7 @@ pub async fn to_retry(pool: &PgPool, f: &RetryFilter) -> Result<Vec<String>, Ope
              AND ($3::timestamptz IS NULL OR claimed_at >= $3)
            ORDER BY claimed_at, event_key
            LIMIT $4"#,
-        &f.state,
+        f.state.as_str(),
         f.source.as_deref(),
         f.since,
         f.limit,
@@ -326,4 +360,35 @@ async fn resolve_operations(
         changes.push(change);
     }
     Ok(changes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_state_name_is_a_claim_status_or_an_operation_state() {
+        for name in [
+            "in_progress",
+            "done",
+            "failed",
+            "dead",
+            "pending",
+            "uncertain",
+        ] {
+            assert_eq!(name.parse::<StateName>().unwrap().as_str(), name);
+        }
+        assert!("bogus".parse::<StateName>().is_err());
+        assert!("Done".parse::<StateName>().is_err());
+    }
+
+    #[test]
+    fn a_bulk_retry_takes_only_states_an_operator_may_retry() {
+        for name in ["failed", "uncertain", "dead"] {
+            assert!(StateName::retryable(name).is_ok(), "{name}");
+        }
+        for name in ["done", "pending", "in_progress", "retryable", "bogus"] {
+            assert!(StateName::retryable(name).is_err(), "{name}");
+        }
+    }
 }

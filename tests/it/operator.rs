@@ -297,6 +297,44 @@ async fn retry_runs_a_failed_local_effect_again_from_its_stored_payload() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_holds_no_lock_while_producing_and_marks_nothing_when_producing_fails() {
+    let db = TestDb::new().await;
+    let poison = RawMessage {
+        offset: 7,
+        key: Some(b"k".to_vec()),
+        value: Some(b"oops".to_vec()),
+    };
+    process(&db, Arc::new(Ledger), &[poison]).await;
+    let id = dead_letters::list(&db.pool, 10).await.unwrap()[0].id;
+    let act = Act::new("erin", "broker was down");
+
+    let failed = dead_letters::replay(&db.pool, id, &act, |_| async {
+        anyhow::bail!("the broker is down")
+    })
+    .await;
+    assert!(failed.is_err());
+    let marked = "SELECT count(*) FROM dead_letters WHERE replayed_at IS NOT NULL";
+    assert_eq!(db.count(marked).await, 0, "a failed produce marks nothing");
+    assert_eq!(db.count("SELECT count(*) FROM operator_actions").await, 0);
+
+    let pool = db.pool.clone();
+    let changes = dead_letters::replay(&db.pool, id, &act, |letter| async move {
+        assert_eq!(letter.value.as_deref(), Some(&b"oops"[..]));
+        // While Kafka is waited on, anyone may lock the letter's row at once.
+        sqlx::query("SELECT 1 FROM dead_letters WHERE id = $1 FOR UPDATE NOWAIT")
+            .bind(id)
+            .execute(&pool)
+            .await?;
+        Ok("webhooks".to_owned())
+    })
+    .await
+    .unwrap();
+    assert_eq!(changes[0].after, "replayed");
+    assert_eq!(db.count(marked).await, 1);
+    assert_eq!(db.count("SELECT count(*) FROM operator_actions").await, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dead_letters_are_listed_shown_and_replayed() {
     let (db, kafka) = (TestDb::new().await, TestKafka::mock());
     let topic = kafka.topic(1).await;
