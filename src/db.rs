@@ -121,8 +121,11 @@ pub fn pool_in(
         .application_name("replayproof")
         .options(limits.settings())
         .options([("search_path", schema.search_path())]);
+    // No ping before each acquire (a round trip per transaction): a connection that died while
+    // idle fails its first statement instead, and the batch is retried on a fresh one.
     Ok(PgPoolOptions::new()
         .max_connections(max_connections)
+        .test_before_acquire(false)
         .acquire_timeout(Duration::from_secs(5))
         .connect_lazy_with(options))
 }

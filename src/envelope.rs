@@ -7,6 +7,7 @@
 
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
+use serde_json::value::RawValue;
 use sha2::{Digest, Sha256};
 use std::fmt;
 
@@ -195,6 +196,9 @@ pub struct Event {
     pub event_type: Option<String>,
     pub received_at: Option<DateTime<Utc>>,
     pub payload: serde_json::Value,
+    /// The payload's JSON text as it arrived, stored and sent as is: the payload is never
+    /// serialised again.
+    pub payload_json: Box<RawValue>,
     pub payload_sha256: [u8; 32],
     /// The replay guard's window, for sources that sign only the body; see [`Envelope`].
     pub replay_window_secs: Option<u64>,
@@ -209,7 +213,7 @@ struct Wire {
     event_type: Option<String>,
     #[serde(default)]
     received_at: Option<DateTime<Utc>>,
-    payload: serde_json::Value,
+    payload: Box<RawValue>,
     #[serde(default)]
     unhashed: Vec<String>,
     #[serde(default)]
@@ -227,35 +231,60 @@ impl Event {
         if message_key.is_some_and(|k| k != key.as_str().as_bytes()) {
             return Err(Malformed::KeyMismatch);
         }
+        let payload: serde_json::Value = serde_json::from_str(wire.payload.get())
+            .map_err(|e| Malformed::NotJson(e.to_string()))?;
         check_storable(
             key.as_str(),
             &wire.source,
             wire.event_type.as_deref(),
             wire.received_at,
-            &wire.payload,
+            &payload,
         )?;
         Ok(Self {
-            payload_sha256: payload_hash_without(&wire.payload, &wire.unhashed),
+            payload_sha256: payload_hash_without(&payload, &wire.unhashed),
             key,
             source: wire.source,
             event_type: wire.event_type,
             received_at: wire.received_at,
-            payload: wire.payload,
+            payload,
+            payload_json: wire.payload,
             replay_window_secs: wire.replay_window_secs.filter(|secs| *secs > 0),
         })
+    }
+
+    /// The JSON text of a payload that was not read from a message (a stored claim's).
+    pub fn json_of(payload: &serde_json::Value) -> Box<RawValue> {
+        serde_json::value::to_raw_value(payload).expect("a JSON value always serialises")
+    }
+
+    /// The envelope to send downstream for this event, its payload copied as it arrived.
+    pub fn envelope_bytes(&self) -> Vec<u8> {
+        #[derive(Serialize)]
+        struct Outbound<'a> {
+            key: &'a str,
+            source: &'a str,
+            #[serde(rename = "type", skip_serializing_if = "Option::is_none")]
+            event_type: Option<&'a str>,
+            #[serde(skip_serializing_if = "Option::is_none")]
+            received_at: Option<DateTime<Utc>>,
+            payload: &'a RawValue,
+        }
+        serde_json::to_vec(&Outbound {
+            key: self.key.as_str(),
+            source: &self.source,
+            event_type: self.event_type.as_deref(),
+            received_at: self.received_at,
+            payload: &self.payload_json,
+        })
+        .expect("an envelope always serialises")
     }
 }
 
 /// [`payload_hash`] of the payload without the top-level fields named in `unhashed`.
 pub fn payload_hash_without(payload: &serde_json::Value, unhashed: &[String]) -> [u8; 32] {
-    match payload {
-        serde_json::Value::Object(map) if unhashed.iter().any(|f| map.contains_key(f)) => {
-            let mut kept = map.clone();
-            kept.retain(|field, _| !unhashed.contains(field));
-            payload_hash(&serde_json::Value::Object(kept))
-        }
-        _ => payload_hash(payload),
-    }
+    let mut hasher = Sha256::new();
+    write_canonical(payload, unhashed, &mut hasher).expect("hashing never fails to write");
+    hasher.finalize().into()
 }
 
 /// SHA-256 over the payload's canonical form after RFC 8785 (JSON Canonicalization Scheme):
@@ -265,23 +294,44 @@ pub fn payload_hash_without(payload: &serde_json::Value, unhashed: &[String]) ->
 /// enables. Numbers keep the exact text they arrived with (the `arbitrary_precision` feature),
 /// so two payloads differing in a digit past f64's precision never hash the same.
 pub fn payload_hash(payload: &serde_json::Value) -> [u8; 32] {
-    let canonical =
-        serde_json::to_vec(&canonical(payload)).expect("a JSON value always serialises");
-    Sha256::digest(&canonical).into()
+    payload_hash_without(payload, &[])
 }
 
-/// `value` with every object's keys in RFC 8785 order.
-fn canonical(value: &serde_json::Value) -> serde_json::Value {
+/// Writes `value` in canonical form straight into `out`, leaving out the top-level fields in
+/// `skip`: no copy of the value is made.
+fn write_canonical(
+    value: &serde_json::Value,
+    skip: &[String],
+    out: &mut impl std::io::Write,
+) -> std::io::Result<()> {
     use serde_json::Value;
     match value {
         Value::Object(map) => {
-            let mut entries: Vec<(&String, &Value)> = map.iter().collect();
+            let mut entries: Vec<(&String, &Value)> =
+                map.iter().filter(|(k, _)| !skip.contains(k)).collect();
             entries.sort_by(|(a, _), (b, _)| a.encode_utf16().cmp(b.encode_utf16()));
-            let sorted = entries.into_iter().map(|(k, v)| (k.clone(), canonical(v)));
-            Value::Object(sorted.collect())
+            out.write_all(b"{")?;
+            for (i, (k, v)) in entries.into_iter().enumerate() {
+                if i > 0 {
+                    out.write_all(b",")?;
+                }
+                serde_json::to_writer(&mut *out, k)?;
+                out.write_all(b":")?;
+                write_canonical(v, &[], out)?;
+            }
+            out.write_all(b"}")
         }
-        Value::Array(items) => Value::Array(items.iter().map(canonical).collect()),
-        other => other.clone(),
+        Value::Array(items) => {
+            out.write_all(b"[")?;
+            for (i, v) in items.iter().enumerate() {
+                if i > 0 {
+                    out.write_all(b",")?;
+                }
+                write_canonical(v, &[], out)?;
+            }
+            out.write_all(b"]")
+        }
+        other => Ok(serde_json::to_writer(out, other)?),
     }
 }
 
@@ -311,6 +361,25 @@ mod tests {
     }
 
     use super::*;
+
+    #[test]
+    fn the_canonical_form_is_compact_sorted_json() {
+        let v: serde_json::Value =
+            serde_json::from_str(r#"{ "b" : [1, {"d":null,"c":"x"}], "a" : 1.50, "skip": 0 }"#)
+                .unwrap();
+        let canonical = br#"{"a":1.50,"b":[1,{"c":"x","d":null}]}"#;
+        let expected: [u8; 32] = Sha256::digest(canonical).into();
+        assert_eq!(payload_hash_without(&v, &["skip".into()]), expected);
+    }
+
+    #[test]
+    fn the_payload_text_is_kept_as_it_arrived() {
+        let e = parse(r#"{"key":"k","source":"s","payload":{ "z": 1, "a": 10.000 }}"#).unwrap();
+        assert_eq!(e.payload_json.get(), r#"{ "z": 1, "a": 10.000 }"#);
+        let sent: serde_json::Value = serde_json::from_slice(&e.envelope_bytes()).unwrap();
+        assert_eq!(sent["payload"], e.payload);
+        assert_eq!(sent["key"], "k");
+    }
 
     fn parse(value: &str) -> Result<Event, Malformed> {
         Event::parse(None, Some(value.as_bytes()))

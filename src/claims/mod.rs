@@ -21,8 +21,9 @@ pub struct Origin<'a> {
     pub partition: i32,
 }
 
-/// A claim's status: `in_progress` while its batch runs, then `done` or `failed` (kept for an
-/// operator's retry or resolve), or `dead` when an operator gave up on it.
+/// A claim's status: `done` or `failed` (kept for an operator's retry or resolve), or `dead`
+/// when an operator gave up on it. `in_progress` is what claims were inserted with before they
+/// were written once with their final status; old rows may still hold it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, sqlx::Type)]
 #[sqlx(type_name = "text", rename_all = "snake_case")]
 #[serde(rename_all = "snake_case")]
@@ -52,16 +53,18 @@ impl std::fmt::Display for ClaimStatus {
     }
 }
 
-/// A claimed event's outcome, written back to its claim before COMMIT.
-#[derive(Debug, Clone)]
-pub struct Settlement<'a> {
-    pub key: &'a str,
-    pub status: ClaimStatus,
+/// A claimed event whose effect failed for good: written to its claim with the payload, so an
+/// operator can retry it.
+#[derive(Debug)]
+pub struct Failure<'a> {
+    pub event: &'a Event,
     pub attempts: i32,
-    pub last_error: Option<String>,
+    pub error: String,
 }
 
-/// Claims the keys of `events` in one statement and returns the keys this transaction claimed.
+/// Claims the keys of `events` in one statement, each row written once with its final status
+/// (`done`: its effect runs in the same transaction), and returns the keys this transaction
+/// claimed. A settled claim keeps its payload's hash, not the payload.
 ///
 /// The rows are inserted in key order (`COLLATE "C"`), so two transactions racing on
 /// overlapping keys take their locks in the same order and can wait on each other but never
@@ -80,15 +83,14 @@ pub async fn claim(
         .map(|(_, e)| e.event_type.as_deref())
         .collect();
     let hashes: Vec<&[u8]> = events.iter().map(|(_, e)| &e.payload_sha256[..]).collect();
-    let payloads: Vec<&serde_json::Value> = events.iter().map(|(_, e)| &e.payload).collect();
     let received: Vec<Option<DateTime<Utc>>> = events.iter().map(|(_, e)| e.received_at).collect();
     let offsets: Vec<i64> = events.iter().map(|(o, _)| *o).collect();
     sqlx::query_scalar!(
         r#"INSERT INTO processed_events (event_key, source, event_type, status, payload_sha256,
-                payload, received_at, kafka_topic, kafka_partition, kafka_offset)
-           SELECT k, s, t, 'in_progress', h, p, r, $8, $9, o
-           FROM unnest($1::text[], $2::text[], $3::text[], $4::bytea[], $5::jsonb[],
-                       $6::timestamptz[], $7::int8[]) AS u(k, s, t, h, p, r, o)
+                received_at, kafka_topic, kafka_partition, kafka_offset, attempts, completed_at)
+           SELECT k, s, t, 'done', h, r, $7, $8, o, 1, now()
+           FROM unnest($1::text[], $2::text[], $3::text[], $4::bytea[], $5::timestamptz[],
+                       $6::int8[]) AS u(k, s, t, h, r, o)
            ORDER BY k COLLATE "C"
            ON CONFLICT (event_key) DO NOTHING
            RETURNING event_key"#,
@@ -96,7 +98,6 @@ pub async fn claim(
         &sources as _,
         &types as _,
         &hashes as _,
-        &payloads as _,
         &received as _,
         &offsets,
         origin.topic,
@@ -123,33 +124,44 @@ pub async fn stored_hashes(
         .collect())
 }
 
-/// Writes each claimed event's outcome to its claim; a failed one also records `effect_spec`,
-/// the effects to run again on an operator's retry.
-#[tracing::instrument(skip_all, fields(claims = settlements.len()))]
-pub async fn settle(
+/// Marks claims of this transaction whose effect failed for good as `failed`, with the error,
+/// the payload and `effect_spec` (the effects to run again on an operator's retry).
+#[tracing::instrument(skip_all, fields(claims = failures.len()))]
+pub async fn fail(
     conn: &mut PgConnection,
-    settlements: &[Settlement<'_>],
+    failures: &[Failure<'_>],
     effect_spec: Option<&serde_json::Value>,
 ) -> sqlx::Result<()> {
-    let keys: Vec<&str> = settlements.iter().map(|s| s.key).collect();
-    let statuses: Vec<&str> = settlements.iter().map(|s| s.status.as_str()).collect();
-    let attempts: Vec<i32> = settlements.iter().map(|s| s.attempts).collect();
-    let errors: Vec<Option<&str>> = settlements
+    let keys: Vec<&str> = failures.iter().map(|f| f.event.key.as_str()).collect();
+    let attempts: Vec<i32> = failures.iter().map(|f| f.attempts).collect();
+    let errors: Vec<&str> = failures.iter().map(|f| f.error.as_str()).collect();
+    let payloads: Vec<&str> = failures
         .iter()
-        .map(|s| s.last_error.as_deref())
+        .map(|f| f.event.payload_json.get())
         .collect();
     sqlx::query!(
         r#"UPDATE processed_events AS p
-           SET status = u.status, attempts = u.attempts, last_error = u.err,
-               completed_at = CASE WHEN u.status = 'done' THEN clock_timestamp() END,
-               effect_spec = CASE WHEN u.status = 'failed' THEN $5::jsonb END
-           FROM unnest($1::text[], $2::text[], $3::int4[], $4::text[]) AS u(k, status, attempts, err)
+           SET status = 'failed', attempts = u.attempts, last_error = u.err,
+               payload = u.payload::jsonb, completed_at = NULL, effect_spec = $5::jsonb
+           FROM unnest($1::text[], $2::int4[], $3::text[], $4::text[]) AS u(k, attempts, err, payload)
            WHERE p.event_key = u.k"#,
         &keys as _,
-        &statuses as _,
         &attempts,
         &errors as _,
+        &payloads as _,
         effect_spec,
+    )
+    .execute(conn)
+    .await?;
+    Ok(())
+}
+
+/// Takes back claims of this transaction whose effect failed and will be tried again in a later
+/// transaction: at commit the keys are unclaimed, as if never seen.
+pub async fn release(conn: &mut PgConnection, keys: &[&str]) -> sqlx::Result<()> {
+    sqlx::query!(
+        "DELETE FROM processed_events WHERE event_key = ANY($1)",
+        keys as _
     )
     .execute(conn)
     .await?;
@@ -170,7 +182,8 @@ pub struct ClaimRow {
     pub first_seen_at: String,
     pub claimed_at: DateTime<Utc>,
     pub completed_at: Option<DateTime<Utc>>,
-    pub payload: serde_json::Value,
+    /// Kept only on claims that are not settled `done` (see [`claim`]).
+    pub payload: Option<serde_json::Value>,
 }
 
 /// One claim, if the key was ever claimed.
@@ -194,7 +207,8 @@ pub struct StoredClaim {
     pub source: String,
     pub event_type: Option<String>,
     pub received_at: Option<DateTime<Utc>>,
-    pub payload: serde_json::Value,
+    /// None on a claim settled `done`, which keeps only the hash.
+    pub payload: Option<serde_json::Value>,
     pub payload_sha256: Vec<u8>,
     pub status: ClaimStatus,
     pub effect_spec: Option<serde_json::Value>,
@@ -213,8 +227,8 @@ pub async fn lock(conn: &mut PgConnection, key: &str) -> sqlx::Result<Option<Sto
     .await
 }
 
-/// Records one more attempt at a claim's effect: `error` None settles it `done`, otherwise it
-/// stays `failed` with the error.
+/// Records one more attempt at a claim's effect: `error` None settles it `done` (keeping only
+/// the payload's hash, as every `done` claim), otherwise it stays `failed` with the error.
 pub async fn record_attempt(
     conn: &mut PgConnection,
     key: &str,
@@ -224,7 +238,8 @@ pub async fn record_attempt(
         r#"UPDATE processed_events
            SET attempts = attempts + 1, last_error = $2,
                status = CASE WHEN $2::text IS NULL THEN 'done' ELSE status END,
-               completed_at = CASE WHEN $2::text IS NULL THEN now() ELSE completed_at END
+               completed_at = CASE WHEN $2::text IS NULL THEN now() ELSE completed_at END,
+               payload = CASE WHEN $2::text IS NULL THEN NULL ELSE payload END
            WHERE event_key = $1"#,
         key,
         error

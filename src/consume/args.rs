@@ -12,8 +12,8 @@ pub const DEFAULT_METRICS_ADDR: &str = "127.0.0.1:9464";
 pub const DEFAULT_EFFECT: &str = "ledger";
 /// Sends of an outbox operation before it is dead (`--max-attempts`).
 pub const DEFAULT_MAX_ATTEMPTS: i32 = 10;
-/// Tries of a failing effect, inside its batch, before the event is settled `failed`
-/// (`--effect-attempts`).
+/// Tries of a failing effect, each in its own transaction, before the event is settled
+/// `failed` (`--effect-attempts`).
 pub const DEFAULT_EFFECT_ATTEMPTS: u32 = 3;
 /// PostgreSQL connections: one per partition lane in flight, and some to spare
 /// (`--db-pool-size`).
@@ -60,8 +60,9 @@ pub struct ConsumeArgs {
     #[arg(long, env = "REPLAYPROOF_COMMIT_INTERVAL_MS", default_value_t = millis(DEFAULT_COMMIT_INTERVAL))]
     pub commit_interval_ms: u64,
 
-    /// Attempts of a failing effect before its event is recorded as failed.
-    #[arg(long, env = "REPLAYPROOF_EFFECT_ATTEMPTS", default_value_t = DEFAULT_EFFECT_ATTEMPTS, value_parser = clap::value_parser!(u32).range(1..=100))]
+    /// Attempts of a failing effect before its event is recorded as failed, each in a new
+    /// transaction after a backoff (50 ms, doubled, at most 2 s); at most 10.
+    #[arg(long, env = "REPLAYPROOF_EFFECT_ATTEMPTS", default_value_t = DEFAULT_EFFECT_ATTEMPTS, value_parser = clap::value_parser!(u32).range(1..=super::batch::MAX_EFFECT_ATTEMPTS as i64))]
     pub effect_attempts: u32,
 
     /// The longest pause between retries of a batch that failed on a database error, in

@@ -1,18 +1,20 @@
 //! One batch of one partition, in one transaction: dead letters, claims, conflicts, effects.
 //!
-//! The fast path applies every claimed event's effect directly in the batch transaction. When
-//! an effect fails, that transaction is rolled back and the batch runs again with a savepoint
-//! around each effect, so the failing event is retried and, at worst, recorded as `failed`
-//! while the rest of the batch commits once. An effect failing for a reason that says nothing
-//! about the event (a timeout, a lost connection, a missing table) settles nothing: the batch
-//! rolls back and is retried whole.
+//! Every claim is written once, with its final status, and the effect runs once for the whole
+//! batch ([`Effect::apply_batch`]) in a savepoint. When it fails, the savepoint is rolled back
+//! and the batch is split in halves, each applied in its own savepoint, until the events that
+//! fail alone are found; the rest commits. A failing event's claim is taken back and the event
+//! is tried again in a later transaction after a capped backoff, so no transaction sits open
+//! while waiting; after its last attempt it is recorded as `failed` with the error and its
+//! payload. An effect failing for a reason that says nothing about the event (a timeout, a lost
+//! connection, a missing table) settles nothing: the batch rolls back and is retried whole.
 //!
 //! When PostgreSQL refuses the batch's own rows (a data error, SQLSTATE classes 22 and 23), the
 //! batch is split in halves until the refused messages are found; each becomes a dead letter
 //! with PostgreSQL's message and the rest commits, so one bad message never stalls a partition.
 
 use crate::claims::dead_letters::{self, DeadLetter};
-use crate::claims::{self, conflicts, ClaimStatus, Origin, Settlement};
+use crate::claims::{self, conflicts, Failure, Origin};
 use crate::effect::{self, Effect, FailureKind};
 use crate::envelope::Event;
 use sqlx::{Acquire, PgPool, Postgres, Transaction};
@@ -76,12 +78,20 @@ pub enum BatchError {
     Transient(anyhow::Error),
 }
 
+/// The most attempts `--effect-attempts` allows: with the capped backoff, an event's retries
+/// end within seconds, well inside a batch's timeout.
+pub const MAX_EFFECT_ATTEMPTS: u32 = 10;
+/// The longest wait between two attempts at a failing event's effect.
+pub const MAX_EFFECT_BACKOFF: Duration = Duration::from_secs(2);
+
 /// How effects are retried when they fail.
 #[derive(Debug, Clone, Copy)]
 pub struct EffectRetry {
-    /// Attempts per event before it is recorded as failed; at least 1.
+    /// Attempts per event before it is recorded as failed; taken between 1 and
+    /// [`MAX_EFFECT_ATTEMPTS`].
     pub attempts: u32,
-    /// The pause before the second attempt; doubled for each further one.
+    /// The wait before the second attempt; doubled for each further one, up to
+    /// [`MAX_EFFECT_BACKOFF`]. No transaction is open while waiting.
     pub backoff: Duration,
 }
 
@@ -91,6 +101,21 @@ impl Default for EffectRetry {
             attempts: 3,
             backoff: Duration::from_millis(50),
         }
+    }
+}
+
+impl EffectRetry {
+    fn attempts(&self) -> u32 {
+        self.attempts.clamp(1, MAX_EFFECT_ATTEMPTS)
+    }
+
+    /// The wait after the failed attempt number `attempt` (from 1).
+    fn delay(&self, attempt: u32) -> Duration {
+        let doubled = self.backoff.saturating_mul(
+            1u32.checked_shl(attempt.saturating_sub(1))
+                .unwrap_or(u32::MAX),
+        );
+        doubled.min(MAX_EFFECT_BACKOFF)
     }
 }
 
@@ -114,14 +139,14 @@ struct Plan<'m> {
 }
 
 impl<'m> Plan<'m> {
-    fn new(origin: Origin<'m>, messages: &'m [RawMessage]) -> Self {
+    fn new(origin: Origin<'m>, messages: &[&'m RawMessage]) -> Self {
         let mut plan = Plan {
             origin,
-            firsts: Vec::new(),
+            firsts: Vec::with_capacity(messages.len()),
             copies: Vec::new(),
             dead: Vec::new(),
         };
-        let mut seen = HashSet::new();
+        let mut seen = HashSet::with_capacity(messages.len());
         for m in messages {
             match Event::parse(m.key.as_deref(), m.value.as_deref()) {
                 Ok(event) if seen.insert(event.key.clone()) => plan.firsts.push((m.offset, event)),
@@ -138,10 +163,23 @@ impl<'m> Plan<'m> {
     }
 }
 
+/// What one pass over (part of) a batch committed, and the offsets of the events whose effect
+/// failed and is to be tried again in a later transaction.
+#[derive(Default)]
+struct Pass {
+    report: BatchReport,
+    held: Vec<i64>,
+}
+
+impl Pass {
+    fn merge(&mut self, other: Pass) {
+        self.report.merge(other.report);
+        self.held.extend(other.held);
+    }
+}
+
 /// Why one run of a batch did not commit.
 enum RunError {
-    /// An effect failed on the fast path: run again with savepoints.
-    EffectFailed,
     /// An effect failed transiently: roll back and retry the batch later.
     Transient(anyhow::Error),
     Database(sqlx::Error),
@@ -152,7 +190,6 @@ impl From<RunError> for BatchError {
         match e {
             RunError::Database(e) => Self::Database(e),
             RunError::Transient(e) => Self::Transient(e),
-            RunError::EffectFailed => unreachable!("isolated runs settle failures"),
         }
     }
 }
@@ -163,17 +200,15 @@ impl From<sqlx::Error> for RunError {
     }
 }
 
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Mode {
-    Fast,
-    Isolated,
-}
-
 impl BatchProcessor {
-    /// Applies a batch in one transaction and commits it. An error means nothing of the batch
-    /// committed, or (for an error from COMMIT itself) that the outcome is unknown; either way
-    /// the caller must not move the offset and should retry, which the claims make harmless.
-    /// Messages PostgreSQL refuses are dead-lettered, not returned as an error.
+    /// Applies a batch and commits it. An error means nothing of the batch committed, or (for an
+    /// error from COMMIT itself) that the outcome is unknown; either way the caller must not move
+    /// the offset and should retry, which the claims make harmless. Messages PostgreSQL refuses
+    /// are dead-lettered, not returned as an error.
+    ///
+    /// Events whose effect fails are tried again, each attempt in a new transaction after a
+    /// capped backoff with no transaction open, until they succeed or run out of attempts; the
+    /// call returns once every event of the batch is settled.
     #[tracing::instrument(name = "batch", skip_all, fields(topic, partition, messages = messages.len()))]
     pub async fn process(
         &self,
@@ -182,29 +217,39 @@ impl BatchProcessor {
         messages: &[RawMessage],
     ) -> Result<BatchReport, BatchError> {
         let origin = Origin { topic, partition };
-        match self.process_part(origin, messages).await {
-            Err(BatchError::Database(e)) if crate::db::is_data_error(&e) => {
-                tracing::warn!(partition, error = %e, "PostgreSQL refused part of a batch; splitting it to find the messages.");
-                self.split_out_refused(origin, messages, e).await
+        let mut report = BatchReport::default();
+        let mut part: Vec<&RawMessage> = messages.iter().collect();
+        for attempt in 1.. {
+            let pass = self.process_pass(origin, &part, attempt).await?;
+            report.merge(pass.report);
+            if pass.held.is_empty() {
+                break;
             }
-            other => other,
+            let delay = self.retry.delay(attempt);
+            tracing::debug!(
+                partition,
+                events = pass.held.len(),
+                attempt,
+                retry_in_ms = delay.as_millis() as u64,
+                "Effects failed; trying their events again in a new transaction."
+            );
+            tokio::time::sleep(delay).await;
+            part.retain(|m| pass.held.contains(&m.offset));
         }
+        Ok(report)
     }
 
-    /// Runs part of a batch in one transaction: fast, then isolated if an effect failed.
-    async fn process_part(
+    /// One pass over part of a batch, splitting out the messages PostgreSQL refuses.
+    async fn process_pass(
         &self,
         origin: Origin<'_>,
-        messages: &[RawMessage],
-    ) -> Result<BatchReport, BatchError> {
-        let plan = Plan::new(origin, messages);
-        match self.run_and_commit(&plan, Mode::Fast).await {
-            Err(RunError::EffectFailed) => {
-                tracing::debug!(
-                    partition = origin.partition,
-                    "An effect failed; isolating the batch's events."
-                );
-                Ok(self.run_and_commit(&plan, Mode::Isolated).await?)
+        messages: &[&RawMessage],
+        attempt: u32,
+    ) -> Result<Pass, BatchError> {
+        match self.run_and_commit(origin, messages, attempt).await {
+            Err(RunError::Database(e)) if crate::db::is_data_error(&e) => {
+                tracing::warn!(partition = origin.partition, error = %e, "PostgreSQL refused part of a batch; splitting it to find the messages.");
+                self.split_out_refused(origin, messages, e, attempt).await
             }
             other => Ok(other?),
         }
@@ -216,27 +261,28 @@ impl BatchProcessor {
     async fn split_out_refused(
         &self,
         origin: Origin<'_>,
-        messages: &[RawMessage],
+        messages: &[&RawMessage],
         refusal: sqlx::Error,
-    ) -> Result<BatchReport, BatchError> {
-        let mut report = BatchReport::default();
+        attempt: u32,
+    ) -> Result<Pass, BatchError> {
+        let mut done = Pass::default();
         let mut parts = VecDeque::from([(messages, Some(refusal))]);
         while let Some((part, refusal)) = parts.pop_front() {
             let refusal = match refusal {
                 Some(e) => e,
-                None => match self.process_part(origin, part).await {
-                    Ok(r) => {
-                        report.merge(r);
+                None => match self.run_and_commit(origin, part, attempt).await {
+                    Ok(pass) => {
+                        done.merge(pass);
                         continue;
                     }
-                    Err(BatchError::Database(e)) if crate::db::is_data_error(&e) => e,
-                    Err(e) => return Err(e),
+                    Err(RunError::Database(e)) if crate::db::is_data_error(&e) => e,
+                    Err(e) => return Err(e.into()),
                 },
             };
             match part {
                 [message] => {
                     let letter = self.dead_letter_refused(origin, message, &refusal).await?;
-                    report.merge(letter);
+                    done.report.merge(letter);
                 }
                 _ => {
                     let (left, right) = part.split_at(part.len() / 2);
@@ -245,7 +291,7 @@ impl BatchProcessor {
                 }
             }
         }
-        Ok(report)
+        Ok(done)
     }
 
     /// Dead-letters one message whose rows PostgreSQL refused, with PostgreSQL's own message.
@@ -278,14 +324,20 @@ impl BatchProcessor {
         })
     }
 
-    async fn run_and_commit(&self, plan: &Plan<'_>, mode: Mode) -> Result<BatchReport, RunError> {
+    async fn run_and_commit(
+        &self,
+        origin: Origin<'_>,
+        messages: &[&RawMessage],
+        attempt: u32,
+    ) -> Result<Pass, RunError> {
+        let plan = Plan::new(origin, messages);
         let mut tx = self.pool.begin().await?;
-        match self.run(&mut tx, plan, mode).await {
-            Ok(report) => {
+        match self.run(&mut tx, &plan, attempt).await {
+            Ok(pass) => {
                 crate::failpoint!("consume::before_commit");
                 crate::stallpoint!("consume::stall_before_commit");
                 tx.commit().await?;
-                Ok(report)
+                Ok(pass)
             }
             Err(e) => {
                 // The rollback's own failure changes nothing: the transaction did not commit.
@@ -295,12 +347,14 @@ impl BatchProcessor {
         }
     }
 
+    /// The batch's steps, in its transaction: dead letters, replayed captures, claims, replays
+    /// and conflicts, effects, failures.
     async fn run(
         &self,
         tx: &mut Transaction<'static, Postgres>,
         plan: &Plan<'_>,
-        mode: Mode,
-    ) -> Result<BatchReport, RunError> {
+        attempt: u32,
+    ) -> Result<Pass, RunError> {
         let origin = plan.origin;
         let mut report = BatchReport {
             dead_letters: plan
@@ -314,7 +368,10 @@ impl BatchProcessor {
             dead_letters::insert(tx, origin, &plan.dead).await?;
         }
         if plan.firsts.is_empty() {
-            return Ok(report);
+            return Ok(Pass {
+                report,
+                held: Vec::new(),
+            });
         }
         let mut firsts: Vec<(i64, &Event)> = plan.firsts.iter().map(|(o, e)| (*o, e)).collect();
         let replays = self.sort_out_captures(tx, &mut firsts).await?;
@@ -323,7 +380,10 @@ impl BatchProcessor {
             conflicts::record(tx, origin, &replays).await?;
         }
         if firsts.is_empty() {
-            return Ok(report);
+            return Ok(Pass {
+                report,
+                held: Vec::new(),
+            });
         }
         let claimed: HashSet<String> = claims::claim(tx, origin, &firsts)
             .await?
@@ -331,27 +391,110 @@ impl BatchProcessor {
             .collect();
         self.sort_out_replays(tx, plan, &claimed, &mut report)
             .await?;
-        let mut settlements = Vec::with_capacity(claimed.len());
-        for (_, event) in firsts
-            .iter()
-            .filter(|(_, e)| claimed.contains(e.key.as_str()))
-        {
-            let settlement = self.apply(tx, event, mode, &mut report).await?;
-            match settlement.status {
-                ClaimStatus::Done => {
-                    report.applied += 1;
-                    if tracing::enabled!(target: APPLIED_LOG, tracing::Level::DEBUG) {
-                        report
-                            .applied_events
-                            .push((event.key.to_string(), event.event_type.clone()));
-                    }
-                }
-                _ => report.failed += 1,
-            }
-            settlements.push(settlement);
+        firsts.retain(|(_, e)| claimed.contains(e.key.as_str()));
+        let failures = self.apply_splitting(tx, &firsts).await?;
+        let held = self
+            .settle_failures(tx, &failures, attempt, &mut report)
+            .await?;
+        report.applied += firsts.len() - failures.len();
+        if tracing::enabled!(target: APPLIED_LOG, tracing::Level::DEBUG) {
+            let failed: HashSet<i64> = failures.iter().map(|(o, _, _)| *o).collect();
+            report.applied_events = firsts
+                .iter()
+                .filter(|(o, _)| !failed.contains(o))
+                .map(|(_, e)| (e.key.to_string(), e.event_type.clone()))
+                .collect();
         }
-        claims::settle(tx, &settlements, self.effect.spec().as_ref()).await?;
-        Ok(report)
+        Ok(Pass { report, held })
+    }
+
+    /// Applies the effect to the claimed events with one call per batch, in a savepoint. When
+    /// it fails, the part is split in halves, each applied in its own savepoint, until the events
+    /// that fail alone are found; they are returned with their errors, in offset order, and
+    /// everything else stays applied. A transient failure ends the run.
+    async fn apply_splitting<'e>(
+        &self,
+        tx: &mut Transaction<'static, Postgres>,
+        events: &[(i64, &'e Event)],
+    ) -> Result<Vec<(i64, &'e Event, anyhow::Error)>, RunError> {
+        let mut failures = Vec::new();
+        let mut parts = vec![events];
+        while let Some(part) = parts.pop() {
+            if part.is_empty() {
+                continue;
+            }
+            let batch: Vec<&Event> = part.iter().map(|(_, e)| *e).collect();
+            let mut savepoint = tx.begin().await?;
+            let error = match self.effect.apply_batch(&mut savepoint, &batch).await {
+                Ok(()) => {
+                    savepoint.commit().await?;
+                    continue;
+                }
+                Err(e) => e,
+            };
+            savepoint.rollback().await?;
+            if effect::classify(&error) == FailureKind::Transient {
+                return Err(RunError::Transient(error));
+            }
+            match part {
+                [(offset, event)] => failures.push((*offset, *event, error)),
+                _ => {
+                    let (left, right) = part.split_at(part.len() / 2);
+                    parts.push(right);
+                    parts.push(left);
+                }
+            }
+        }
+        Ok(failures)
+    }
+
+    /// Records each failed event: out of attempts (or failed for good), its claim becomes
+    /// `failed` with the error and the payload; otherwise its claim is taken back and its offset
+    /// returned, to be tried again in a later transaction.
+    async fn settle_failures(
+        &self,
+        tx: &mut Transaction<'static, Postgres>,
+        failures: &[(i64, &Event, anyhow::Error)],
+        attempt: u32,
+        report: &mut BatchReport,
+    ) -> Result<Vec<i64>, RunError> {
+        let mut failed = Vec::new();
+        let mut held = Vec::new();
+        for (offset, event, error) in failures {
+            let permanent = effect::classify(error) == FailureKind::Permanent;
+            let error = format!("{error:#}");
+            let key = event.key.as_str();
+            tracing::warn!(
+                key,
+                attempt,
+                effect = self.effect.name(),
+                error,
+                "An effect failed."
+            );
+            if permanent || attempt >= self.retry.attempts() {
+                failed.push(Failure {
+                    event,
+                    attempts: attempt as i32,
+                    error,
+                });
+            } else {
+                held.push(*offset);
+            }
+        }
+        report.effect_errors += failures.len();
+        report.failed += failed.len();
+        if !failed.is_empty() {
+            claims::fail(tx, &failed, self.effect.spec().as_ref()).await?;
+        }
+        if !held.is_empty() {
+            let keys: Vec<&str> = failures
+                .iter()
+                .filter(|(o, _, _)| held.contains(o))
+                .map(|(_, e, _)| e.key.as_str())
+                .collect();
+            claims::release(tx, &keys).await?;
+        }
+        Ok(held)
     }
 
     /// Takes out of `firsts` the replayed captures: guarded events whose signed body was first
@@ -442,72 +585,5 @@ impl BatchProcessor {
             conflicts::record(tx, plan.origin, &conflicts).await?;
         }
         Ok(())
-    }
-
-    /// Runs one claimed event's effect. On the fast path a failure abandons the run; isolated,
-    /// each attempt has its own savepoint and the last error is kept on the claim.
-    async fn apply<'e>(
-        &self,
-        tx: &mut Transaction<'static, Postgres>,
-        event: &'e Event,
-        mode: Mode,
-        report: &mut BatchReport,
-    ) -> Result<Settlement<'e>, RunError> {
-        let key = event.key.as_str();
-        if mode == Mode::Fast {
-            return match self.effect.apply(tx, event).await {
-                Ok(()) => Ok(done(key, 1)),
-                Err(e) if effect::classify(&e) == FailureKind::Transient => {
-                    Err(RunError::Transient(e))
-                }
-                Err(_) => Err(RunError::EffectFailed),
-            };
-        }
-        let attempts = self.retry.attempts.max(1);
-        let mut last_error = String::new();
-        for attempt in 1..=attempts {
-            let mut savepoint = tx.begin().await?;
-            match self.effect.apply(&mut savepoint, event).await {
-                Ok(()) => {
-                    savepoint.commit().await?;
-                    return Ok(done(key, attempt as i32));
-                }
-                Err(e) => {
-                    savepoint.rollback().await?;
-                    report.effect_errors += 1;
-                    let kind = effect::classify(&e);
-                    if kind == FailureKind::Transient {
-                        return Err(RunError::Transient(e));
-                    }
-                    last_error = format!("{e:#}");
-                    tracing::warn!(key, attempt, effect = self.effect.name(), error = %last_error, "An effect failed.");
-                    if kind == FailureKind::Permanent {
-                        return Ok(failed(key, attempt as i32, last_error));
-                    }
-                }
-            }
-            if attempt < attempts {
-                tokio::time::sleep(self.retry.backoff * 2u32.pow(attempt - 1)).await;
-            }
-        }
-        Ok(failed(key, attempts as i32, last_error))
-    }
-}
-
-fn failed(key: &str, attempts: i32, error: String) -> Settlement<'_> {
-    Settlement {
-        key,
-        status: ClaimStatus::Failed,
-        attempts,
-        last_error: Some(error),
-    }
-}
-
-fn done(key: &str, attempts: i32) -> Settlement<'_> {
-    Settlement {
-        key,
-        status: ClaimStatus::Done,
-        attempts,
-        last_error: None,
     }
 }

@@ -13,7 +13,10 @@ pub mod args;
 mod batch;
 mod metrics;
 
-pub use batch::{BatchError, BatchProcessor, BatchReport, EffectRetry, RawMessage, APPLIED_LOG};
+pub use batch::{
+    BatchError, BatchProcessor, BatchReport, EffectRetry, RawMessage, APPLIED_LOG,
+    MAX_EFFECT_ATTEMPTS, MAX_EFFECT_BACKOFF,
+};
 pub use metrics::ConsumeMetrics;
 
 pub use crate::shutdown::Running;

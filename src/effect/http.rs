@@ -23,24 +23,24 @@ impl Effect for HttpOutbox {
     }
 
     async fn apply(&self, tx: &mut Tx<'_>, event: &Event) -> anyhow::Result<()> {
-        let envelope = crate::envelope::Envelope {
-            key: event.key.to_string(),
-            source: event.source.clone(),
-            event_type: event.event_type.clone(),
-            received_at: event.received_at,
-            payload: event.payload.clone(),
-            unhashed: Vec::new(),
-            replay_window_secs: None,
-        };
-        let op = crate::outbox::NewOperation {
-            event_key: event.key.as_str(),
-            operation: "deliver",
-            destination: &self.target_url,
-            payload: envelope.to_bytes(),
-            reconcile_url: self.reconcile_url.clone(),
-            max_attempts: self.max_attempts,
-        };
-        crate::outbox::enqueue(tx, &op).await?;
+        self.apply_batch(tx, &[event]).await
+    }
+
+    /// One statement for the whole batch; each request body is the event's envelope, its
+    /// payload copied as it arrived.
+    async fn apply_batch(&self, tx: &mut Tx<'_>, events: &[&Event]) -> anyhow::Result<()> {
+        let ops: Vec<_> = events
+            .iter()
+            .map(|event| crate::outbox::NewOperation {
+                event_key: event.key.as_str(),
+                operation: "deliver",
+                destination: &self.target_url,
+                payload: event.envelope_bytes(),
+                reconcile_url: self.reconcile_url.clone(),
+                max_attempts: self.max_attempts,
+            })
+            .collect();
+        crate::outbox::enqueue_all(tx, &ops).await?;
         Ok(())
     }
 

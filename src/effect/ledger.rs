@@ -22,12 +22,23 @@ impl Effect for Ledger {
     }
 
     async fn apply(&self, tx: &mut Tx<'_>, event: &Event) -> anyhow::Result<()> {
+        self.apply_batch(tx, &[event]).await
+    }
+
+    /// One statement for the whole batch; each payload goes in as the text it arrived as.
+    async fn apply_batch(&self, tx: &mut Tx<'_>, events: &[&Event]) -> anyhow::Result<()> {
+        let keys: Vec<&str> = events.iter().map(|e| e.key.as_str()).collect();
+        let sources: Vec<&str> = events.iter().map(|e| e.source.as_str()).collect();
+        let types: Vec<Option<&str>> = events.iter().map(|e| e.event_type.as_deref()).collect();
+        let payloads: Vec<&str> = events.iter().map(|e| e.payload_json.get()).collect();
         sqlx::query!(
-            "INSERT INTO ledger (event_key, source, event_type, payload) VALUES ($1, $2, $3, $4)",
-            event.key.as_str(),
-            &event.source,
-            event.event_type.as_deref(),
-            &event.payload,
+            "INSERT INTO ledger (event_key, source, event_type, payload)
+             SELECT k, s, t, p::jsonb FROM unnest($1::text[], $2::text[], $3::text[], $4::text[])
+                 AS u(k, s, t, p)",
+            &keys as _,
+            &sources as _,
+            &types as _,
+            &payloads as _,
         )
         .execute(&mut **tx)
         .await?;

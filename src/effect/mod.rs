@@ -20,7 +20,7 @@ use sqlx::{Postgres, Transaction};
 use std::sync::Arc;
 
 /// The transaction an effect writes in. It is a savepoint inside the batch transaction: when the
-/// effect fails, only this event's work is rolled back.
+/// effect fails, only its own work is rolled back.
 pub type Tx<'a> = Transaction<'a, Postgres>;
 
 /// Something an event does to the database.
@@ -42,6 +42,21 @@ pub trait Effect: Send + Sync + 'static {
 
     /// Applies the event. Called at most once per committed claim.
     async fn apply(&self, tx: &mut Tx<'_>, event: &Event) -> anyhow::Result<()>;
+
+    /// Applies every event of a batch, in offset order; the consumer calls this once per batch.
+    /// The default calls [`Effect::apply`] for each event, so a simple effect stays simple; an
+    /// effect that writes rows does better with one statement over the whole batch (`unnest`
+    /// or a multi-row insert), as [`Ledger`] and [`HttpOutbox`] do.
+    ///
+    /// An error rolls back everything this call wrote. The consumer then splits the batch in
+    /// halves, calling this again on each, until it has found the events that fail alone; only
+    /// those are retried (in a later transaction) or recorded as failed.
+    async fn apply_batch(&self, tx: &mut Tx<'_>, events: &[&Event]) -> anyhow::Result<()> {
+        for event in events {
+            self.apply(tx, event).await?;
+        }
+        Ok(())
+    }
 
     /// How to build this effect again ([`Registry::from_spec`]), recorded on failed claims so
     /// that an operator's retry runs the same effects. None (the default) for an effect the
@@ -102,6 +117,13 @@ impl Effect for Chain {
     async fn apply(&self, tx: &mut Tx<'_>, event: &Event) -> anyhow::Result<()> {
         for effect in &self.0 {
             effect.apply(tx, event).await?;
+        }
+        Ok(())
+    }
+
+    async fn apply_batch(&self, tx: &mut Tx<'_>, events: &[&Event]) -> anyhow::Result<()> {
+        for effect in &self.0 {
+            effect.apply_batch(tx, events).await?;
         }
         Ok(())
     }

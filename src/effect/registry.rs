@@ -118,6 +118,10 @@ impl Effect for Named {
         self.inner.apply(tx, event).await
     }
 
+    async fn apply_batch(&self, tx: &mut Tx<'_>, events: &[&Event]) -> anyhow::Result<()> {
+        self.inner.apply_batch(tx, events).await
+    }
+
     fn spec(&self) -> Option<serde_json::Value> {
         self.inner
             .spec()

@@ -6,6 +6,7 @@ use crate::claims::{self, conflicts, dead_letters, ClaimStatus};
 use crate::effect::{ledger, Effect, Registry};
 use crate::envelope::{Event, EventKey};
 use crate::outbox::{self, OutboxState};
+use anyhow::Context as _;
 use chrono::{DateTime, Utc};
 use serde::Serialize;
 use sqlx::{PgConnection, PgPool};
@@ -259,12 +260,16 @@ fn effect_to_run(
 
 /// The event a claim was made for, as stored.
 fn stored_event(key: &str, claim: claims::StoredClaim) -> anyhow::Result<Event> {
+    let payload = claim
+        .payload
+        .with_context(|| format!("the claim of {key} did not keep its payload"))?;
     Ok(Event {
         key: EventKey::try_from(key.to_owned())?,
         source: claim.source,
         event_type: claim.event_type,
         received_at: claim.received_at,
-        payload: claim.payload,
+        payload_json: Event::json_of(&payload),
+        payload,
         payload_sha256: claim
             .payload_sha256
             .try_into()

@@ -67,8 +67,13 @@ fn cell(value: &Value) -> String {
 
 /// Everything about one event, section by section.
 pub fn event_detail(detail: &EventDetail) -> String {
+    let mut claim = row(&detail.claim);
+    if detail.claim.payload.is_none() {
+        claim += "payload not kept: a settled claim keeps only payload_sha256; the effect rows \
+                  and outbox operations hold what was applied\n";
+    }
     [
-        ("claim", row(&detail.claim)),
+        ("claim", claim),
         ("effect rows (ledger)", rows(&detail.ledger)),
         ("outbox operations", rows(&detail.operations)),
         ("attempts", rows(&detail.attempts)),

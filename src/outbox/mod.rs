@@ -39,17 +39,34 @@ pub fn operation_key(event_key: &str, operation: &str) -> String {
 
 /// Enqueues an operation in the caller's transaction. Enqueuing one twice keeps the first.
 pub async fn enqueue(conn: &mut PgConnection, op: &NewOperation<'_>) -> sqlx::Result<()> {
+    enqueue_all(conn, std::slice::from_ref(op)).await
+}
+
+/// Enqueues operations in the caller's transaction, in one statement, in operation-key order
+/// (so two transactions enqueuing overlapping operations never deadlock). Enqueuing one twice
+/// keeps the first.
+pub async fn enqueue_all(conn: &mut PgConnection, ops: &[NewOperation<'_>]) -> sqlx::Result<()> {
+    let operation_keys: Vec<String> = ops.iter().map(NewOperation::operation_key).collect();
+    let event_keys: Vec<&str> = ops.iter().map(|o| o.event_key).collect();
+    let operations: Vec<&str> = ops.iter().map(|o| o.operation).collect();
+    let destinations: Vec<&str> = ops.iter().map(|o| o.destination).collect();
+    let payloads: Vec<&[u8]> = ops.iter().map(|o| o.payload.as_slice()).collect();
+    let reconcile: Vec<Option<&str>> = ops.iter().map(|o| o.reconcile_url.as_deref()).collect();
+    let max_attempts: Vec<i32> = ops.iter().map(|o| o.max_attempts).collect();
     sqlx::query!(
-        "INSERT INTO outbox (operation_key, event_key, operation, destination, payload, \
-         reconcile_url, max_attempts) VALUES ($1, $2, $3, $4, $5, $6, $7) \
-         ON CONFLICT (operation_key) DO NOTHING",
-        op.operation_key(),
-        op.event_key,
-        op.operation,
-        op.destination,
-        &op.payload,
-        op.reconcile_url.as_deref(),
-        op.max_attempts,
+        r#"INSERT INTO outbox (operation_key, event_key, operation, destination, payload,
+                reconcile_url, max_attempts)
+           SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::bytea[],
+                                $6::text[], $7::int4[]) AS u(ok, k, op, d, p, r, m)
+           ORDER BY ok COLLATE "C"
+           ON CONFLICT (operation_key) DO NOTHING"#,
+        &operation_keys,
+        &event_keys as _,
+        &operations as _,
+        &destinations as _,
+        &payloads as _,
+        &reconcile as _,
+        &max_attempts,
     )
     .execute(conn)
     .await?;

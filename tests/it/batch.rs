@@ -539,3 +539,88 @@ async fn a_slow_effect_is_ended_by_the_statement_timeout_and_settles_nothing() {
     );
     assert_eq!(claims_by_status(&db).await, []);
 }
+
+/// The ledger effect over whole batches, failing any batch that holds the poisoned key (as one
+/// statement over the batch would), and counting its calls.
+struct PoisonedBatch {
+    poisoned: String,
+    calls: std::sync::atomic::AtomicUsize,
+}
+
+#[async_trait]
+impl Effect for PoisonedBatch {
+    fn name(&self) -> &'static str {
+        "poisoned-batch"
+    }
+
+    async fn apply(&self, tx: &mut Tx<'_>, event: &Event) -> anyhow::Result<()> {
+        self.apply_batch(tx, &[event]).await
+    }
+
+    async fn apply_batch(&self, tx: &mut Tx<'_>, events: &[&Event]) -> anyhow::Result<()> {
+        self.calls
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Ledger.apply_batch(tx, events).await?;
+        anyhow::ensure!(
+            events.iter().all(|e| e.key.as_str() != self.poisoned),
+            "the downstream table refuses {}",
+            self.poisoned
+        );
+        Ok(())
+    }
+}
+
+#[tokio::test]
+async fn one_poisoned_effect_among_500_fails_alone_and_nothing_waits_inside_a_transaction() {
+    let db = TestDb::new().await;
+    // A session idle inside a transaction for 300 ms is ended by PostgreSQL, while the effect's
+    // retries wait a second between attempts: a wait inside a transaction fails the batch.
+    let limits = replayproof::db::Limits {
+        idle_in_transaction_timeout: Duration::from_millis(300),
+        ..replayproof::db::Limits::default()
+    };
+    let pool = replayproof::db::pool_with(&db.url.parse().unwrap(), 2, limits).unwrap();
+    let effect = Arc::new(PoisonedBatch {
+        poisoned: "k-0321".into(),
+        calls: Default::default(),
+    });
+    let p = BatchProcessor {
+        pool,
+        effect: effect.clone(),
+        retry: EffectRetry {
+            attempts: 3,
+            backoff: Duration::from_secs(1),
+        },
+    };
+    let batch: Vec<RawMessage> = (0..500)
+        .map(|i| message(i, &format!("k-{i:04}"), json!({ "n": i })))
+        .collect();
+
+    let report = p.process("t", 0, &batch).await.unwrap();
+
+    assert_eq!(
+        (report.applied, report.failed, report.effect_errors),
+        (499, 1, 3)
+    );
+    let counts = db.ledger_counts().await;
+    assert_eq!(counts.len(), 499);
+    assert!(counts.values().all(|n| *n == 1), "an event applied twice");
+    assert!(!counts.contains_key("k-0321"));
+    let (status, attempts, payload): (String, i32, serde_json::Value) = sqlx::query_as(
+        "SELECT status, attempts, payload FROM processed_events WHERE event_key = 'k-0321'",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!((status.as_str(), attempts), ("failed", 3));
+    assert_eq!(payload, json!({ "n": 321 }));
+    // Found by halving: one call for the batch, two per level of the search on the first
+    // attempt (500 → 1 in 9 levels), one for each later attempt; never one call per event.
+    let calls = effect.calls.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(calls <= 1 + 2 * 9 + 2, "{calls} calls to apply_batch");
+    // Settled claims were written once, with their final status and without their payload.
+    let done_without_payload = db
+        .count("SELECT count(*) FROM processed_events WHERE status = 'done' AND payload IS NULL AND attempts = 1")
+        .await;
+    assert_eq!(done_without_payload, 499);
+}
