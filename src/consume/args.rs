@@ -52,9 +52,11 @@ pub struct ConsumeArgs {
     #[arg(long, env = "REPLAYPROOF_LINGER_MS", default_value_t = millis(DEFAULT_LINGER))]
     pub linger_ms: u64,
 
-    /// Messages queued for one partition before it is paused until the database catches up.
-    #[arg(long, env = "REPLAYPROOF_MAX_BACKLOG", default_value_t = DEFAULT_MAX_BACKLOG)]
-    pub max_backlog: usize,
+    /// Bytes of messages queued for one partition's lane beyond its batch in flight; past it,
+    /// the partition's messages wait in librdkafka's queue for it (2 MiB,
+    /// `queued.max.messages.kbytes`), where fetching stops, until the database catches up.
+    #[arg(long, env = "REPLAYPROOF_MAX_LANE_BYTES", default_value_t = DEFAULT_MAX_LANE_BYTES)]
+    pub max_lane_bytes: usize,
 
     /// How often committed batches' offsets are committed to Kafka, in milliseconds.
     #[arg(long, env = "REPLAYPROOF_COMMIT_INTERVAL_MS", default_value_t = millis(DEFAULT_COMMIT_INTERVAL))]
@@ -148,7 +150,7 @@ impl ConsumeArgs {
             kafka_options: self.kafka.options.kafka_options.clone(),
             batch_size: self.batch_size as usize,
             linger: Duration::from_millis(self.linger_ms),
-            max_backlog: self.max_backlog,
+            max_lane_bytes: self.max_lane_bytes,
             commit_interval: Duration::from_millis(self.commit_interval_ms),
             shutdown_grace: Duration::from_secs(self.shutdown_grace_secs),
             max_retry_backoff: Duration::from_millis(self.max_retry_backoff_ms),
@@ -203,7 +205,7 @@ impl ToArgs for ConsumeArgs {
         flag("max-attempts", self.http.max_attempts.to_string());
         flag("batch-size", self.batch_size.to_string());
         flag("linger-ms", self.linger_ms.to_string());
-        flag("max-backlog", self.max_backlog.to_string());
+        flag("max-lane-bytes", self.max_lane_bytes.to_string());
         flag("commit-interval-ms", self.commit_interval_ms.to_string());
         flag("effect-attempts", self.effect_attempts.to_string());
         flag(
@@ -271,7 +273,7 @@ mod tests {
         "5",
         "--linger-ms",
         "6",
-        "--max-backlog",
+        "--max-lane-bytes",
         "7",
         "--commit-interval-ms",
         "8",

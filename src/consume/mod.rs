@@ -28,6 +28,7 @@ use rdkafka::error::{KafkaError, KafkaResult, RDKafkaErrorCode};
 use rdkafka::message::{BorrowedMessage, Message};
 use rdkafka::{ClientContext, Offset, TopicPartitionList};
 use std::collections::HashMap;
+use std::ffi::{CStr, CString};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{mpsc as std_mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -48,9 +49,17 @@ pub const DEFAULT_LINGER: Duration = Duration::from_millis(5);
 pub const DEFAULT_COMMIT_INTERVAL: Duration = Duration::from_millis(200);
 /// How long a stop waits for the batch in flight (`--shutdown-grace-secs`).
 pub const DEFAULT_SHUTDOWN_GRACE: Duration = Duration::from_secs(20);
-/// Messages fetched but not yet committed, over all partitions, before fetching pauses
-/// (`--max-backlog`).
-pub const DEFAULT_MAX_BACKLOG: usize = 5_000;
+/// Bytes of messages queued for one partition's lane, beyond the batch in flight, before the
+/// poll loop stops taking that partition's messages out of librdkafka (`--max-lane-bytes`).
+pub const DEFAULT_MAX_LANE_BYTES: usize = 2 << 20;
+/// What librdkafka pre-fetches per partition, in KiB (`queued.max.messages.kbytes`; each
+/// partition has its own queue here). With the lane's budget and the batch in flight, this
+/// bounds the consumer's memory per partition whatever the backlog on the topic.
+pub const QUEUED_MAX_KBYTES: u32 = 2048;
+/// The most one fetch response may carry (`fetch.max.bytes`).
+pub const FETCH_MAX_BYTES: u32 = 16 << 20;
+/// What a queued message costs beyond its key and value: the allocation and its bookkeeping.
+const MESSAGE_OVERHEAD_BYTES: usize = 64;
 /// The ceiling of the wait between reruns of a batch that hit a transient error
 /// (`--max-retry-backoff-ms`).
 pub const DEFAULT_MAX_RETRY_BACKOFF: Duration = Duration::from_millis(5_000);
@@ -78,8 +87,10 @@ pub struct ConsumerSettings {
     pub batch_size: usize,
     /// How long a lane waits to fill a batch once it has a first message.
     pub linger: Duration,
-    /// Messages queued for one lane before its partition is paused.
-    pub max_backlog: usize,
+    /// Bytes of messages queued for one lane before the poll loop leaves its partition's
+    /// messages in librdkafka's queue (never a pause: librdkafka drops a paused partition's
+    /// pre-fetched messages and fetches them again).
+    pub max_lane_bytes: usize,
     /// How often stored offsets are committed; revokes and shutdown commit at once.
     pub commit_interval: Duration,
     /// How long in-flight batches may take to finish on revoke or shutdown.
@@ -107,7 +118,7 @@ impl ConsumerSettings {
             kafka_options: Vec::new(),
             batch_size: DEFAULT_BATCH_SIZE as usize,
             linger: DEFAULT_LINGER,
-            max_backlog: DEFAULT_MAX_BACKLOG,
+            max_lane_bytes: DEFAULT_MAX_LANE_BYTES,
             commit_interval: DEFAULT_COMMIT_INTERVAL,
             shutdown_grace: DEFAULT_SHUTDOWN_GRACE,
             max_retry_backoff: DEFAULT_MAX_RETRY_BACKOFF,
@@ -125,6 +136,11 @@ impl ConsumerSettings {
             ("auto.offset.reset", "earliest".into()),
             ("partition.assignment.strategy", "roundrobin".into()),
             ("client.id", "replayproof-consume".into()),
+            ("queued.max.messages.kbytes", QUEUED_MAX_KBYTES.to_string()),
+            ("fetch.max.bytes", FETCH_MAX_BYTES.to_string()),
+            // A partition whose queue is full is fetched again this soon after it drains,
+            // rather than after librdkafka's default second.
+            ("fetch.queue.backoff.ms", "20".into()),
         ];
         crate::kafka::client_config(&self.brokers, &settings, &self.kafka_options)
     }
@@ -392,21 +408,112 @@ async fn probe_database(
     }
 }
 
+/// Serves the consumer: events and rebalances from its own queue, then messages from each
+/// partition's queue while the partition's lane has room, then offsets.
 fn poll_until(consumer: &BaseConsumer<LaneContext>, shutdown: &CancellationToken) {
     let ctx = consumer.context();
+    let mut idle = false;
     while !shutdown.is_cancelled() {
         ctx.health.beat(POLL_LOOP, ctx.settings.unhealthy_after);
-        match consumer.poll(Duration::from_millis(20)) {
+        // Waits a little only when the last round moved nothing, so a busy consumer never sleeps.
+        let wait = if idle { IDLE_POLL } else { Duration::ZERO };
+        match consumer.poll(wait) {
+            // A message fetched before its partition's queue was split off.
             Some(Ok(message)) => {
                 ctx.vitals.kafka_message();
-                ctx.route(&message)
+                ctx.route(message.partition(), RawMessage::from(&message))
             }
             Some(Err(e)) => ctx.kafka_error(&e),
             None => {}
         }
+        idle = !ctx.pump();
         ctx.store_completed(consumer);
         ctx.commit_if_due(consumer);
-        ctx.apply_backpressure(consumer);
+    }
+}
+
+/// How long the poll loop waits for an event when no partition had messages for its lane.
+const IDLE_POLL: Duration = Duration::from_millis(5);
+
+impl From<&BorrowedMessage<'_>> for RawMessage {
+    fn from(message: &BorrowedMessage<'_>) -> Self {
+        RawMessage {
+            offset: message.offset(),
+            key: message.key().map(<[u8]>::to_vec),
+            value: message.payload().map(<[u8]>::to_vec),
+        }
+    }
+}
+
+impl RawMessage {
+    /// What the message costs while queued for its lane.
+    fn queued_bytes(&self) -> usize {
+        MESSAGE_OVERHEAD_BYTES
+            + self.key.as_ref().map_or(0, Vec::len)
+            + self.value.as_ref().map_or(0, Vec::len)
+    }
+}
+
+/// One assigned partition's own queue in librdkafka, split off the consumer's queue when the
+/// partition is assigned. The poll loop takes its messages only while the partition's lane has
+/// room; otherwise they stay here, where librdkafka stops fetching past
+/// `queued.max.messages.kbytes`. (Pausing the partition instead would make librdkafka drop what
+/// it pre-fetched and fetch it again on resume.)
+struct PartitionFeed(*mut rdkafka::bindings::rd_kafka_queue_t);
+
+// SAFETY: librdkafka's queues are thread-safe; the handle is used only under the context's lock
+// and released before the consumer is destroyed (`leave` stops every lane first).
+unsafe impl Send for PartitionFeed {}
+
+impl PartitionFeed {
+    /// Splits `partition`'s queue off the consumer's: librdkafka keeps it split across later
+    /// fetch restarts, because the application set it.
+    fn split(consumer: &BaseConsumer<LaneContext>, topic: &CStr, partition: i32) -> Option<Self> {
+        use rdkafka::bindings as rd;
+        let rk = consumer.client().native_ptr();
+        // SAFETY: `rk` is the live consumer; the queue returned is a new reference we own.
+        unsafe {
+            let queue = rd::rd_kafka_queue_get_partition(rk, topic.as_ptr(), partition);
+            if queue.is_null() {
+                return None;
+            }
+            rd::rd_kafka_queue_forward(queue, std::ptr::null_mut());
+            Some(Self(queue))
+        }
+    }
+
+    /// The next message waiting, its bytes copied out, or the error it carries; never waits.
+    fn next(&self) -> Option<KafkaResult<RawMessage>> {
+        use rdkafka::bindings as rd;
+        // SAFETY: the queue is ours until drop; a message returned is read, then destroyed once.
+        unsafe {
+            let message = rd::rd_kafka_consume_queue(self.0, 0);
+            if message.is_null() {
+                return None;
+            }
+            let m = &*message;
+            let copy = |ptr: *mut std::ffi::c_void, len: usize| {
+                (!ptr.is_null()).then(|| std::slice::from_raw_parts(ptr as *const u8, len).to_vec())
+            };
+            let result = if m.err == rd::rd_kafka_resp_err_t::RD_KAFKA_RESP_ERR_NO_ERROR {
+                Ok(RawMessage {
+                    offset: m.offset,
+                    key: copy(m.key, m.key_len),
+                    value: copy(m.payload, m.len),
+                })
+            } else {
+                Err(KafkaError::MessageConsumption(m.err.into()))
+            };
+            rd::rd_kafka_message_destroy(message);
+            Some(result)
+        }
+    }
+}
+
+impl Drop for PartitionFeed {
+    fn drop(&mut self) {
+        // SAFETY: releases the reference taken in `split`, once.
+        unsafe { rdkafka::bindings::rd_kafka_queue_destroy(self.0) }
     }
 }
 
@@ -434,11 +541,10 @@ struct Lane {
     stop: CancellationToken,
     /// Taken when the lane is stopped, to wait for it.
     task: Option<tokio::task::JoinHandle<()>>,
-    /// Messages sent to the lane and not yet taken into a batch.
-    backlog: Arc<AtomicUsize>,
+    /// Bytes of the messages sent to the lane and not yet taken into a batch.
+    queued_bytes: Arc<AtomicUsize>,
     /// The next offset expected; a message below it means the partition's offsets went back.
     next_offset: i64,
-    paused: bool,
 }
 
 impl Lane {
@@ -448,7 +554,8 @@ impl Lane {
     fn push(&mut self, message: RawMessage) -> bool {
         let rewound = message.offset < self.next_offset;
         self.next_offset = message.offset + 1;
-        self.backlog.fetch_add(1, Ordering::Relaxed);
+        self.queued_bytes
+            .fetch_add(message.queued_bytes(), Ordering::Relaxed);
         let _ = self.messages.send(message);
         rewound
     }
@@ -461,6 +568,8 @@ struct LaneContext {
     metrics: ConsumeMetrics,
     runtime: Handle,
     lanes: Mutex<HashMap<i32, Lane>>,
+    /// Each assigned partition, with its own queue (None if it could not be split off).
+    feeds: Mutex<HashMap<i32, Option<PartitionFeed>>>,
     next_lane_id: AtomicU64,
     completions_tx: std_mpsc::Sender<Completion>,
     completions: Mutex<std_mpsc::Receiver<Completion>>,
@@ -493,22 +602,27 @@ impl ConsumerContext for LaneContext {
     }
 
     fn post_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
-        // A partition paused for backpressure by an earlier owner's lane may come back paused;
-        // its new lane starts empty, so it starts fetching.
-        // The assignment is read from the rebalance itself (the eager protocol assigns and
-        // revokes whole assignments): asking the client with `assignment()` blocks forever when
-        // the rebalance is served while the consumer is closing.
-        let assigned = match rebalance {
-            Rebalance::Assign(tpl) => {
-                if let Err(e) = consumer.resume(tpl) {
-                    tracing::warn!(error = %e, "Could not resume newly assigned partitions.");
-                }
-                tpl.count()
-            }
-            Rebalance::Revoke(_) => 0,
-            Rebalance::Error(_) => return,
+        // Right after the assignment, before its first fetch: each new partition gets its own
+        // queue. The assignment is counted from the rebalances themselves: asking the client with
+        // `assignment()` blocks forever when the rebalance is served while the consumer closes.
+        let Rebalance::Assign(tpl) = rebalance else {
+            return;
         };
-        self.metrics.assigned_partitions.set(assigned as i64);
+        let Ok(topic) = CString::new(self.settings.topic.as_str()) else {
+            return;
+        };
+        let mut feeds = self.feeds.lock().expect("feeds lock");
+        for e in tpl.elements_for_topic(&self.settings.topic) {
+            let feed = PartitionFeed::split(consumer, &topic, e.partition());
+            if feed.is_none() {
+                tracing::warn!(
+                    partition = e.partition(),
+                    "Could not give an assigned partition its own queue; its messages come through the consumer's."
+                );
+            }
+            feeds.insert(e.partition(), feed);
+        }
+        self.metrics.assigned_partitions.set(feeds.len() as i64);
     }
 
     fn commit_callback(&self, result: KafkaResult<()>, offsets: &TopicPartitionList) {
@@ -554,6 +668,7 @@ impl LaneContext {
             metrics,
             runtime,
             lanes: Mutex::new(HashMap::new()),
+            feeds: Mutex::new(HashMap::new()),
             next_lane_id: AtomicU64::new(0),
             completions_tx,
             completions: Mutex::new(completions),
@@ -573,18 +688,49 @@ impl LaneContext {
         self.vitals.kafka_error(error.to_string());
     }
 
-    /// Hands a message to its partition's lane, starting the lane on its first message.
-    fn route(&self, message: &BorrowedMessage<'_>) {
-        let partition = message.partition();
+    /// Moves messages from each partition's queue to its lane while the lane holds less than
+    /// its byte budget; true when any moved.
+    fn pump(&self) -> bool {
+        let feeds = self.feeds.lock().expect("feeds lock");
         let mut lanes = self.lanes.lock().expect("lanes lock");
+        let budget = self.settings.max_lane_bytes.max(1);
+        let mut moved = false;
+        for (&partition, feed) in feeds.iter() {
+            let Some(feed) = feed else { continue };
+            loop {
+                let full = lanes
+                    .get(&partition)
+                    .is_some_and(|l| l.queued_bytes.load(Ordering::Relaxed) >= budget);
+                if full {
+                    break;
+                }
+                match feed.next() {
+                    None => break,
+                    Some(Ok(message)) => {
+                        self.vitals.kafka_message();
+                        self.route_to(&mut lanes, partition, message);
+                        moved = true;
+                    }
+                    Some(Err(e)) => {
+                        self.kafka_error(&e);
+                        break;
+                    }
+                }
+            }
+        }
+        moved
+    }
+
+    /// Hands a message to its partition's lane, starting the lane on its first message.
+    fn route(&self, partition: i32, message: RawMessage) {
+        let mut lanes = self.lanes.lock().expect("lanes lock");
+        self.route_to(&mut lanes, partition, message);
+    }
+
+    fn route_to(&self, lanes: &mut HashMap<i32, Lane>, partition: i32, message: RawMessage) {
         let lane = lanes
             .entry(partition)
-            .or_insert_with(|| self.start_lane(partition, message.offset()));
-        let message = RawMessage {
-            offset: message.offset(),
-            key: message.key().map(<[u8]>::to_vec),
-            value: message.payload().map(<[u8]>::to_vec),
-        };
+            .or_insert_with(|| self.start_lane(partition, message.offset));
         let (offset, expected) = (message.offset, lane.next_offset);
         if lane.push(message) {
             tracing::warn!(
@@ -600,7 +746,7 @@ impl LaneContext {
         let id = self.next_lane_id.fetch_add(1, Ordering::Relaxed);
         let (messages, rx) = mpsc::unbounded_channel();
         let stop = CancellationToken::new();
-        let backlog = Arc::new(AtomicUsize::new(0));
+        let queued_bytes = Arc::new(AtomicUsize::new(0));
         let busy_since = Arc::new(AtomicU64::new(0));
         self.vitals
             .busy
@@ -618,7 +764,7 @@ impl LaneContext {
             processor: self.processor.clone(),
             metrics: self.metrics.clone(),
             stop: stop.clone(),
-            backlog: backlog.clone(),
+            queued_bytes: queued_bytes.clone(),
             completions: self.completions_tx.clone(),
             busy_since,
             vitals: self.vitals.clone(),
@@ -629,9 +775,8 @@ impl LaneContext {
             messages,
             stop,
             task: Some(self.runtime.spawn(worker.run(rx))),
-            backlog,
+            queued_bytes,
             next_offset: first_offset,
-            paused: false,
         }
     }
 
@@ -727,34 +872,6 @@ impl LaneContext {
         false
     }
 
-    /// Pauses a partition whose lane has fallen behind and resumes it once the lane catches up,
-    /// so a slow database holds messages in Kafka rather than in memory.
-    fn apply_backpressure(&self, consumer: &BaseConsumer<Self>) {
-        let max = self.settings.max_backlog.max(self.settings.batch_size);
-        let mut lanes = self.lanes.lock().expect("lanes lock");
-        for (partition, lane) in lanes.iter_mut() {
-            let backlog = lane.backlog.load(Ordering::Relaxed);
-            let pause = !lane.paused && backlog > max;
-            let resume = lane.paused && backlog <= max / 2;
-            if !(pause || resume) {
-                continue;
-            }
-            let mut tpl = TopicPartitionList::new();
-            tpl.add_partition(&self.settings.topic, *partition);
-            let result = if pause {
-                consumer.pause(&tpl)
-            } else {
-                consumer.resume(&tpl)
-            };
-            match result {
-                Ok(()) => lane.paused = pause,
-                Err(e) => {
-                    tracing::warn!(partition, error = %e, "Could not pause or resume a partition.")
-                }
-            }
-        }
-    }
-
     /// Stops the given lanes (all when `None`), waits for their batches in flight to commit or
     /// roll back, stores and commits what committed, and forgets the lanes. Runs on the poll
     /// thread, inside a revoke or at shutdown, while the partitions are still ours.
@@ -795,10 +912,18 @@ impl LaneContext {
                     .into(),
             );
         }
+        let kept = |p: &i32| partitions.is_some_and(|ps| !ps.contains(p));
+        // Their queues go too: what is left in them was never handed to a lane.
+        let assigned = {
+            let mut feeds = self.feeds.lock().expect("feeds lock");
+            feeds.retain(|p, _| kept(p));
+            feeds.len()
+        };
+        self.metrics.assigned_partitions.set(assigned as i64);
         let mut lanes = self.lanes.lock().expect("lanes lock");
         let mut busy = self.vitals.busy.lock().expect("busy lock");
         lanes.retain(|p, lane| {
-            let keep = partitions.is_some_and(|ps| !ps.contains(p));
+            let keep = kept(p);
             if !keep {
                 busy.remove(&lane.id);
             }
@@ -850,7 +975,7 @@ struct LaneWorker {
     processor: BatchProcessor,
     metrics: ConsumeMetrics,
     stop: CancellationToken,
-    backlog: Arc<AtomicUsize>,
+    queued_bytes: Arc<AtomicUsize>,
     completions: std_mpsc::Sender<Completion>,
     /// When the batch in hand started (ms since the vitals' epoch), 0 when there is none.
     busy_since: Arc<AtomicU64>,
@@ -861,7 +986,8 @@ impl LaneWorker {
     async fn run(self, mut rx: mpsc::UnboundedReceiver<RawMessage>) {
         use futures_util::FutureExt as _;
         while let Some(batch) = self.next_batch(&mut rx).await {
-            self.backlog.fetch_sub(batch.len(), Ordering::Relaxed);
+            let bytes = batch.iter().map(RawMessage::queued_bytes).sum();
+            self.queued_bytes.fetch_sub(bytes, Ordering::Relaxed);
             if self.stop.is_cancelled() {
                 return;
             }
@@ -1020,9 +1146,8 @@ mod tests {
             messages,
             stop: CancellationToken::new(),
             task: None,
-            backlog: Arc::new(AtomicUsize::new(0)),
+            queued_bytes: Arc::new(AtomicUsize::new(0)),
             next_offset: 0,
-            paused: false,
         };
         let message = |offset| RawMessage {
             offset,
@@ -1039,7 +1164,11 @@ mod tests {
             queued.push(m.offset);
         }
         assert_eq!(queued, [0, 1, 2, 0, 1, 2, 3]);
-        assert_eq!(lane.backlog.load(Ordering::Relaxed), 7);
+        // Seven values of two bytes, each with its bookkeeping.
+        assert_eq!(
+            lane.queued_bytes.load(Ordering::Relaxed),
+            7 * (2 + MESSAGE_OVERHEAD_BYTES)
+        );
     }
 
     #[test]

@@ -115,8 +115,11 @@ async fn rebalance_mid_stream_applies_every_event_once() {
     })
     .await;
     let third = InProcessConsumer::start(settings(&brokers, &topic, &group), db.pool.clone());
+    // The group settled: every member holds its share. (A member stopped while the group is
+    // still rebalancing cannot make its final commit, and says so by exiting with an error.)
     wait_for("the third consumer's share", WAIT, || async {
-        third.metric("replayproof_assigned_partitions") > 0.0
+        let shares = [&first, &second, &third].map(|c| c.metric("replayproof_assigned_partitions"));
+        shares.iter().all(|n| *n > 0.0) && shares.iter().sum::<f64>() == 4.0
     })
     .await;
     first.stop().await;
@@ -141,6 +144,37 @@ async fn rebalance_mid_stream_applies_every_event_once() {
     third.stop().await;
     assert_eq!(committed(&kafka, &group, &topic, 4).await, ends);
     assert_eq!(db.count("SELECT count(*) FROM ledger").await, 4_000);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lanes_over_their_byte_budget_leave_messages_in_kafka_and_lose_none() {
+    let (kafka, db) = (TestKafka::mock(), TestDb::new().await);
+    let (topic, group) = (kafka.topic(2).await, unique("group"));
+    let producer = producer(&kafka.brokers());
+    let records: Vec<Record> = (0..600)
+        .map(|i| Record::event(&format!("evt-{i}"), json!({"i": i, "pad": "x".repeat(500)})))
+        .collect();
+    produce(&producer, &topic, &records).await;
+
+    // A budget below one message: each lane takes one message at a time from its partition's
+    // queue, and the rest of the backlog waits in librdkafka.
+    let tight = ConsumerSettings {
+        max_lane_bytes: 1,
+        ..settings(&kafka.brokers(), &topic, &group)
+    };
+    let consumer = InProcessConsumer::start(tight, db.pool.clone());
+
+    let expected: HashSet<String> = (0..600).map(|i| format!("evt-{i}")).collect();
+    assert_exactly_once(&db, &expected, WAIT).await;
+    wait_for("every offset committed", WAIT, || async {
+        committed(&kafka, &group, &topic, 2)
+            .await
+            .iter()
+            .sum::<i64>()
+            == 600
+    })
+    .await;
+    consumer.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
