@@ -32,6 +32,17 @@ pub struct ConsumeArgs {
     #[arg(long, env = "REPLAYPROOF_GROUP", default_value = DEFAULT_GROUP)]
     pub group: String,
 
+    /// How the group spreads partitions: roundrobin (eager: every rebalance stops every
+    /// member) or cooperative-sticky (only the partitions that move stop). The same for every
+    /// member: a group switches only once all its members have stopped.
+    #[arg(long, env = "REPLAYPROOF_ASSIGNOR", value_enum, default_value_t = Assignor::Roundrobin)]
+    pub assignor: Assignor,
+
+    /// Static membership: a name unique to this member (a pod name, say). Restarted within the
+    /// session timeout under the same name, it gets its partitions back with no rebalance.
+    #[arg(long, env = "REPLAYPROOF_GROUP_INSTANCE_ID")]
+    pub group_instance_id: Option<String>,
+
     #[command(flatten)]
     pub database: DatabaseArgs,
 
@@ -148,6 +159,8 @@ impl ConsumeArgs {
     pub fn settings(&self) -> ConsumerSettings {
         ConsumerSettings {
             kafka_options: self.kafka.options.kafka_options.clone(),
+            assignor: self.assignor,
+            instance_id: self.group_instance_id.clone(),
             batch_size: self.batch_size as usize,
             linger: Duration::from_millis(self.linger_ms),
             max_lane_bytes: self.max_lane_bytes,
@@ -195,6 +208,10 @@ impl ToArgs for ConsumeArgs {
         let mut flag = |name: &str, value: String| args.extend([format!("--{name}"), value]);
         flag("topic", self.topic.clone());
         flag("group", self.group.clone());
+        flag("assignor", self.assignor.strategy().into());
+        if let Some(id) = &self.group_instance_id {
+            flag("group-instance-id", id.clone());
+        }
         flag("effect", self.effects.join(","));
         if let Some(url) = &self.http.target_url {
             flag("target-url", url.clone());
@@ -261,6 +278,10 @@ mod tests {
         "2",
         "--idle-in-transaction-timeout-ms",
         "3",
+        "--assignor",
+        "cooperative-sticky",
+        "--group-instance-id",
+        "member-1",
         "--effect",
         "ledger,http",
         "--target-url",

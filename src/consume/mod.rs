@@ -75,6 +75,28 @@ const FINAL_COMMIT_ATTEMPTS: u32 = 3;
 /// Kafka errors closer together than this make one streak.
 const ERROR_STREAK_GAP: Duration = Duration::from_secs(10);
 
+/// How the group spreads partitions over its members (`--assignor`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
+pub enum Assignor {
+    /// Eager: every rebalance takes all partitions from every member and hands them out again.
+    #[default]
+    Roundrobin,
+    /// Incremental: a rebalance moves only the partitions that change owner; the others keep
+    /// being applied while it runs.
+    CooperativeSticky,
+}
+
+impl Assignor {
+    /// librdkafka's `partition.assignment.strategy`.
+    pub fn strategy(self) -> &'static str {
+        match self {
+            Self::Roundrobin => "roundrobin",
+            Self::CooperativeSticky => "cooperative-sticky",
+        }
+    }
+}
+
 /// How the consumer reads, batches and commits.
 #[derive(Debug, Clone)]
 pub struct ConsumerSettings {
@@ -83,6 +105,11 @@ pub struct ConsumerSettings {
     pub group: String,
     /// Passed to librdkafka last, so they override everything set here.
     pub kafka_options: Vec<(String, String)>,
+    /// Every member of a group must use the same.
+    pub assignor: Assignor,
+    /// Static membership (`group.instance.id`): a member that restarts under the same id within
+    /// the session timeout gets its partitions back without a rebalance. Unique per member.
+    pub instance_id: Option<String>,
     /// The most messages in one transaction.
     pub batch_size: usize,
     /// How long a lane waits to fill a batch once it has a first message.
@@ -116,6 +143,8 @@ impl ConsumerSettings {
             topic: topic.into(),
             group: group.into(),
             kafka_options: Vec::new(),
+            assignor: Assignor::default(),
+            instance_id: None,
             batch_size: DEFAULT_BATCH_SIZE as usize,
             linger: DEFAULT_LINGER,
             max_lane_bytes: DEFAULT_MAX_LANE_BYTES,
@@ -129,12 +158,15 @@ impl ConsumerSettings {
     }
 
     fn client_config(&self) -> ClientConfig {
-        let settings = [
+        let mut settings = vec![
             ("group.id", self.group.clone()),
             ("enable.auto.commit", "false".into()),
             ("enable.auto.offset.store", "false".into()),
             ("auto.offset.reset", "earliest".into()),
-            ("partition.assignment.strategy", "roundrobin".into()),
+            (
+                "partition.assignment.strategy",
+                self.assignor.strategy().into(),
+            ),
             ("client.id", "replayproof-consume".into()),
             ("queued.max.messages.kbytes", QUEUED_MAX_KBYTES.to_string()),
             ("fetch.max.bytes", FETCH_MAX_BYTES.to_string()),
@@ -142,6 +174,9 @@ impl ConsumerSettings {
             // rather than after librdkafka's default second.
             ("fetch.queue.backoff.ms", "20".into()),
         ];
+        if let Some(id) = &self.instance_id {
+            settings.push(("group.instance.id", id.clone()));
+        }
         crate::kafka::client_config(&self.brokers, &settings, &self.kafka_options)
     }
 }

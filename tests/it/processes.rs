@@ -569,3 +569,100 @@ async fn consumer_cut_off_from_its_group_keeps_its_claims_and_the_new_owner_repl
     cut.terminate(Duration::from_secs(30)).await;
     assert_exactly_once(&db, &expected, WAIT).await;
 }
+
+/// A member of the rolling-restart group: cooperative-sticky, static membership, metrics on
+/// `port`.
+fn static_member(
+    kafka: &TestKafka,
+    topic: &str,
+    group: &str,
+    db: &TestDb,
+    id: &str,
+    port: u16,
+) -> ConsumerProcess {
+    let port = format!("127.0.0.1:{port}");
+    ConsumerProcess::spawn_with(
+        &kafka.brokers(),
+        topic,
+        group,
+        &db.url,
+        None,
+        &[
+            "--assignor",
+            "cooperative-sticky",
+            "--group-instance-id",
+            id,
+            "--metrics-addr",
+            &port,
+        ],
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rolling_restart_of_three_static_cooperative_consumers_loses_and_doubles_nothing() {
+    let _heavy = heavy().await;
+    const PARTITIONS: i32 = 4;
+    let (kafka, db) = (TestKafka::for_processes(), TestDb::new().await);
+    let (topic, group) = (kafka.topic(PARTITIONS).await, unique("group"));
+    let ids = ["member-a", "member-b", "member-c"];
+    let ports = [free_port(), free_port(), free_port()];
+    let mut members: Vec<ConsumerProcess> = (0..3)
+        .map(|i| static_member(&kafka, &topic, &group, &db, ids[i], ports[i]))
+        .collect();
+    let settled = || async {
+        let mut total = 0.0;
+        for port in ports {
+            match assigned(port).await {
+                Some(n) if n > 0.0 => total += n,
+                _ => return false,
+            }
+        }
+        total == f64::from(PARTITIONS)
+    };
+    wait_for("the group to settle", WAIT, settled).await;
+
+    // Events keep arriving through the whole rolling restart.
+    let stop = tokio_util::sync::CancellationToken::new();
+    let producing = {
+        let (brokers, topic, stop) = (kafka.brokers(), topic.clone(), stop.clone());
+        tokio::spawn(async move {
+            let producer = producer(&brokers);
+            let mut chunks = 0;
+            while !stop.is_cancelled() {
+                let records: Vec<Record> = (0..100)
+                    .map(|i| Record::event(&format!("evt-{chunks}-{i}"), json!({"chunk": chunks})))
+                    .collect();
+                produce(&producer, &topic, &records).await;
+                chunks += 1;
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            chunks
+        })
+    };
+    for i in 0..3 {
+        let applied = db.count("SELECT count(*) FROM ledger").await;
+        wait_for("progress before the restart", WAIT, || async {
+            db.count("SELECT count(*) FROM ledger").await > applied
+        })
+        .await;
+        // Stopped cleanly, then started again under the same name, as a deployment does.
+        let status = members.remove(i).terminate(Duration::from_secs(30)).await;
+        assert!(status.success(), "{} stopped with {status}", ids[i]);
+        members.insert(
+            i,
+            static_member(&kafka, &topic, &group, &db, ids[i], ports[i]),
+        );
+        wait_for("the group to settle again", WAIT, settled).await;
+    }
+    stop.cancel();
+    let chunks = producing.await.unwrap();
+
+    let expected: HashSet<String> = (0..chunks)
+        .flat_map(|c| (0..100).map(move |i| format!("evt-{c}-{i}")))
+        .collect();
+    assert_exactly_once(&db, &expected, WAIT).await;
+    wait_committed_total(&kafka, &group, &topic, PARTITIONS, expected.len() as i64).await;
+    for member in members {
+        assert!(member.terminate(Duration::from_secs(30)).await.success());
+    }
+}
