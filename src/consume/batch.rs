@@ -119,6 +119,42 @@ impl EffectRetry {
     }
 }
 
+/// Events whose effect failed and that wait, outside any transaction, for another attempt; a
+/// lane keeps one and hands it to every [`BatchProcessor::process_pass`], so that later batches
+/// go on meanwhile. Its first offset is where the partition's committed offset must stop.
+#[derive(Debug, Default)]
+pub struct Retrying {
+    /// In offset order.
+    held: Vec<Held>,
+}
+
+#[derive(Debug)]
+struct Held {
+    message: RawMessage,
+    /// Attempts made so far.
+    attempts: u32,
+    due: tokio::time::Instant,
+}
+
+impl Retrying {
+    pub fn is_empty(&self) -> bool {
+        self.held.is_empty()
+    }
+
+    /// When the next attempt is due.
+    pub fn next_due(&self) -> Option<tokio::time::Instant> {
+        self.held.iter().map(|h| h.due).min()
+    }
+
+    /// The offset of the first event still unsettled.
+    pub fn first_offset(&self) -> Option<i64> {
+        self.held.first().map(|h| h.message.offset)
+    }
+}
+
+/// Attempts made so far at each event of a pass, by offset; absent means none.
+type Attempts = HashMap<i64, u32>;
+
 /// Applies batches for one consumer; cheap to clone into each partition lane.
 #[derive(Clone)]
 pub struct BatchProcessor {
@@ -208,48 +244,89 @@ impl BatchProcessor {
     ///
     /// Events whose effect fails are tried again, each attempt in a new transaction after a
     /// capped backoff with no transaction open, until they succeed or run out of attempts; the
-    /// call returns once every event of the batch is settled.
-    #[tracing::instrument(name = "batch", skip_all, fields(topic, partition, messages = messages.len()))]
+    /// call returns once every event of the batch is settled. (A lane does not wait: it uses
+    /// [`BatchProcessor::process_pass`] and goes on with later batches.)
     pub async fn process(
         &self,
         topic: &str,
         partition: i32,
         messages: &[RawMessage],
     ) -> Result<BatchReport, BatchError> {
-        let origin = Origin { topic, partition };
-        let mut report = BatchReport::default();
-        let mut part: Vec<&RawMessage> = messages.iter().collect();
-        for attempt in 1.. {
-            let pass = self.process_pass(origin, &part, attempt).await?;
-            report.merge(pass.report);
-            if pass.held.is_empty() {
-                break;
-            }
-            let delay = self.retry.delay(attempt);
-            tracing::debug!(
-                partition,
-                events = pass.held.len(),
-                attempt,
-                retry_in_ms = delay.as_millis() as u64,
-                "Effects failed; trying their events again in a new transaction."
-            );
-            tokio::time::sleep(delay).await;
-            part.retain(|m| pass.held.contains(&m.offset));
+        let mut retrying = Retrying::default();
+        let mut report = self
+            .process_pass(topic, partition, messages, &mut retrying)
+            .await?;
+        while let Some(due) = retrying.next_due() {
+            tokio::time::sleep_until(due).await;
+            let later = self
+                .process_pass(topic, partition, &[], &mut retrying)
+                .await?;
+            report.merge(later);
         }
         Ok(report)
     }
 
+    /// Applies `messages`, with the events of `retrying` whose next attempt is due in front of
+    /// them, in one transaction (more when PostgreSQL refuses some rows), and commits. Events
+    /// whose effect fails and that have attempts left go into `retrying`, due after a capped
+    /// backoff; events out of attempts are recorded as `failed`. On an error, nothing committed
+    /// (or the outcome of COMMIT is unknown) and `retrying` is unchanged: call again.
+    #[tracing::instrument(name = "batch", skip_all, fields(topic, partition, messages = messages.len()))]
+    pub async fn process_pass(
+        &self,
+        topic: &str,
+        partition: i32,
+        messages: &[RawMessage],
+        retrying: &mut Retrying,
+    ) -> Result<BatchReport, BatchError> {
+        let origin = Origin { topic, partition };
+        let now = tokio::time::Instant::now();
+        let due: Vec<&Held> = retrying.held.iter().filter(|h| h.due <= now).collect();
+        let attempts: Attempts = due.iter().map(|h| (h.message.offset, h.attempts)).collect();
+        let part: Vec<&RawMessage> = due
+            .iter()
+            .map(|h| &h.message)
+            .chain(messages.iter())
+            .collect();
+        let pass = self.run_pass(origin, &part, &attempts).await?;
+        if !pass.held.is_empty() {
+            tracing::debug!(
+                partition,
+                events = pass.held.len(),
+                "Effects failed; their events are tried again in a later transaction."
+            );
+        }
+        let held: Vec<Held> = part
+            .iter()
+            .filter(|m| pass.held.contains(&m.offset))
+            .map(|m| {
+                let made = attempts.get(&m.offset).copied().unwrap_or(0) + 1;
+                Held {
+                    message: (*m).clone(),
+                    attempts: made,
+                    due: now + self.retry.delay(made),
+                }
+            })
+            .collect();
+        retrying
+            .held
+            .retain(|h| !attempts.contains_key(&h.message.offset));
+        retrying.held.extend(held);
+        retrying.held.sort_by_key(|h| h.message.offset);
+        Ok(pass.report)
+    }
+
     /// One pass over part of a batch, splitting out the messages PostgreSQL refuses.
-    async fn process_pass(
+    async fn run_pass(
         &self,
         origin: Origin<'_>,
         messages: &[&RawMessage],
-        attempt: u32,
+        attempts: &Attempts,
     ) -> Result<Pass, BatchError> {
-        match self.run_and_commit(origin, messages, attempt).await {
+        match self.run_and_commit(origin, messages, attempts).await {
             Err(RunError::Database(e)) if crate::db::is_data_error(&e) => {
                 tracing::warn!(partition = origin.partition, error = %e, "PostgreSQL refused part of a batch; splitting it to find the messages.");
-                self.split_out_refused(origin, messages, e, attempt).await
+                self.split_out_refused(origin, messages, e, attempts).await
             }
             other => Ok(other?),
         }
@@ -263,14 +340,14 @@ impl BatchProcessor {
         origin: Origin<'_>,
         messages: &[&RawMessage],
         refusal: sqlx::Error,
-        attempt: u32,
+        attempts: &Attempts,
     ) -> Result<Pass, BatchError> {
         let mut done = Pass::default();
         let mut parts = VecDeque::from([(messages, Some(refusal))]);
         while let Some((part, refusal)) = parts.pop_front() {
             let refusal = match refusal {
                 Some(e) => e,
-                None => match self.run_and_commit(origin, part, attempt).await {
+                None => match self.run_and_commit(origin, part, attempts).await {
                     Ok(pass) => {
                         done.merge(pass);
                         continue;
@@ -328,11 +405,11 @@ impl BatchProcessor {
         &self,
         origin: Origin<'_>,
         messages: &[&RawMessage],
-        attempt: u32,
+        attempts: &Attempts,
     ) -> Result<Pass, RunError> {
         let plan = Plan::new(origin, messages);
         let mut tx = self.pool.begin().await?;
-        match self.run(&mut tx, &plan, attempt).await {
+        match self.run(&mut tx, &plan, attempts).await {
             Ok(pass) => {
                 crate::failpoint!("consume::before_commit");
                 crate::stallpoint!("consume::stall_before_commit");
@@ -353,7 +430,7 @@ impl BatchProcessor {
         &self,
         tx: &mut Transaction<'static, Postgres>,
         plan: &Plan<'_>,
-        attempt: u32,
+        attempts: &Attempts,
     ) -> Result<Pass, RunError> {
         let origin = plan.origin;
         let mut report = BatchReport {
@@ -394,7 +471,7 @@ impl BatchProcessor {
         firsts.retain(|(_, e)| claimed.contains(e.key.as_str()));
         let failures = self.apply_splitting(tx, &firsts).await?;
         let held = self
-            .settle_failures(tx, &failures, attempt, &mut report)
+            .settle_failures(tx, &failures, attempts, &mut report)
             .await?;
         report.applied += firsts.len() - failures.len();
         if tracing::enabled!(target: APPLIED_LOG, tracing::Level::DEBUG) {
@@ -455,12 +532,13 @@ impl BatchProcessor {
         &self,
         tx: &mut Transaction<'static, Postgres>,
         failures: &[(i64, &Event, anyhow::Error)],
-        attempt: u32,
+        attempts: &Attempts,
         report: &mut BatchReport,
     ) -> Result<Vec<i64>, RunError> {
         let mut failed = Vec::new();
         let mut held = Vec::new();
         for (offset, event, error) in failures {
+            let attempt = attempts.get(offset).copied().unwrap_or(0) + 1;
             let permanent = effect::classify(error) == FailureKind::Permanent;
             let error = format!("{error:#}");
             let key = event.key.as_str();

@@ -14,7 +14,7 @@ mod batch;
 mod metrics;
 
 pub use batch::{
-    BatchError, BatchProcessor, BatchReport, EffectRetry, RawMessage, APPLIED_LOG,
+    BatchError, BatchProcessor, BatchReport, EffectRetry, RawMessage, Retrying, APPLIED_LOG,
     MAX_EFFECT_ATTEMPTS, MAX_EFFECT_BACKOFF,
 };
 pub use metrics::ConsumeMetrics;
@@ -791,6 +791,7 @@ impl LaneContext {
         let worker = LaneWorker {
             id,
             partition,
+            first_offset,
             topic: self.settings.topic.clone(),
             batch_size: self.settings.batch_size.max(1),
             linger: self.settings.linger,
@@ -1002,6 +1003,8 @@ fn commit_async(consumer: &BaseConsumer<LaneContext>) -> bool {
 struct LaneWorker {
     id: u64,
     partition: i32,
+    /// The offset of the first message handed to the lane.
+    first_offset: i64,
     topic: String,
     batch_size: usize,
     linger: Duration,
@@ -1017,16 +1020,51 @@ struct LaneWorker {
     vitals: Arc<Vitals>,
 }
 
+/// Where a lane is in its partition.
+#[derive(Default)]
+struct Progress {
+    /// Events whose effect failed, waiting for another attempt while later batches go on.
+    retrying: Retrying,
+    /// The offset after the last message taken from the partition.
+    read_to: Option<i64>,
+    /// The last offset reported as the next to read (at first, the lane's first offset: nothing
+    /// to store yet), which only moves forward.
+    reported: Option<i64>,
+}
+
+impl Progress {
+    /// The next offset to read after a committed batch: after the batch, or at the first event
+    /// still waiting for another attempt. None when it has not moved forward.
+    fn advance(&mut self, batch: &[RawMessage]) -> Option<i64> {
+        if let Some(last) = batch.last() {
+            self.read_to = Some(last.offset + 1);
+        }
+        let next = match (self.retrying.first_offset(), self.read_to) {
+            (Some(held), Some(read)) => held.min(read),
+            (held, read) => held.or(read)?,
+        };
+        if self.reported.is_some_and(|r| r >= next) {
+            return None;
+        }
+        self.reported = Some(next);
+        Some(next)
+    }
+}
+
 impl LaneWorker {
     async fn run(self, mut rx: mpsc::UnboundedReceiver<RawMessage>) {
         use futures_util::FutureExt as _;
-        while let Some(batch) = self.next_batch(&mut rx).await {
+        let mut progress = Progress {
+            reported: Some(self.first_offset),
+            ..Progress::default()
+        };
+        while let Some(batch) = self.next_batch(&mut rx, progress.retrying.next_due()).await {
             let bytes = batch.iter().map(RawMessage::queued_bytes).sum();
             self.queued_bytes.fetch_sub(bytes, Ordering::Relaxed);
             if self.stop.is_cancelled() {
                 return;
             }
-            match std::panic::AssertUnwindSafe(self.apply(&batch))
+            match std::panic::AssertUnwindSafe(self.apply(&batch, &mut progress))
                 .catch_unwind()
                 .await
             {
@@ -1053,14 +1091,23 @@ impl LaneWorker {
     }
 
     /// Waits for a first message, then takes more until the batch is full or the linger ends.
+    /// When an event's retry falls due first, the batch is empty: the pass applies the retry.
     async fn next_batch(
         &self,
         rx: &mut mpsc::UnboundedReceiver<RawMessage>,
+        retry_due: Option<tokio::time::Instant>,
     ) -> Option<Vec<RawMessage>> {
+        let retry = async {
+            match retry_due {
+                Some(due) => tokio::time::sleep_until(due).await,
+                None => std::future::pending().await,
+            }
+        };
         let first = tokio::select! {
             biased;
             _ = self.stop.cancelled() => return None,
             m = rx.recv() => m?,
+            _ = retry => return Some(Vec::new()),
         };
         let mut batch = vec![first];
         let deadline = tokio::time::Instant::now() + self.linger;
@@ -1078,13 +1125,18 @@ impl LaneWorker {
 
     /// Applies a batch, retrying database errors with backoff until it commits (true) or the
     /// lane is stopped (false, nothing committed).
-    async fn apply(&self, batch: &[RawMessage]) -> bool {
+    async fn apply(&self, batch: &[RawMessage], progress: &mut Progress) -> bool {
         let started = Instant::now();
         self.busy_since
             .store(self.vitals.now_ms(), Ordering::Relaxed);
         let mut backoff = Duration::from_millis(100);
         loop {
-            let attempt = self.processor.process(&self.topic, self.partition, batch);
+            let attempt = self.processor.process_pass(
+                &self.topic,
+                self.partition,
+                batch,
+                &mut progress.retrying,
+            );
             let result = match tokio::time::timeout(self.batch_timeout, attempt).await {
                 Ok(result) => result.map_err(anyhow::Error::from),
                 Err(_) => Err(anyhow::anyhow!(
@@ -1096,7 +1148,7 @@ impl LaneWorker {
                 Ok(report) => {
                     crate::failpoint!("consume::after_commit");
                     self.busy_since.store(0, Ordering::Relaxed);
-                    self.report(batch, &report, started);
+                    self.report(batch, progress.advance(batch), &report, started);
                     return true;
                 }
                 Err(e) => {
@@ -1119,13 +1171,20 @@ impl LaneWorker {
         }
     }
 
-    fn report(&self, batch: &[RawMessage], report: &BatchReport, started: Instant) {
-        let last = batch.last().expect("a batch is never empty").offset;
-        let _ = self.completions.send(Completion {
-            partition: self.partition,
-            lane: self.id,
-            next_offset: last + 1,
-        });
+    fn report(
+        &self,
+        batch: &[RawMessage],
+        next_offset: Option<i64>,
+        report: &BatchReport,
+        started: Instant,
+    ) {
+        if let Some(next_offset) = next_offset {
+            let _ = self.completions.send(Completion {
+                partition: self.partition,
+                lane: self.id,
+                next_offset,
+            });
+        }
         self.metrics.record(report);
         self.metrics.batch_size.observe(batch.len() as f64);
         self.metrics
@@ -1152,7 +1211,8 @@ impl LaneWorker {
         }
         tracing::debug!(
             partition = self.partition,
-            last_offset = last,
+            last_offset = batch.last().map(|m| m.offset),
+            next_offset,
             applied = report.applied,
             duplicates = report.duplicates,
             failed = report.failed,

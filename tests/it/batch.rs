@@ -152,7 +152,7 @@ async fn malformed_messages_become_dead_letters_with_their_bytes() {
 }
 
 /// Fails for one key, always; applies the ledger effect for every other key.
-struct FailsFor(&'static str);
+pub struct FailsFor(pub &'static str);
 
 #[async_trait]
 impl Effect for FailsFor {

@@ -178,6 +178,51 @@ async fn lanes_over_their_byte_budget_leave_messages_in_kafka_and_lose_none() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_event_waits_for_its_retries_while_later_events_go_on_and_holds_the_offset() {
+    let (kafka, db) = (TestKafka::mock(), TestDb::new().await);
+    let (topic, group) = (kafka.topic(1).await, unique("group"));
+    let processor = replayproof::consume::BatchProcessor {
+        pool: db.pool.clone(),
+        effect: std::sync::Arc::new(crate::batch::FailsFor("evt-bad")),
+        retry: replayproof::consume::EffectRetry {
+            attempts: 3,
+            backoff: Duration::from_secs(1),
+        },
+    };
+    let consumer =
+        InProcessConsumer::with_processor(settings(&kafka.brokers(), &topic, &group), processor);
+    let mut records = vec![Record::event("evt-bad", json!(0))];
+    records.extend((1..=100).map(|i| Record::event(&format!("evt-{i}"), json!(i))));
+    produce(&producer(&kafka.brokers()), &topic, &records).await;
+
+    // The events after the failing one are applied while it waits between its attempts, and
+    // the partition's offset stays at the failing event meanwhile.
+    wait_for("the later events applied", WAIT, || async {
+        db.count("SELECT count(*) FROM ledger").await == 100
+    })
+    .await;
+    let bad = db
+        .count("SELECT count(*) FROM processed_events WHERE event_key = 'evt-bad'")
+        .await;
+    assert_eq!(
+        bad, 0,
+        "the failing event was settled before the later ones"
+    );
+    assert!(committed(&kafka, &group, &topic, 1).await[0] <= 0);
+
+    // After its last attempt it is recorded as failed, and the offset moves past everything.
+    wait_committed(&kafka, &group, &topic, &[101]).await;
+    let (status, attempts): (String, i32) =
+        sqlx::query_as("SELECT status, attempts FROM processed_events WHERE event_key = 'evt-bad'")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!((status.as_str(), attempts), ("failed", 3));
+    assert_eq!(db.count("SELECT count(*) FROM ledger").await, 100);
+    consumer.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn poison_message_is_dead_lettered_and_the_good_ones_applied() {
     let (kafka, db) = (TestKafka::mock(), TestDb::new().await);
     let (topic, group) = (kafka.topic(1).await, unique("group"));

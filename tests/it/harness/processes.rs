@@ -23,8 +23,6 @@ impl InProcessConsumer {
     }
 
     pub fn with_effect(settings: ConsumerSettings, pool: PgPool, effect: Arc<dyn Effect>) -> Self {
-        let registry = prometheus::Registry::new();
-        let metrics = ConsumeMetrics::new(&registry).unwrap();
         let processor = BatchProcessor {
             pool,
             effect,
@@ -33,6 +31,12 @@ impl InProcessConsumer {
                 backoff: Duration::from_millis(10),
             },
         };
+        Self::with_processor(settings, processor)
+    }
+
+    pub fn with_processor(settings: ConsumerSettings, processor: BatchProcessor) -> Self {
+        let registry = prometheus::Registry::new();
+        let metrics = ConsumeMetrics::new(&registry).unwrap();
         let shutdown = CancellationToken::new();
         let task = tokio::spawn(consume::run(settings, processor, metrics, shutdown.clone()));
         Self {
