@@ -187,5 +187,7 @@ log "cargo clippy (warnings denied)"
 cargo clippy --all-targets --all-features -- -D warnings
 log "The library alone, without the command line or the development kit"
 cargo build --lib --no-default-features
+log "The benchmarks build (they run with cargo bench, outside this script)"
+cargo build --benches --all-features
 log "cargo test (broker process: ${KAFKA_BROKERS:-none, the mock cluster serves every test})"
 cargo test --all-features --no-fail-fast "$@"

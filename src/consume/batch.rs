@@ -126,7 +126,14 @@ impl EffectRetry {
 pub struct Retrying {
     /// In offset order.
     held: Vec<Held>,
+    /// Passes still to run with the effect in a savepoint, after one where an effect failed.
+    guarded: u32,
 }
+
+/// After an effect fails, this many passes run with the effect in a savepoint, so that a run of
+/// failures costs no reruns; otherwise the effect runs without one, saving two round trips per
+/// batch, and a failure reruns its batch once with savepoints.
+const GUARDED_PASSES: u32 = 8;
 
 #[derive(Debug)]
 struct Held {
@@ -218,6 +225,8 @@ impl Pass {
 enum RunError {
     /// An effect failed transiently: roll back and retry the batch later.
     Transient(anyhow::Error),
+    /// An effect failed outside a savepoint: roll back and run the batch again with savepoints.
+    Unguarded,
     Database(sqlx::Error),
 }
 
@@ -226,6 +235,10 @@ impl From<RunError> for BatchError {
         match e {
             RunError::Database(e) => Self::Database(e),
             RunError::Transient(e) => Self::Transient(e),
+            // `run_and_commit` always reruns these guarded; never seen here.
+            RunError::Unguarded => {
+                Self::Transient(anyhow::anyhow!("an effect failed outside a savepoint"))
+            }
         }
     }
 }
@@ -288,7 +301,12 @@ impl BatchProcessor {
             .map(|h| &h.message)
             .chain(messages.iter())
             .collect();
-        let pass = self.run_pass(origin, &part, &attempts).await?;
+        let guarded = retrying.guarded > 0;
+        let pass = self.run_pass(origin, &part, &attempts, guarded).await?;
+        retrying.guarded = match pass.report.effect_errors {
+            0 => retrying.guarded.saturating_sub(1),
+            _ => GUARDED_PASSES,
+        };
         if !pass.held.is_empty() {
             tracing::debug!(
                 partition,
@@ -322,11 +340,16 @@ impl BatchProcessor {
         origin: Origin<'_>,
         messages: &[&RawMessage],
         attempts: &Attempts,
+        guarded: bool,
     ) -> Result<Pass, BatchError> {
-        match self.run_and_commit(origin, messages, attempts).await {
+        match self
+            .run_and_commit(origin, messages, attempts, guarded)
+            .await
+        {
             Err(RunError::Database(e)) if crate::db::is_data_error(&e) => {
                 tracing::warn!(partition = origin.partition, error = %e, "PostgreSQL refused part of a batch; splitting it to find the messages.");
-                self.split_out_refused(origin, messages, e, attempts).await
+                self.split_out_refused(origin, messages, e, attempts, guarded)
+                    .await
             }
             other => Ok(other?),
         }
@@ -341,13 +364,14 @@ impl BatchProcessor {
         messages: &[&RawMessage],
         refusal: sqlx::Error,
         attempts: &Attempts,
+        guarded: bool,
     ) -> Result<Pass, BatchError> {
         let mut done = Pass::default();
         let mut parts = VecDeque::from([(messages, Some(refusal))]);
         while let Some((part, refusal)) = parts.pop_front() {
             let refusal = match refusal {
                 Some(e) => e,
-                None => match self.run_and_commit(origin, part, attempts).await {
+                None => match self.run_and_commit(origin, part, attempts, guarded).await {
                     Ok(pass) => {
                         done.merge(pass);
                         continue;
@@ -401,15 +425,36 @@ impl BatchProcessor {
         })
     }
 
+    /// Runs and commits part of a batch. Unguarded, the effect runs without a savepoint; if it
+    /// fails, the transaction is rolled back and the part runs again guarded.
     async fn run_and_commit(
         &self,
         origin: Origin<'_>,
         messages: &[&RawMessage],
         attempts: &Attempts,
+        guarded: bool,
     ) -> Result<Pass, RunError> {
         let plan = Plan::new(origin, messages);
+        match self.run_once(&plan, attempts, guarded).await {
+            Err(RunError::Unguarded) => {
+                tracing::debug!(
+                    partition = origin.partition,
+                    "An effect failed; running the batch again with savepoints."
+                );
+                self.run_once(&plan, attempts, true).await
+            }
+            other => other,
+        }
+    }
+
+    async fn run_once(
+        &self,
+        plan: &Plan<'_>,
+        attempts: &Attempts,
+        guarded: bool,
+    ) -> Result<Pass, RunError> {
         let mut tx = self.pool.begin().await?;
-        match self.run(&mut tx, &plan, attempts).await {
+        match self.run(&mut tx, plan, attempts, guarded).await {
             Ok(pass) => {
                 crate::failpoint!("consume::before_commit");
                 crate::stallpoint!("consume::stall_before_commit");
@@ -431,6 +476,7 @@ impl BatchProcessor {
         tx: &mut Transaction<'static, Postgres>,
         plan: &Plan<'_>,
         attempts: &Attempts,
+        guarded: bool,
     ) -> Result<Pass, RunError> {
         let origin = plan.origin;
         let mut report = BatchReport {
@@ -469,7 +515,16 @@ impl BatchProcessor {
         self.sort_out_replays(tx, plan, &claimed, &mut report)
             .await?;
         firsts.retain(|(_, e)| claimed.contains(e.key.as_str()));
-        let failures = self.apply_splitting(tx, &firsts).await?;
+        // An event tried again runs alone in its savepoint: failing again, it costs no search
+        // through the fresh events it shares the transaction with.
+        let (retried, fresh): (Vec<_>, Vec<_>) = firsts
+            .iter()
+            .partition(|(offset, _)| attempts.contains_key(offset));
+        let mut failures = self.apply_splitting(tx, &fresh, guarded).await?;
+        for one in retried.chunks(1) {
+            failures.extend(self.apply_splitting(tx, one, true).await?);
+        }
+        failures.sort_by_key(|(offset, _, _)| *offset);
         let held = self
             .settle_failures(tx, &failures, attempts, &mut report)
             .await?;
@@ -485,15 +540,27 @@ impl BatchProcessor {
         Ok(Pass { report, held })
     }
 
-    /// Applies the effect to the claimed events with one call per batch, in a savepoint. When
-    /// it fails, the part is split in halves, each applied in its own savepoint, until the events
-    /// that fail alone are found; they are returned with their errors, in offset order, and
-    /// everything else stays applied. A transient failure ends the run.
+    /// Applies the effect to the claimed events with one call per batch. Guarded, it runs in a
+    /// savepoint, and when it fails the part is split in halves, each applied in its own
+    /// savepoint, until the events that fail alone are found; they are returned with their
+    /// errors, in offset order, and everything else stays applied. Unguarded, a failure ends the
+    /// run ([`RunError::Unguarded`]). A transient failure ends the run either way.
     async fn apply_splitting<'e>(
         &self,
         tx: &mut Transaction<'static, Postgres>,
         events: &[(i64, &'e Event)],
+        guarded: bool,
     ) -> Result<Vec<(i64, &'e Event, anyhow::Error)>, RunError> {
+        if !guarded && !events.is_empty() {
+            let batch: Vec<&Event> = events.iter().map(|(_, e)| *e).collect();
+            return match self.effect.apply_batch(tx, &batch).await {
+                Ok(()) => Ok(Vec::new()),
+                Err(e) if effect::classify(&e) == FailureKind::Transient => {
+                    Err(RunError::Transient(e))
+                }
+                Err(_) => Err(RunError::Unguarded),
+            };
+        }
         let mut failures = Vec::new();
         let mut parts = vec![events];
         while let Some(part) = parts.pop() {

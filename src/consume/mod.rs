@@ -1,11 +1,13 @@
 //! `replayproof consume`: a member of a Kafka consumer group that applies each event once.
 //!
-//! One thread owns the Kafka consumer: it polls, routes each message to its partition's lane,
-//! stores and commits offsets, and serves rebalances. Each assigned partition has a lane, a task
-//! that takes the partition's messages in offset order, in batches, and applies each batch in one
-//! PostgreSQL transaction ([`BatchProcessor`]). A lane reports a batch only after its transaction
-//! committed; only then is the batch's offset stored and committed. A lane whose partition is
-//! revoked is stopped and drained first, and anything it reports afterwards is ignored, so no
+//! One thread owns the Kafka consumer: it polls, moves each partition's messages from the
+//! partition's own librdkafka queue to its lane while the lane has room (memory bounded by bytes,
+//! never by pausing), stores and commits offsets, and serves rebalances. Each assigned partition
+//! has a lane, a task that takes the partition's messages in offset order, in batches, and
+//! applies each batch in one PostgreSQL transaction ([`BatchProcessor`]). A lane reports a batch
+//! only after its transaction committed, and an event whose effect is waiting for a retry holds
+//! the partition's offset; only then is the offset stored and committed. A lane whose partition
+//! is revoked is stopped and drained first, and anything it reports afterwards is ignored, so no
 //! offset is ever stored for a partition this member no longer owns.
 
 #[cfg(feature = "cli")]
@@ -173,6 +175,10 @@ impl ConsumerSettings {
             // A partition whose queue is full is fetched again this soon after it drains,
             // rather than after librdkafka's default second.
             ("fetch.queue.backoff.ms", "20".into()),
+            // librdkafka has one fetch in flight per broker: a fetch the broker holds open for
+            // partitions with nothing new delays partitions whose queue just drained. 50 ms
+            // instead of 500 doubles the rate of 2 KiB messages (`cargo bench --bench consume`).
+            ("fetch.wait.max.ms", "50".into()),
         ];
         if let Some(id) = &self.instance_id {
             settings.push(("group.instance.id", id.clone()));

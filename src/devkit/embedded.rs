@@ -20,11 +20,19 @@ pub struct EmbeddedPostgres {
     bin: PathBuf,
     port: u16,
     run_as: Option<String>,
+    /// Server settings (`name=value`) applied after the defaults.
+    settings: Vec<String>,
 }
 
 impl EmbeddedPostgres {
     /// Creates and starts a cluster. Blocking: call it from `spawn_blocking` in async code.
     pub fn start() -> anyhow::Result<Self> {
+        Self::start_with(&[])
+    }
+
+    /// Like [`EmbeddedPostgres::start`], with server settings (`name=value`) that override the
+    /// defaults, such as `fsync=on` for a durable cluster.
+    pub fn start_with(settings: &[&str]) -> anyhow::Result<Self> {
         let bin = postgres_bindir()?;
         let run_as = nix::unistd::geteuid()
             .is_root()
@@ -44,6 +52,7 @@ impl EmbeddedPostgres {
             dir,
             bin,
             run_as,
+            settings: settings.iter().map(|s| s.to_string()).collect(),
         };
         pg.run(
             "initdb",
@@ -82,11 +91,14 @@ impl EmbeddedPostgres {
 
     /// Starts the server again, on the same port with the same data.
     pub fn resume(&self) -> anyhow::Result<()> {
-        let options = format!(
+        let mut options = format!(
             "-p {} -k {} -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=200",
             self.port,
             self.dir.path().display()
         );
+        for setting in &self.settings {
+            options += &format!(" -c {setting}");
+        }
         let log = self.dir.path().join("postgres.log");
         self.run(
             "pg_ctl",
