@@ -723,10 +723,6 @@ fn main() {
         .as_ref()
         .map(EmbeddedKafka::bootstrap_servers)
         .unwrap_or_else(|| std::env::var("KAFKA_BROKERS").unwrap());
-    let create_topic = |topic: &str, partitions: i32| match &mock {
-        Some(m) => m.create_topic(topic, partitions).unwrap(),
-        None => runtime.block_on(create_topic(&brokers, topic, partitions)),
-    };
     println!(
         "{events} events + 30% replays per run, {PARTITIONS} partitions, batches of {BATCH}, \
          {repeats} repeats; broker: {}; PostgreSQL: {}; {} cores",
@@ -768,7 +764,7 @@ fn main() {
         let mut topics = HashMap::new();
         for w in &workloads {
             let topic = format!("bench_{}_{}", w.size, std::process::id());
-            create_topic(&topic, PARTITIONS);
+            new_topic(mock.as_ref(), &brokers, &topic, PARTITIONS).await;
             fill_topic(&brokers, &topic, &w.partitions).await;
             topics.insert(w.size, topic);
         }
@@ -879,7 +875,7 @@ fn main() {
             println!("memory run: {memory_messages} messages of 2 KiB on 16 partitions");
             let w = Workload::new("mem", memory_messages, 0, 2048, 16);
             let topic = format!("bench_memory_{}", std::process::id());
-            create_topic(&topic, 16);
+            new_topic(mock.as_ref(), &brokers, &topic, 16).await;
             fill_topic(&brokers, &topic, &w.partitions).await;
             let url = db.fresh("bench_template").await;
             let (took, peak, samples) = stage_d(&brokers, &topic, &url, w.messages()).await;
@@ -968,6 +964,13 @@ fn report(
             peak / 1024,
             mib.join(" ")
         );
+    }
+}
+
+async fn new_topic(mock: Option<&EmbeddedKafka>, brokers: &str, topic: &str, partitions: i32) {
+    match mock {
+        Some(m) => m.create_topic(topic, partitions).unwrap(),
+        None => create_topic(brokers, topic, partitions).await,
     }
 }
 

@@ -562,34 +562,52 @@ impl BatchProcessor {
             };
         }
         let mut failures = Vec::new();
-        let mut parts = vec![events];
-        while let Some(part) = parts.pop() {
-            if part.is_empty() {
-                continue;
-            }
-            let batch: Vec<&Event> = part.iter().map(|(_, e)| *e).collect();
-            let mut savepoint = tx.begin().await?;
-            let error = match self.effect.apply_batch(&mut savepoint, &batch).await {
-                Ok(()) => {
-                    savepoint.commit().await?;
-                    continue;
-                }
-                Err(e) => e,
+        // Each part with whether it is known to fail: a failing part whose left half applies
+        // holds its failure in the right half, which is then split without being tried whole.
+        let mut parts = vec![(events, false)];
+        while let Some((part, known_to_fail)) = parts.pop() {
+            let (tried, rest) = match part {
+                [] => continue,
+                [_, _, ..] if known_to_fail => part.split_at(part.len() / 2),
+                _ => (part, &part[part.len()..]),
             };
-            savepoint.rollback().await?;
-            if effect::classify(&error) == FailureKind::Transient {
-                return Err(RunError::Transient(error));
-            }
-            match part {
-                [(offset, event)] => failures.push((*offset, *event, error)),
-                _ => {
-                    let (left, right) = part.split_at(part.len() / 2);
-                    parts.push(right);
-                    parts.push(left);
+            match self.apply_in_savepoint(tx, tried).await? {
+                None => parts.push((rest, true)),
+                Some(error) => {
+                    parts.push((rest, false));
+                    match tried {
+                        [(offset, event)] => failures.push((*offset, *event, error)),
+                        _ => parts.push((tried, true)),
+                    }
                 }
             }
         }
+        failures.sort_by_key(|(offset, _, _)| *offset);
         Ok(failures)
+    }
+
+    /// Applies `part` in a savepoint: None when it applied, or the error it failed with (its
+    /// work undone). A transient failure ends the run.
+    async fn apply_in_savepoint(
+        &self,
+        tx: &mut Transaction<'static, Postgres>,
+        part: &[(i64, &Event)],
+    ) -> Result<Option<anyhow::Error>, RunError> {
+        let batch: Vec<&Event> = part.iter().map(|(_, e)| *e).collect();
+        let mut savepoint = tx.begin().await?;
+        match self.effect.apply_batch(&mut savepoint, &batch).await {
+            Ok(()) => {
+                savepoint.commit().await?;
+                Ok(None)
+            }
+            Err(error) => {
+                savepoint.rollback().await?;
+                match effect::classify(&error) {
+                    FailureKind::Transient => Err(RunError::Transient(error)),
+                    _ => Ok(Some(error)),
+                }
+            }
+        }
     }
 
     /// Records each failed event: out of attempts (or failed for good), its claim becomes
