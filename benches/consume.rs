@@ -27,7 +27,7 @@
 
 use rdkafka::consumer::{BaseConsumer, Consumer, StreamConsumer};
 use rdkafka::producer::{FutureProducer, FutureRecord};
-use rdkafka::{ClientConfig, Message};
+use rdkafka::Message;
 use replayproof::consume::{BatchProcessor, EffectRetry, RawMessage, Retrying};
 use replayproof::devkit::embedded::{EmbeddedKafka, EmbeddedPostgres};
 use replayproof::effect::{Effect, Ledger, Tx};
@@ -37,16 +37,12 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+mod common;
+use common::{client, create_topic, env_or};
+
 const PARTITIONS: i32 = 4;
 const BATCH: usize = 500;
 const SIZES: [usize; 2] = [100, 2048];
-
-fn env_or(name: &str, default: usize) -> usize {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
 
 /// One workload: the encoded messages by partition, in offset order.
 struct Workload {
@@ -106,16 +102,6 @@ fn payload(i: usize, size: usize) -> serde_json::Value {
         .map(|_| rng.alphanumeric())
         .collect();
     serde_json::json!({ "id": format!("evt_{i}"), "amount": i % 10_000, "pad": pad })
-}
-
-trait Queued {
-    fn queued(&self) -> usize;
-}
-
-impl Queued for RawMessage {
-    fn queued(&self) -> usize {
-        self.key.as_ref().map_or(0, Vec::len) + self.value.as_ref().map_or(0, Vec::len) + 70
-    }
 }
 
 fn fxhash(s: &str) -> u64 {
@@ -429,14 +415,6 @@ async fn stage_b(url: &str, w: &Workload, effect: Arc<dyn Effect>) -> Duration {
 
 // ------------------------------------------------------------------------------- stages C, D, E
 
-fn client(brokers: &str) -> ClientConfig {
-    let mut c = ClientConfig::new();
-    c.set("bootstrap.servers", brokers)
-        .set("broker.address.family", "v4")
-        .set("log_level", "3");
-    c
-}
-
 async fn fill_topic(brokers: &str, topic: &str, partitions: &[Vec<RawMessage>]) {
     let producer: FutureProducer = client(brokers)
         .set("linger.ms", "20")
@@ -747,7 +725,7 @@ fn main() {
         // The mock cluster keeps at most 5 MiB per partition: its runs are sized to fit.
         let fitting = |size: usize| match &mock {
             Some(_) => {
-                let message = Workload::new("probe", 1, 0, size, 1).partitions[0][0].queued();
+                let message = Workload::new("probe", 1, 0, size, 1).partitions[0][0].queued_bytes();
                 let per_partition = (4 << 20) / message;
                 events.min(per_partition * PARTITIONS as usize * 10 / 13)
             }
@@ -972,17 +950,4 @@ async fn new_topic(mock: Option<&EmbeddedKafka>, brokers: &str, topic: &str, par
         Some(m) => m.create_topic(topic, partitions).unwrap(),
         None => create_topic(brokers, topic, partitions).await,
     }
-}
-
-async fn create_topic(brokers: &str, topic: &str, partitions: i32) {
-    use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
-    let admin: AdminClient<_> = client(brokers).create().unwrap();
-    admin
-        .create_topics(
-            &[NewTopic::new(topic, partitions, TopicReplication::Fixed(1))],
-            &AdminOptions::new(),
-        )
-        .await
-        .unwrap();
-    tokio::time::sleep(Duration::from_secs(1)).await;
 }

@@ -13,12 +13,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
 
-fn env_or(name: &str, default: usize) -> usize {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
+mod common;
+use common::{create_topic, env_or};
 
 struct Report {
     rps: f64,
@@ -122,7 +118,7 @@ fn main() {
     if let Some(m) = &mock {
         m.create_topic(&topic, 4).unwrap();
     } else {
-        runtime.block_on(create_topic(&brokers, &topic));
+        runtime.block_on(create_topic(&brokers, &topic, 4));
     }
     let broker_name = if mock.is_some() {
         "mock cluster"
@@ -159,21 +155,4 @@ fn main() {
         shutdown.cancel();
         running.stopped().await.unwrap();
     });
-}
-
-async fn create_topic(brokers: &str, topic: &str) {
-    use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
-    let admin: AdminClient<_> = rdkafka::ClientConfig::new()
-        .set("bootstrap.servers", brokers)
-        .set("broker.address.family", "v4")
-        .create()
-        .unwrap();
-    admin
-        .create_topics(
-            &[NewTopic::new(topic, 4, TopicReplication::Fixed(1))],
-            &AdminOptions::new(),
-        )
-        .await
-        .unwrap();
-    tokio::time::sleep(Duration::from_secs(1)).await;
 }

@@ -543,7 +543,7 @@ impl BatchProcessor {
     /// Applies the effect to the claimed events with one call per batch. Guarded, it runs in a
     /// savepoint, and when it fails the part is split in halves, each applied in its own
     /// savepoint, until the events that fail alone are found; they are returned with their
-    /// errors, in offset order, and everything else stays applied. Unguarded, a failure ends the
+    /// errors and everything else stays applied. Unguarded, a failure ends the
     /// run ([`RunError::Unguarded`]). A transient failure ends the run either way.
     async fn apply_splitting<'e>(
         &self,
@@ -582,7 +582,6 @@ impl BatchProcessor {
                 }
             }
         }
-        failures.sort_by_key(|(offset, _, _)| *offset);
         Ok(failures)
     }
 

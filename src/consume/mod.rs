@@ -489,8 +489,8 @@ impl From<&BorrowedMessage<'_>> for RawMessage {
 }
 
 impl RawMessage {
-    /// What the message costs while queued for its lane.
-    fn queued_bytes(&self) -> usize {
+    /// What the message costs while queued for its lane: the budget `--max-lane-bytes` counts.
+    pub fn queued_bytes(&self) -> usize {
         MESSAGE_OVERHEAD_BYTES
             + self.key.as_ref().map_or(0, Vec::len)
             + self.value.as_ref().map_or(0, Vec::len)

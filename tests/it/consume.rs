@@ -131,14 +131,7 @@ async fn rebalance_mid_stream_applies_every_event_once() {
     assert_exactly_once(&db, &expected, WAIT).await;
     // Offsets whose commit failed during a rebalance are replayed by the next owner, harmlessly,
     // and then committed: the group ends with every offset committed and no second effect.
-    wait_for("every offset committed", WAIT, || async {
-        committed(&kafka, &group, &topic, 4)
-            .await
-            .iter()
-            .sum::<i64>()
-            == 4_000
-    })
-    .await;
+    wait_committed_total(&kafka, &group, &topic, 4, 4_000).await;
     let ends = committed(&kafka, &group, &topic, 4).await;
     second.stop().await;
     third.stop().await;
@@ -166,14 +159,7 @@ async fn lanes_over_their_byte_budget_leave_messages_in_kafka_and_lose_none() {
 
     let expected: HashSet<String> = (0..600).map(|i| format!("evt-{i}")).collect();
     assert_exactly_once(&db, &expected, WAIT).await;
-    wait_for("every offset committed", WAIT, || async {
-        committed(&kafka, &group, &topic, 2)
-            .await
-            .iter()
-            .sum::<i64>()
-            == 600
-    })
-    .await;
+    wait_committed_total(&kafka, &group, &topic, 2, 600).await;
     consumer.stop().await;
 }
 
@@ -328,17 +314,8 @@ async fn postgres_restart_loses_nothing_and_commits_no_offset_ahead() {
             );
         }
     }
-    let total: i64 = {
-        wait_for("all offsets committed", WAIT, || async {
-            committed(&kafka, &group, &topic, 2)
-                .await
-                .iter()
-                .sum::<i64>()
-                == 3_000
-        })
-        .await;
-        3_000
-    };
+    let total: i64 = 3_000;
+    wait_committed_total(&kafka, &group, &topic, 2, total).await;
     assert_eq!(db.count("SELECT count(*) FROM ledger").await, total);
     consumer.stop().await;
 }
@@ -371,14 +348,7 @@ async fn broker_restart_loses_nothing() {
     let expected: HashSet<String> = (0..2_000).map(|i| format!("evt-{i}")).collect();
     assert_exactly_once(&db, &expected, WAIT).await;
     let kafka = TestKafka::Mock(mock);
-    wait_for("every offset committed", WAIT, || async {
-        committed(&kafka, &group, &topic, 2)
-            .await
-            .iter()
-            .sum::<i64>()
-            == 2_000
-    })
-    .await;
+    wait_committed_total(&kafka, &group, &topic, 2, 2_000).await;
     consumer.stop().await;
 }
 

@@ -1,0 +1,34 @@
+//! What the benchmarks share: their sizes from the environment and a topic on a broker.
+
+use std::time::Duration;
+
+/// A size from the environment, or `default`.
+pub fn env_or(name: &str, default: usize) -> usize {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+/// A client of `brokers` (IPv4, quiet).
+pub fn client(brokers: &str) -> rdkafka::ClientConfig {
+    let mut c = rdkafka::ClientConfig::new();
+    c.set("bootstrap.servers", brokers)
+        .set("broker.address.family", "v4")
+        .set("log_level", "3");
+    c
+}
+
+/// Creates `topic` on a broker process, then gives its metadata a moment to spread.
+pub async fn create_topic(brokers: &str, topic: &str, partitions: i32) {
+    use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+    let admin: AdminClient<_> = client(brokers).create().unwrap();
+    admin
+        .create_topics(
+            &[NewTopic::new(topic, partitions, TopicReplication::Fixed(1))],
+            &AdminOptions::new(),
+        )
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+}
