@@ -36,7 +36,7 @@ impl Effect for MarkOrderPaid {
     }
 
     async fn apply(&self, tx: &mut Tx<'_>, event: &Event) -> anyhow::Result<()> {
-        let order_id = event.payload["order_id"]
+        let order_id = event.payload()["order_id"]
             .as_i64()
             .context("the payment event has no numeric order_id")?;
         let updated = sqlx::query(

@@ -80,6 +80,20 @@ pub fn check_storable(
     received_at: Option<DateTime<Utc>>,
     payload: &serde_json::Value,
 ) -> Result<(), Malformed> {
+    check_fields(key, source, event_type, received_at)?;
+    match unstorable_in(payload) {
+        Some(why) => Err(Malformed::Unstorable(why)),
+        None => Ok(()),
+    }
+}
+
+/// [`check_storable`] for everything but the payload.
+fn check_fields(
+    key: &str,
+    source: &str,
+    event_type: Option<&str>,
+    received_at: Option<DateTime<Utc>>,
+) -> Result<(), Malformed> {
     use chrono::Datelike as _;
     if [Some(key), Some(source), event_type]
         .into_iter()
@@ -95,10 +109,7 @@ pub fn check_storable(
             "received_at is before 4713 BC, outside PostgreSQL's timestamps",
         ));
     }
-    match unstorable_in(payload) {
-        Some(why) => Err(Malformed::Unstorable(why)),
-        None => Ok(()),
-    }
+    Ok(())
 }
 
 /// The largest power of ten PostgreSQL's `numeric` (and so `jsonb`) holds is about 10^131071,
@@ -195,13 +206,15 @@ pub struct Event {
     pub source: String,
     pub event_type: Option<String>,
     pub received_at: Option<DateTime<Utc>>,
-    pub payload: serde_json::Value,
     /// The payload's JSON text as it arrived, stored and sent as is: the payload is never
     /// serialised again.
     pub payload_json: Box<RawValue>,
     pub payload_sha256: [u8; 32],
     /// The replay guard's window, for sources that sign only the body; see [`Envelope`].
     pub replay_window_secs: Option<u64>,
+    /// The payload as a JSON value, built the first time [`Event::payload`] asks for it: the
+    /// built-in effects store and send the text and never need it.
+    payload: std::sync::OnceLock<serde_json::Value>,
 }
 
 /// The envelope as read: `payload` is required, though it may be `null`.
@@ -231,24 +244,55 @@ impl Event {
         if message_key.is_some_and(|k| k != key.as_str().as_bytes()) {
             return Err(Malformed::KeyMismatch);
         }
-        let payload: serde_json::Value = serde_json::from_str(wire.payload.get())
-            .map_err(|e| Malformed::NotJson(e.to_string()))?;
-        check_storable(
+        check_fields(
             key.as_str(),
             &wire.source,
             wire.event_type.as_deref(),
             wire.received_at,
-            &payload,
         )?;
+        // One walk over the payload's text checks what PostgreSQL would refuse and writes the
+        // canonical form to hash, without building a `serde_json::Value`.
+        let mut canonical = Vec::with_capacity(wire.payload.get().len());
+        write_canonical_text(wire.payload.get(), &wire.unhashed, &mut canonical)?;
         Ok(Self {
-            payload_sha256: payload_hash_without(&payload, &wire.unhashed),
+            payload_sha256: Sha256::digest(&canonical).into(),
             key,
             source: wire.source,
             event_type: wire.event_type,
             received_at: wire.received_at,
-            payload,
             payload_json: wire.payload,
             replay_window_secs: wire.replay_window_secs.filter(|secs| *secs > 0),
+            payload: std::sync::OnceLock::new(),
+        })
+    }
+
+    /// An event as it was stored with its claim, for an operator's retry.
+    pub fn stored(
+        key: EventKey,
+        source: String,
+        event_type: Option<String>,
+        received_at: Option<DateTime<Utc>>,
+        payload: serde_json::Value,
+        payload_sha256: [u8; 32],
+    ) -> Self {
+        Self {
+            key,
+            source,
+            event_type,
+            received_at,
+            payload_json: Self::json_of(&payload),
+            payload_sha256,
+            replay_window_secs: None,
+            payload: std::sync::OnceLock::from(payload),
+        }
+    }
+
+    /// The payload as a JSON value, parsed from [`Event::payload_json`] on first use. Numbers
+    /// keep their exact text (serde_json's `arbitrary_precision`).
+    pub fn payload(&self) -> &serde_json::Value {
+        self.payload.get_or_init(|| {
+            serde_json::from_str(self.payload_json.get())
+                .expect("the payload's text was checked as JSON when the event was parsed")
         })
     }
 
@@ -336,6 +380,144 @@ fn write_canonical(
     }
 }
 
+/// [`write_canonical`] over a payload's JSON text: the same bytes, written without building a
+/// `serde_json::Value`. Containers are read one level at a time (members and items kept as
+/// borrowed text), strings are borrowed unless they hold escapes, and numbers are copied as the
+/// text they arrived as, the exponent normalised as `arbitrary_precision` does. On the way it refuses
+/// what PostgreSQL would refuse, as [`check_storable`] does for a value, including inside the
+/// fields left out of the hash.
+fn write_canonical_text(
+    text: &str,
+    skip: &[String],
+    out: &mut impl std::io::Write,
+) -> Result<(), Malformed> {
+    let not_json = |e: serde_json::Error| Malformed::NotJson(e.to_string());
+    let written = |e: std::io::Error| Malformed::NotJson(e.to_string());
+    let text = text.trim();
+    match text.as_bytes().first() {
+        Some(b'{') => {
+            let Members(mut members) = serde_json::from_str(text).map_err(not_json)?;
+            if members.iter().any(|(k, _)| k.contains('\0')) {
+                return Err(Malformed::Unstorable(NUL_IN_PAYLOAD));
+            }
+            // A key given twice keeps its last value, as a parsed `Value` does: after a stable
+            // sort the last of each run of equal keys is the one kept.
+            members.sort_by(|(a, _), (b, _)| a.encode_utf16().cmp(b.encode_utf16()));
+            out.write_all(b"{").map_err(written)?;
+            let mut first = true;
+            for (i, (k, v)) in members.iter().enumerate() {
+                let replaced = members.get(i + 1).is_some_and(|(next, _)| next == k);
+                if replaced || skip.iter().any(|s| s == k.as_ref()) {
+                    // Not hashed, but stored with the payload's text all the same.
+                    write_canonical_text(v.get(), &[], &mut std::io::sink())?;
+                    continue;
+                }
+                if !first {
+                    out.write_all(b",").map_err(written)?;
+                }
+                first = false;
+                serde_json::to_writer(&mut *out, k.as_ref()).map_err(not_json)?;
+                out.write_all(b":").map_err(written)?;
+                write_canonical_text(v.get(), &[], out)?;
+            }
+            out.write_all(b"}").map_err(written)
+        }
+        Some(b'[') => {
+            let items: Vec<&RawValue> = serde_json::from_str(text).map_err(not_json)?;
+            out.write_all(b"[").map_err(written)?;
+            for (i, item) in items.iter().enumerate() {
+                if i > 0 {
+                    out.write_all(b",").map_err(written)?;
+                }
+                write_canonical_text(item.get(), &[], out)?;
+            }
+            out.write_all(b"]").map_err(written)
+        }
+        // Without escapes the text is already what serde_json writes (a NUL can only arrive
+        // escaped: raw control characters are not JSON).
+        Some(b'"') if !text.contains('\\') => out.write_all(text.as_bytes()).map_err(written),
+        Some(b'"') => {
+            let Text(s) = serde_json::from_str(text).map_err(not_json)?;
+            if s.contains('\0') {
+                return Err(Malformed::Unstorable(NUL_IN_PAYLOAD));
+            }
+            serde_json::to_writer(out, s.as_ref()).map_err(not_json)
+        }
+        Some(b'-' | b'0'..=b'9') => {
+            if !NUMBER_EXPONENT_RANGE.contains(&decimal_exponent(text)) {
+                return Err(Malformed::Unstorable(
+                    "the payload holds a number beyond PostgreSQL's numeric range",
+                ));
+            }
+            // As `arbitrary_precision` keeps a number: its text, with the exponent written `e`
+            // and signed.
+            match text.split_once(['e', 'E']) {
+                Some((mantissa, exponent)) => {
+                    let sign = match exponent.as_bytes().first() {
+                        Some(b'+' | b'-') => "",
+                        _ => "+",
+                    };
+                    write!(out, "{mantissa}e{sign}{exponent}").map_err(written)
+                }
+                None => out.write_all(text.as_bytes()).map_err(written),
+            }
+        }
+        // `true`, `false` and `null`, checked as JSON when the envelope was read.
+        _ => out.write_all(text.as_bytes()).map_err(written),
+    }
+}
+
+/// A JSON string, borrowed from the text unless it holds escapes.
+struct Text<'a>(std::borrow::Cow<'a, str>);
+
+impl<'de> Deserialize<'de> for Text<'de> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Visitor;
+        impl<'de> serde::de::Visitor<'de> for Visitor {
+            type Value = Text<'de>;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a string")
+            }
+            fn visit_borrowed_str<E>(self, s: &'de str) -> Result<Text<'de>, E> {
+                Ok(Text(s.into()))
+            }
+            fn visit_str<E>(self, s: &str) -> Result<Text<'de>, E> {
+                Ok(Text(s.to_owned().into()))
+            }
+            fn visit_string<E>(self, s: String) -> Result<Text<'de>, E> {
+                Ok(Text(s.into()))
+            }
+        }
+        d.deserialize_str(Visitor)
+    }
+}
+
+/// A JSON object's members in the order written, duplicates included, values as text.
+struct Members<'a>(Vec<(std::borrow::Cow<'a, str>, &'a RawValue)>);
+
+impl<'de> Deserialize<'de> for Members<'de> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Visitor;
+        impl<'de> serde::de::Visitor<'de> for Visitor {
+            type Value = Members<'de>;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a JSON object")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> Result<Members<'de>, A::Error> {
+                let mut members = Vec::with_capacity(map.size_hint().unwrap_or(8));
+                while let Some(Text(k)) = map.next_key()? {
+                    members.push((k, map.next_value()?));
+                }
+                Ok(Members(members))
+            }
+        }
+        d.deserialize_map(Visitor)
+    }
+}
+
 #[cfg(test)]
 mod tests {
 
@@ -378,7 +560,7 @@ mod tests {
         let e = parse(r#"{"key":"k","source":"s","payload":{ "z": 1, "a": 10.000 }}"#).unwrap();
         assert_eq!(e.payload_json.get(), r#"{ "z": 1, "a": 10.000 }"#);
         let sent: serde_json::Value = serde_json::from_slice(&e.envelope_bytes()).unwrap();
-        assert_eq!(sent["payload"], e.payload);
+        assert_eq!(&sent["payload"], e.payload());
         assert_eq!(sent["key"], "k");
     }
 
@@ -468,6 +650,15 @@ mod tests {
             );
         }
         assert!(parse(r#"{"key":"k","source":"s","payload":"\\u0000 is text"}"#).is_ok());
+        // Left out of the hash, or replaced by a later copy of its key: stored all the same.
+        assert!(matches!(
+            parse(r#"{"key":"k","source":"s","unhashed":["x"],"payload":{"x":"\u0000"}}"#),
+            Err(Malformed::Unstorable(_))
+        ));
+        assert!(matches!(
+            parse(r#"{"key":"k","source":"s","payload":{"x":"\u0000","x":1}}"#),
+            Err(Malformed::Unstorable(_))
+        ));
         assert!(matches!(
             parse(r#"{"key":"k","source":"s","payload":{"n":1e200000}}"#),
             Err(Malformed::Unstorable(_))
@@ -482,7 +673,7 @@ mod tests {
                "rate":0.1000000000000000055511151231257827,"tiny":1.5e-300}}"#,
         )
         .unwrap();
-        let text = serde_json::to_string(&e.payload).unwrap();
+        let text = serde_json::to_string(e.payload()).unwrap();
         assert!(text.contains("123456789012345678901234567890"), "{text}");
         assert!(
             text.contains("0.1000000000000000055511151231257827"),
@@ -514,9 +705,100 @@ mod tests {
         assert_eq!(a.payload_sha256, b.payload_sha256);
         assert_ne!(b.payload_sha256, c.payload_sha256);
         assert_eq!(
-            b.payload["pending_webhooks"], 3,
+            b.payload()["pending_webhooks"],
+            3,
             "the field is still stored"
         );
+    }
+
+    /// Random JSON text: nested, with whitespace, escapes, astral characters, exact numbers and
+    /// repeated keys.
+    fn random_json(rng: &mut fastrand::Rng, depth: u32, out: &mut String) {
+        const STRINGS: [&str; 10] = [
+            r#""""#,
+            r#""plain""#,
+            r#""caf\u00e9""#,
+            r#""é""#,
+            r#""\ud83d\ude00 \"quoted\" \\ \/ \b\f\n\r\t""#,
+            r#""\u001f\u007f""#,
+            r#""😀""#,
+            "\"\u{e000}\"",
+            r#""a""#,
+            r#""b""#,
+        ];
+        const NUMBERS: [&str; 8] = [
+            "0",
+            "-0",
+            "1.50",
+            "123456789012345678901234567890",
+            "1e5",
+            "-2.5E-300",
+            "1E+2",
+            "0.000",
+        ];
+        let ws = |rng: &mut fastrand::Rng| [" ", "", "\n\t", ""][rng.usize(..4)];
+        match rng.u32(..if depth == 0 { 5 } else { 7 }) {
+            0 => out.push_str(["true", "false", "null"][rng.usize(..3)]),
+            1 | 2 => out.push_str(NUMBERS[rng.usize(..NUMBERS.len())]),
+            3 | 4 => out.push_str(STRINGS[rng.usize(..STRINGS.len())]),
+            5 => {
+                out.push('[');
+                for i in 0..rng.usize(..4) {
+                    if i > 0 {
+                        out.push(',');
+                    }
+                    out.push_str(ws(rng));
+                    random_json(rng, depth - 1, out);
+                }
+                out.push(']');
+            }
+            _ => {
+                out.push('{');
+                for i in 0..rng.usize(..5) {
+                    if i > 0 {
+                        out.push(',');
+                    }
+                    out.push_str(ws(rng));
+                    out.push_str(STRINGS[rng.usize(..STRINGS.len())]);
+                    out.push_str(ws(rng));
+                    out.push(':');
+                    out.push_str(ws(rng));
+                    random_json(rng, depth - 1, out);
+                }
+                out.push_str(ws(rng));
+                out.push('}');
+            }
+        }
+    }
+
+    #[test]
+    fn hashing_the_text_gives_the_hash_of_the_parsed_value() {
+        let mut rng = fastrand::Rng::with_seed(7);
+        let skip = ["a".to_owned(), "é".to_owned()];
+        for _ in 0..20_000 {
+            let mut text = String::new();
+            random_json(&mut rng, 4, &mut text);
+            let value: serde_json::Value = serde_json::from_str(&text).unwrap();
+            for skip in [&skip[..], &[]] {
+                let mut canonical = Vec::new();
+                write_canonical_text(&text, skip, &mut canonical).unwrap();
+                let mut expected = Vec::new();
+                write_canonical(&value, skip, &mut expected).unwrap();
+                assert_eq!(
+                    String::from_utf8(canonical).unwrap(),
+                    String::from_utf8(expected).unwrap(),
+                    "{text}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn a_payload_is_parsed_only_when_asked_for() {
+        let e = parse(r#"{"key":"k","source":"s","payload":{"n":1.50,"a":[true]}}"#).unwrap();
+        assert!(e.payload.get().is_none());
+        assert_eq!(e.payload()["n"].to_string(), "1.50");
+        assert_eq!(e.payload()["a"][0], true);
     }
 
     #[test]

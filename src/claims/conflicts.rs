@@ -30,15 +30,18 @@ pub async fn record(
         .iter()
         .map(|(_, e, _)| &e.payload_sha256[..])
         .collect();
-    let payloads: Vec<&serde_json::Value> = unique.iter().map(|(_, e, _)| &e.payload).collect();
+    let payloads: Vec<&str> = unique
+        .iter()
+        .map(|(_, e, _)| e.payload_json.get())
+        .collect();
     let sources: Vec<&str> = unique.iter().map(|(_, e, _)| e.source.as_str()).collect();
     let offsets: Vec<i64> = unique.iter().map(|(o, _, _)| *o).collect();
     let reasons: Vec<Option<&str>> = unique.iter().map(|(_, _, r)| r.as_deref()).collect();
     sqlx::query!(
         r#"INSERT INTO key_conflicts (event_key, payload_sha256, payload, source, kafka_topic,
                 kafka_partition, kafka_offset, reason)
-           SELECT k, h, p, s, $6, $7, o, r
-           FROM unnest($1::text[], $2::bytea[], $3::jsonb[], $4::text[], $5::int8[], $8::text[])
+           SELECT k, h, p::jsonb, s, $6, $7, o, r
+           FROM unnest($1::text[], $2::bytea[], $3::text[], $4::text[], $5::int8[], $8::text[])
                 AS u(k, h, p, s, o, r)
            ORDER BY k COLLATE "C", h
            ON CONFLICT (event_key, payload_sha256) DO UPDATE

@@ -263,19 +263,17 @@ fn stored_event(key: &str, claim: claims::StoredClaim) -> anyhow::Result<Event> 
     let payload = claim
         .payload
         .with_context(|| format!("the claim of {key} did not keep its payload"))?;
-    Ok(Event {
-        key: EventKey::try_from(key.to_owned())?,
-        source: claim.source,
-        event_type: claim.event_type,
-        received_at: claim.received_at,
-        payload_json: Event::json_of(&payload),
+    Ok(Event::stored(
+        EventKey::try_from(key.to_owned())?,
+        claim.source,
+        claim.event_type,
+        claim.received_at,
         payload,
-        payload_sha256: claim
+        claim
             .payload_sha256
             .try_into()
             .map_err(|_| anyhow::anyhow!("a stored payload hash is not 32 bytes"))?,
-        replay_window_secs: None,
-    })
+    ))
 }
 
 /// Applies `effect` in a savepoint: its work is kept when it succeeds and undone when it fails.
