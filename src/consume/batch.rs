@@ -17,7 +17,7 @@ use crate::claims::dead_letters::{self, DeadLetter};
 use crate::claims::{self, conflicts, Failure, Origin};
 use crate::effect::{self, Effect, FailureKind};
 use crate::envelope::Event;
-use sqlx::{Acquire, PgPool, Postgres, Transaction};
+use sqlx::{PgPool, Postgres, Transaction};
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
@@ -159,6 +159,56 @@ impl Retrying {
     }
 }
 
+/// The savepoint a guarded pass applies parts of its batch after, one at a time. It is taken
+/// once; a failed attempt rolls back to it, which keeps it; the work of a successful attempt is
+/// released into the transaction, and the savepoint taken again, in the same round trip as the
+/// next attempt needs anyway. An attempt costs two round trips, not three.
+struct Savepoint {
+    /// The work since the savepoint applied and is to be kept.
+    holds_work: bool,
+}
+
+impl Savepoint {
+    const TAKE: &'static str = "SAVEPOINT replayproof_part";
+    const KEEP_AND_TAKE: &'static str =
+        "RELEASE SAVEPOINT replayproof_part; SAVEPOINT replayproof_part";
+    const UNDO: &'static str = "ROLLBACK TO SAVEPOINT replayproof_part";
+
+    async fn establish(tx: &mut Transaction<'static, Postgres>) -> Result<Self, RunError> {
+        sqlx::Executor::execute(&mut **tx, Self::TAKE).await?;
+        Ok(Self { holds_work: false })
+    }
+
+    /// Applies `part`: None when it applied, or the error it failed with (its work undone). A
+    /// transient failure ends the run. Work kept is never undone by a later attempt; it commits
+    /// with the transaction (the savepoint needs no release for that).
+    async fn attempt(
+        &mut self,
+        tx: &mut Transaction<'static, Postgres>,
+        effect: &dyn Effect,
+        part: &[(i64, &Event)],
+    ) -> Result<Option<anyhow::Error>, RunError> {
+        if std::mem::take(&mut self.holds_work) {
+            // Text without parameters goes as one simple query: both statements, one round trip.
+            sqlx::Executor::execute(&mut **tx, Self::KEEP_AND_TAKE).await?;
+        }
+        let batch: Vec<&Event> = part.iter().map(|(_, e)| *e).collect();
+        match effect.apply_batch(tx, &batch).await {
+            Ok(()) => {
+                self.holds_work = true;
+                Ok(None)
+            }
+            Err(error) => {
+                sqlx::Executor::execute(&mut **tx, Self::UNDO).await?;
+                match effect::classify(&error) {
+                    FailureKind::Transient => Err(RunError::Transient(error)),
+                    _ => Ok(Some(error)),
+                }
+            }
+        }
+    }
+}
+
 /// Attempts made so far at each event of a pass, by offset; absent means none.
 type Attempts = HashMap<i64, u32>;
 
@@ -189,17 +239,29 @@ impl<'m> Plan<'m> {
             copies: Vec::new(),
             dead: Vec::new(),
         };
-        let mut seen = HashSet::with_capacity(messages.len());
+        let mut events = Vec::with_capacity(messages.len());
         for m in messages {
             match Event::parse(m.key.as_deref(), m.value.as_deref()) {
-                Ok(event) if seen.insert(event.key.clone()) => plan.firsts.push((m.offset, event)),
-                Ok(event) => plan.copies.push((m.offset, event)),
+                Ok(event) => events.push((m.offset, event)),
                 Err(reason) => plan.dead.push(DeadLetter {
                     offset: m.offset,
                     key: m.key.as_deref(),
                     value: m.value.as_deref(),
                     reason: reason.to_string(),
                 }),
+            }
+        }
+        let first: Vec<bool> = {
+            let mut seen = HashSet::with_capacity(events.len());
+            events
+                .iter()
+                .map(|(_, e)| seen.insert(e.key.as_str()))
+                .collect()
+        };
+        for ((offset, event), first) in events.into_iter().zip(first) {
+            match first {
+                true => plan.firsts.push((offset, event)),
+                false => plan.copies.push((offset, event)),
             }
         }
         plan
@@ -541,8 +603,8 @@ impl BatchProcessor {
     }
 
     /// Applies the effect to the claimed events with one call per batch. Guarded, it runs in a
-    /// savepoint, and when it fails the part is split in halves, each applied in its own
-    /// savepoint, until the events that fail alone are found; they are returned with their
+    /// savepoint, and when it fails the part is split in halves, each applied after a savepoint,
+    /// until the events that fail alone are found; they are returned with their
     /// errors and everything else stays applied. Unguarded, a failure ends the
     /// run ([`RunError::Unguarded`]). A transient failure ends the run either way.
     async fn apply_splitting<'e>(
@@ -562,6 +624,7 @@ impl BatchProcessor {
             };
         }
         let mut failures = Vec::new();
+        let mut savepoint = Savepoint::establish(tx).await?;
         // Each part with whether it is known to fail: a failing part whose left half applies
         // holds its failure in the right half, which is then split without being tried whole.
         let mut parts = vec![(events, false)];
@@ -571,7 +634,7 @@ impl BatchProcessor {
                 [_, _, ..] if known_to_fail => part.split_at(part.len() / 2),
                 _ => (part, &part[part.len()..]),
             };
-            match self.apply_in_savepoint(tx, tried).await? {
+            match savepoint.attempt(tx, &*self.effect, tried).await? {
                 None => parts.push((rest, true)),
                 Some(error) => {
                     parts.push((rest, false));
@@ -583,30 +646,6 @@ impl BatchProcessor {
             }
         }
         Ok(failures)
-    }
-
-    /// Applies `part` in a savepoint: None when it applied, or the error it failed with (its
-    /// work undone). A transient failure ends the run.
-    async fn apply_in_savepoint(
-        &self,
-        tx: &mut Transaction<'static, Postgres>,
-        part: &[(i64, &Event)],
-    ) -> Result<Option<anyhow::Error>, RunError> {
-        let batch: Vec<&Event> = part.iter().map(|(_, e)| *e).collect();
-        let mut savepoint = tx.begin().await?;
-        match self.effect.apply_batch(&mut savepoint, &batch).await {
-            Ok(()) => {
-                savepoint.commit().await?;
-                Ok(None)
-            }
-            Err(error) => {
-                savepoint.rollback().await?;
-                match effect::classify(&error) {
-                    FailureKind::Transient => Err(RunError::Transient(error)),
-                    _ => Ok(Some(error)),
-                }
-            }
-        }
     }
 
     /// Records each failed event: out of attempts (or failed for good), its claim becomes
@@ -714,20 +753,20 @@ impl BatchProcessor {
             .map(|(_, e)| e.key.as_str())
             .filter(|k| !claimed.contains(*k))
             .collect();
-        let mut winners: HashMap<&str, Vec<u8>> = plan
+        let stored = match unclaimed.is_empty() {
+            true => HashMap::new(),
+            false => claims::stored_hashes(tx, &unclaimed).await?,
+        };
+        // The payload each loser is compared with: a claim made in this batch for a later copy
+        // of its key, or the one stored before for a key not claimed here.
+        let copied: HashSet<&str> = plan.copies.iter().map(|(_, e)| e.key.as_str()).collect();
+        let mut winners: HashMap<&str, &[u8]> = plan
             .firsts
             .iter()
-            .filter(|(_, e)| claimed.contains(e.key.as_str()))
-            .map(|(_, e)| (e.key.as_str(), e.payload_sha256.to_vec()))
+            .map(|(_, e)| (e.key.as_str(), &e.payload_sha256[..]))
+            .filter(|(k, _)| copied.contains(k) && claimed.contains(*k))
             .collect();
-        if !unclaimed.is_empty() {
-            let stored = claims::stored_hashes(tx, &unclaimed).await?;
-            for key in &unclaimed {
-                if let Some(hash) = stored.get(*key) {
-                    winners.insert(key, hash.clone());
-                }
-            }
-        }
+        winners.extend(stored.iter().map(|(k, h)| (k.as_str(), h.as_slice())));
         let losers = plan
             .firsts
             .iter()
