@@ -64,7 +64,7 @@ pub struct ConsumeArgs {
     pub linger_ms: u64,
 
     /// Bytes of messages queued for one partition's lane beyond its batch in flight; past it,
-    /// the partition's messages wait in librdkafka's queue for it (2 MiB,
+    /// the partition's messages wait in librdkafka's queue for it (1 MiB,
     /// `queued.max.messages.kbytes`), where fetching stops, until the database catches up.
     #[arg(long, env = "REPLAYPROOF_MAX_LANE_BYTES", default_value_t = DEFAULT_MAX_LANE_BYTES)]
     pub max_lane_bytes: usize,

@@ -57,11 +57,17 @@ pub const DEFAULT_MAX_LANE_BYTES: usize = 2 << 20;
 /// What librdkafka pre-fetches per partition, in KiB (`queued.max.messages.kbytes`; each
 /// partition has its own queue here). With the lane's budget and the batch in flight, this
 /// bounds the consumer's memory per partition whatever the backlog on the topic.
-pub const QUEUED_MAX_KBYTES: u32 = 2048;
-/// The most one fetch response may carry (`fetch.max.bytes`). Messages pre-fetched in one
-/// response keep all of it in memory until the last of them is handed over: 4 MiB instead of
-/// librdkafka's 50 keeps that small without slowing a consumer down.
-pub const FETCH_MAX_BYTES: u32 = 4 << 20;
+pub const QUEUED_MAX_KBYTES: u32 = 1024;
+/// The most one fetch response may carry (`fetch.max.bytes`). librdkafka hands messages out
+/// without copying them, so one message still queued keeps its whole response in memory: with
+/// 16 partitions and 4 MiB responses, responses held for a message or two came to 140 MiB
+/// (heaptrack, `cargo bench --bench consume` memory run). 1 MiB keeps that small and costs no
+/// speed on a local network.
+pub const FETCH_MAX_BYTES: u32 = 1 << 20;
+/// The most one fetch response carries for one partition (`max.partition.fetch.bytes`): a
+/// quarter of [`FETCH_MAX_BYTES`], so one response serves several partitions and a partition
+/// whose lane is full holds a small piece of it.
+pub const PARTITION_FETCH_MAX_BYTES: u32 = FETCH_MAX_BYTES / 4;
 /// What a queued message costs beyond its key and value: the allocation and its bookkeeping.
 const MESSAGE_OVERHEAD_BYTES: usize = 64;
 /// The ceiling of the wait between reruns of a batch that hit a transient error
@@ -174,6 +180,10 @@ impl ConsumerSettings {
             ("client.id", "replayproof-consume".into()),
             ("queued.max.messages.kbytes", QUEUED_MAX_KBYTES.to_string()),
             ("fetch.max.bytes", FETCH_MAX_BYTES.to_string()),
+            (
+                "max.partition.fetch.bytes",
+                PARTITION_FETCH_MAX_BYTES.to_string(),
+            ),
             // A partition whose queue is full is fetched again this soon after it drains,
             // rather than after librdkafka's default second.
             ("fetch.queue.backoff.ms", "20".into()),
