@@ -21,7 +21,10 @@
 //! mock cluster runs in this process. Sizes: `BENCH_EVENTS` (50000 events per run, plus 30%
 //! replays), `BENCH_PEER_MESSAGES` (10000: the peer is timed on the first messages of the same
 //! backlog), `BENCH_PREFILL` (`1000000,10000000`; empty skips F), `BENCH_MEMORY_MESSAGES`
-//! (1000000; 0 skips the memory run).
+//! (1000000; 0 skips the memory run). `BENCH_STAGES` picks stages (`ABCDEG`),
+//! `BENCH_STATEMENT_TIMES=1` prints each run's slowest statements from `pg_stat_statements`, and
+//! `BENCH_D_ARGS` adds arguments to the consumer of D and of the memory run. Stages A and B print
+//! the CPU time the benchmark process used while timed.
 //!
 //! `cargo bench --bench consume`
 
@@ -237,6 +240,21 @@ impl Counters {
         } else {
             None
         };
+        if db.statements && std::env::var_os("BENCH_STATEMENT_TIMES").is_some() {
+            let rows: Vec<(f64, f64, f64, String)> = sqlx::query_as(
+                "SELECT calls::float8, total_exec_time, mean_exec_time, left(query, 70)
+                 FROM pg_stat_statements s JOIN pg_database d ON d.oid = s.dbid
+                 WHERE d.datname = $1 ORDER BY total_exec_time DESC LIMIT 6",
+            )
+            .bind(name)
+            .fetch_all(&db.admin)
+            .await
+            .unwrap_or_default();
+            for (calls, total, mean, query) in rows {
+                let query = query.split_whitespace().collect::<Vec<_>>().join(" ");
+                println!("    {calls:>6.0} calls {total:>8.1} ms {mean:>6.3} ms/call  {query}");
+            }
+        }
         Cost {
             statements: statements.map(|n| n / messages as f64),
             wal_bytes: wal / messages as f64,
@@ -320,6 +338,7 @@ async fn stage_a(url: &str, w: &Workload) -> Duration {
         .iter()
         .map(|p| p.chunks(BATCH).map(columns).collect())
         .collect();
+    let cpu = cpu_ms();
     let started = Instant::now();
     let lanes: Vec<_> = prepared
         .into_iter()
@@ -336,6 +355,7 @@ async fn stage_a(url: &str, w: &Workload) -> Duration {
         lane.await.unwrap();
     }
     let elapsed = started.elapsed();
+    println!("    this process used {} ms of CPU", cpu_ms() - cpu);
     pool.close().await;
     elapsed
 }
@@ -378,6 +398,7 @@ async fn stage_b(url: &str, w: &Workload, effect: Arc<dyn Effect>) -> Duration {
         effect,
         retry: EffectRetry::default(),
     };
+    let cpu = cpu_ms();
     let started = Instant::now();
     let lanes: Vec<_> = w
         .partitions
@@ -409,6 +430,7 @@ async fn stage_b(url: &str, w: &Workload, effect: Arc<dyn Effect>) -> Duration {
     for lane in lanes {
         last = last.max(lane.await.unwrap());
     }
+    println!("    this process used {} ms of CPU", cpu_ms() - cpu);
     processor.pool.close().await;
     last - started
 }
@@ -795,8 +817,10 @@ fn main() {
                 }
                 if run('G') {
                     let url = db.fresh("bench_template").await;
+                    let counters = db.counters().await;
                     let took = stage_b(&url, w, Arc::new(FailingLedger { one_in: 500 })).await;
                     results.rate("G", size, messages, took);
+                    results.cost("G", size, counters.since(&db, &url, messages).await);
                     db.drop(&url).await;
                 }
             }
@@ -907,7 +931,7 @@ fn report(
     println!();
     println!("| stage | size | statements/message | WAL bytes/message |");
     println!("|---|---:|---:|---:|");
-    for stage in ["A", "B", "D"] {
+    for stage in ["A", "B", "D", "G"] {
         for size in SIZES {
             let (statements, wal) = r.costs(stage, size);
             println!("| {stage} | {size} B | {statements} | {wal:.0} |");
@@ -950,4 +974,16 @@ async fn new_topic(mock: Option<&EmbeddedKafka>, brokers: &str, topic: &str, par
         Some(m) => m.create_topic(topic, partitions).unwrap(),
         None => create_topic(brokers, topic, partitions).await,
     }
+}
+
+/// CPU time this process has used (user and system), in milliseconds, at 10 ms resolution.
+fn cpu_ms() -> u64 {
+    let stat = std::fs::read_to_string("/proc/self/stat").unwrap();
+    let fields: Vec<&str> = stat
+        .rsplit_once(')')
+        .unwrap()
+        .1
+        .split_whitespace()
+        .collect();
+    (fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap()) * 10
 }
