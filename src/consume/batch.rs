@@ -1,9 +1,9 @@
 //! One batch of one partition, in one transaction: dead letters, claims, conflicts, effects.
 //!
 //! Every claim is written once, with its final status, and the effect runs once for the whole
-//! batch ([`Effect::apply_batch`]) in a savepoint. When it fails, the savepoint is rolled back
-//! and the batch is split in halves, each applied in its own savepoint, until the events that
-//! fail alone are found; the rest commits. A failing event's claim is taken back and the event
+//! batch ([`Effect::apply_batch`]). When it fails, the batch runs again guarded: in parts of at
+//! most 128 events, each after a savepoint, a failing part rolled back to it and halved until
+//! the events that fail alone are found; the rest commits. A failing event's claim is taken back and the event
 //! is tried again in a later transaction after a capped backoff, so no transaction sits open
 //! while waiting; after its last attempt it is recorded as `failed` with the error and its
 //! payload. An effect failing for a reason that says nothing about the event (a timeout, a lost
@@ -134,6 +134,12 @@ pub struct Retrying {
 /// failures costs no reruns; otherwise the effect runs without one, saving two round trips per
 /// batch, and a failure reruns its batch once with savepoints.
 const GUARDED_PASSES: u32 = 8;
+
+/// A guarded pass applies its events in parts of at most this many, each after its savepoint:
+/// a part that fails undoes only its own work before it is halved, where a whole batch of 500
+/// would write and undo 500 effects (with 2 KiB payloads, that undone work costs more than the
+/// round trips the extra parts take).
+const GUARDED_PART: usize = 128;
 
 #[derive(Debug)]
 struct Held {
@@ -627,7 +633,13 @@ impl BatchProcessor {
         let mut savepoint = Savepoint::establish(tx).await?;
         // Each part with whether it is known to fail: a failing part whose left half applies
         // holds its failure in the right half, which is then split without being tried whole.
-        let mut parts = vec![(events, false)];
+        // Parts start at most GUARDED_PART events long, so a failure undoes little work. Popped
+        // from the end: pushed last to first.
+        let mut parts: Vec<_> = events
+            .chunks(GUARDED_PART)
+            .rev()
+            .map(|p| (p, false))
+            .collect();
         while let Some((part, known_to_fail)) = parts.pop() {
             let (tried, rest) = match part {
                 [] => continue,

@@ -614,11 +614,15 @@ async fn one_poisoned_effect_among_500_fails_alone_and_nothing_waits_inside_a_tr
     .unwrap();
     assert_eq!((status.as_str(), attempts), ("failed", 3));
     assert_eq!(payload, json!({ "n": 321 }));
-    // Found by halving: one call for the batch without a savepoint, one with, at most two per
-    // level of the search on the first attempt (500 → 1 in 9 levels) and one for the last
-    // event, one for each later attempt; never one call per event.
+    // Found by halving: one call for the batch without a savepoint, then one for each of its
+    // four parts of at most 128 with one, at most two per level of the search through the part
+    // that failed (128 → 1 in 7 levels) and one for the last event, one for each later attempt;
+    // never one call per event.
     let calls = effect.calls.load(std::sync::atomic::Ordering::Relaxed);
-    assert!(calls <= 2 + 2 * 9 + 1 + 2, "{calls} calls to apply_batch");
+    assert!(
+        calls <= 1 + 4 + 2 * 7 + 1 + 2,
+        "{calls} calls to apply_batch"
+    );
     // Settled claims were written once, with their final status and without their payload.
     let done_without_payload = db
         .count("SELECT count(*) FROM processed_events WHERE status = 'done' AND payload IS NULL AND attempts = 1")
