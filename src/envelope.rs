@@ -468,29 +468,9 @@ fn write_canonical_text(
 }
 
 /// A JSON string, borrowed from the text unless it holds escapes.
-struct Text<'a>(std::borrow::Cow<'a, str>);
-
-impl<'de> Deserialize<'de> for Text<'de> {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct Visitor;
-        impl<'de> serde::de::Visitor<'de> for Visitor {
-            type Value = Text<'de>;
-            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-                f.write_str("a string")
-            }
-            fn visit_borrowed_str<E>(self, s: &'de str) -> Result<Text<'de>, E> {
-                Ok(Text(s.into()))
-            }
-            fn visit_str<E>(self, s: &str) -> Result<Text<'de>, E> {
-                Ok(Text(s.to_owned().into()))
-            }
-            fn visit_string<E>(self, s: String) -> Result<Text<'de>, E> {
-                Ok(Text(s.into()))
-            }
-        }
-        d.deserialize_str(Visitor)
-    }
-}
+#[derive(Deserialize)]
+#[serde(transparent)]
+struct Text<'a>(#[serde(borrow)] std::borrow::Cow<'a, str>);
 
 /// A JSON object's members in the order written, duplicates included, values as text.
 struct Members<'a>(Vec<(std::borrow::Cow<'a, str>, &'a RawValue)>);
@@ -791,6 +771,16 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn strings_and_keys_are_borrowed_unless_escaped() {
+        let Text(plain) = serde_json::from_str(r#""abc""#).unwrap();
+        assert!(matches!(plain, std::borrow::Cow::Borrowed("abc")));
+        let Text(escaped) = serde_json::from_str(r#""a\u0062c""#).unwrap();
+        assert_eq!(escaped, "abc");
+        let Members(members) = serde_json::from_str(r#"{"k":1}"#).unwrap();
+        assert!(matches!(members[0].0, std::borrow::Cow::Borrowed("k")));
     }
 
     #[test]
