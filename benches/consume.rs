@@ -511,9 +511,8 @@ async fn stage_e(brokers: &str, topic: &str, url: &str, messages: usize) -> Dura
     for n in 1..=messages {
         let m = consumer.recv().await.unwrap();
         started.get_or_insert_with(Instant::now);
-        let envelope: serde_json::Value = serde_json::from_slice(m.payload().unwrap()).unwrap();
-        let key = envelope["key"].as_str().unwrap();
-        let hash: [u8; 32] = replayproof::envelope::payload_hash(&envelope["payload"]);
+        let event = Event::parse(m.key(), m.payload()).unwrap();
+        let key = event.key.as_str();
         let mut tx = pool.begin().await.unwrap();
         let claimed = sqlx::query(
             "INSERT INTO processed_events (event_key, source, status, payload_sha256, kafka_topic,
@@ -521,8 +520,8 @@ async fn stage_e(brokers: &str, topic: &str, url: &str, messages: usize) -> Dura
              VALUES ($1, $2, 'done', $3, $4, $5, $6, 1, now()) ON CONFLICT DO NOTHING",
         )
         .bind(key)
-        .bind(envelope["source"].as_str())
-        .bind(&hash[..])
+        .bind(&event.source)
+        .bind(&event.payload_sha256[..])
         .bind(topic)
         .bind(m.partition())
         .bind(m.offset())
@@ -532,13 +531,15 @@ async fn stage_e(brokers: &str, topic: &str, url: &str, messages: usize) -> Dura
         .rows_affected()
             == 1;
         if claimed {
-            sqlx::query("INSERT INTO ledger (event_key, source, payload) VALUES ($1, $2, $3)")
-                .bind(key)
-                .bind(envelope["source"].as_str())
-                .bind(&envelope["payload"])
-                .execute(&mut *tx)
-                .await
-                .unwrap();
+            sqlx::query(
+                "INSERT INTO ledger (event_key, source, payload) VALUES ($1, $2, $3::jsonb)",
+            )
+            .bind(key)
+            .bind(&event.source)
+            .bind(event.payload_json.get())
+            .execute(&mut *tx)
+            .await
+            .unwrap();
         }
         tx.commit().await.unwrap();
         consumer.store_offset_from_message(&m).unwrap();

@@ -297,7 +297,7 @@ impl Event {
     }
 
     /// The JSON text of a payload that was not read from a message (a stored claim's).
-    pub fn json_of(payload: &serde_json::Value) -> Box<RawValue> {
+    fn json_of(payload: &serde_json::Value) -> Box<RawValue> {
         serde_json::value::to_raw_value(payload).expect("a JSON value always serialises")
     }
 
@@ -324,64 +324,14 @@ impl Event {
     }
 }
 
-/// [`payload_hash`] of the payload without the top-level fields named in `unhashed`.
-pub fn payload_hash_without(payload: &serde_json::Value, unhashed: &[String]) -> [u8; 32] {
-    // Written to a buffer and hashed once: cheaper than many small writes into the hasher.
-    let mut canonical = Vec::with_capacity(256);
-    write_canonical(payload, unhashed, &mut canonical).expect("a Vec never fails to write");
-    Sha256::digest(&canonical).into()
-}
-
-/// SHA-256 over the payload's canonical form after RFC 8785 (JSON Canonicalization Scheme):
-/// object keys sorted by their UTF-16 code units at every depth, no whitespace, serde_json's
-/// minimal escapes. A re-serialised copy of the same payload hashes the same whatever its key
-/// order, and whatever serde_json features (such as `preserve_order`) the host application
-/// enables. Numbers keep the exact text they arrived with (the `arbitrary_precision` feature),
-/// so two payloads differing in a digit past f64's precision never hash the same.
-pub fn payload_hash(payload: &serde_json::Value) -> [u8; 32] {
-    payload_hash_without(payload, &[])
-}
-
-/// Writes `value` in canonical form straight into `out`, leaving out the top-level fields in
-/// `skip`: no copy of the value is made.
-fn write_canonical(
-    value: &serde_json::Value,
-    skip: &[String],
-    out: &mut impl std::io::Write,
-) -> std::io::Result<()> {
-    use serde_json::Value;
-    match value {
-        Value::Object(map) => {
-            let mut entries: Vec<(&String, &Value)> =
-                map.iter().filter(|(k, _)| !skip.contains(k)).collect();
-            entries.sort_by(|(a, _), (b, _)| a.encode_utf16().cmp(b.encode_utf16()));
-            out.write_all(b"{")?;
-            for (i, (k, v)) in entries.into_iter().enumerate() {
-                if i > 0 {
-                    out.write_all(b",")?;
-                }
-                serde_json::to_writer(&mut *out, k)?;
-                out.write_all(b":")?;
-                write_canonical(v, &[], out)?;
-            }
-            out.write_all(b"}")
-        }
-        Value::Array(items) => {
-            out.write_all(b"[")?;
-            for (i, v) in items.iter().enumerate() {
-                if i > 0 {
-                    out.write_all(b",")?;
-                }
-                write_canonical(v, &[], out)?;
-            }
-            out.write_all(b"]")
-        }
-        other => Ok(serde_json::to_writer(out, other)?),
-    }
-}
-
-/// [`write_canonical`] over a payload's JSON text: the same bytes, written without building a
-/// `serde_json::Value`. Containers are read one level at a time (members and items kept as
+/// Writes a payload's canonical form, whose SHA-256 is the payload hash, after RFC 8785 (JSON
+/// Canonicalization Scheme): object keys sorted by their UTF-16 code units at every depth, no
+/// whitespace, serde_json's minimal escapes, the top-level fields in `skip` left out. A
+/// re-serialised copy of the same payload hashes the same whatever its key order. Numbers keep
+/// the exact text they arrived with, so two payloads differing in a digit past f64's precision
+/// never hash the same.
+///
+/// It reads the payload's JSON text and builds no `serde_json::Value`. Containers are read one level at a time (members and items kept as
 /// borrowed text), strings are borrowed unless they hold escapes, and numbers are copied as the
 /// text they arrived as, the exponent normalised as `arbitrary_precision` does. On the way it refuses
 /// what PostgreSQL would refuse, as [`check_storable`] does for a value, including inside the
@@ -524,6 +474,57 @@ mod tests {
     }
 
     use super::*;
+
+    /// [`payload_hash`] of the payload without the top-level fields named in `unhashed`.
+    fn payload_hash_without(payload: &serde_json::Value, unhashed: &[String]) -> [u8; 32] {
+        // Written to a buffer and hashed once: cheaper than many small writes into the hasher.
+        let mut canonical = Vec::with_capacity(256);
+        write_canonical(payload, unhashed, &mut canonical).expect("a Vec never fails to write");
+        Sha256::digest(&canonical).into()
+    }
+
+    /// The payload hash of a parsed value: the reference [`write_canonical_text`] is held to.
+    fn payload_hash(payload: &serde_json::Value) -> [u8; 32] {
+        payload_hash_without(payload, &[])
+    }
+
+    /// Writes a parsed `value` in canonical form, as the consumer hashed payloads before it read
+    /// them as text.
+    fn write_canonical(
+        value: &serde_json::Value,
+        skip: &[String],
+        out: &mut impl std::io::Write,
+    ) -> std::io::Result<()> {
+        use serde_json::Value;
+        match value {
+            Value::Object(map) => {
+                let mut entries: Vec<(&String, &Value)> =
+                    map.iter().filter(|(k, _)| !skip.contains(k)).collect();
+                entries.sort_by(|(a, _), (b, _)| a.encode_utf16().cmp(b.encode_utf16()));
+                out.write_all(b"{")?;
+                for (i, (k, v)) in entries.into_iter().enumerate() {
+                    if i > 0 {
+                        out.write_all(b",")?;
+                    }
+                    serde_json::to_writer(&mut *out, k)?;
+                    out.write_all(b":")?;
+                    write_canonical(v, &[], out)?;
+                }
+                out.write_all(b"}")
+            }
+            Value::Array(items) => {
+                out.write_all(b"[")?;
+                for (i, v) in items.iter().enumerate() {
+                    if i > 0 {
+                        out.write_all(b",")?;
+                    }
+                    write_canonical(v, &[], out)?;
+                }
+                out.write_all(b"]")
+            }
+            other => Ok(serde_json::to_writer(out, other)?),
+        }
+    }
 
     #[test]
     fn the_canonical_form_is_compact_sorted_json() {
