@@ -511,7 +511,9 @@ impl RawMessage {
 /// partition is assigned. The poll loop takes its messages only while the partition's lane has
 /// room; otherwise they stay here, where librdkafka stops fetching past
 /// `queued.max.messages.kbytes`. (Pausing the partition instead would make librdkafka drop what
-/// it pre-fetched and fetch it again on resume.)
+/// it pre-fetched and fetch it again on resume.) The split is what rdkafka's
+/// `split_partition_queue` does, but that needs the consumer in an `Arc`, and the split must
+/// happen in the rebalance callback, before the partition's first fetch, where there is none.
 struct PartitionFeed(*mut rdkafka::bindings::rd_kafka_queue_t);
 
 // SAFETY: librdkafka's queues are thread-safe; the handle is used only under the context's lock

@@ -19,8 +19,9 @@ use async_trait::async_trait;
 use sqlx::{Postgres, Transaction};
 use std::sync::Arc;
 
-/// The transaction an effect writes in. It is a savepoint inside the batch transaction: when the
-/// effect fails, only its own work is rolled back.
+/// The transaction an effect writes in: the batch's own. When the effect fails, only its own
+/// work is undone: rolled back to a savepoint taken before it, or with the whole transaction
+/// when the batch then runs again.
 pub type Tx<'a> = Transaction<'a, Postgres>;
 
 /// Something an event does to the database.
@@ -48,9 +49,9 @@ pub trait Effect: Send + Sync + 'static {
     /// effect that writes rows does better with one statement over the whole batch (`unnest`
     /// or a multi-row insert), as [`Ledger`] and [`HttpOutbox`] do.
     ///
-    /// An error rolls back everything this call wrote. The consumer then splits the batch in
-    /// halves, calling this again on each, until it has found the events that fail alone; only
-    /// those are retried (in a later transaction) or recorded as failed.
+    /// An error rolls back everything this call wrote. The consumer then calls this again on
+    /// parts of the batch, halving a part that fails, until it has found the events that fail
+    /// alone; only those are retried (in a later transaction) or recorded as failed.
     async fn apply_batch(&self, tx: &mut Tx<'_>, events: &[&Event]) -> anyhow::Result<()> {
         for event in events {
             self.apply(tx, event).await?;
