@@ -119,13 +119,13 @@ pub struct ConsumeArgs {
 #[derive(Debug, Clone, Default, Args)]
 pub struct HttpEffectArgs {
     /// With --effect http: where each event is POSTed (by `replayproof dispatch`).
-    #[arg(long, env = "REPLAYPROOF_TARGET_URL")]
+    #[arg(long, env = "REPLAYPROOF_TARGET_URL", value_parser = crate::dispatch::outbound::check_url)]
     pub target_url: Option<String>,
 
     /// With --effect http: a URL template, `{key}` replaced by the operation key, that answers
     /// 2xx when the downstream already has the operation and 404 when it does not. Used to
     /// settle uncertain outcomes without resending.
-    #[arg(long, env = "REPLAYPROOF_RECONCILE_URL")]
+    #[arg(long, env = "REPLAYPROOF_RECONCILE_URL", value_parser = crate::dispatch::outbound::check_url)]
     pub reconcile_url: Option<String>,
 
     /// With --effect http: attempts before an operation is dead.
@@ -178,6 +178,7 @@ impl ConsumeArgs {
     pub async fn run(self, registry: &Registry) -> anyhow::Result<()> {
         let shutdown = crate::shutdown::on_signal();
         let metrics_registry = prometheus::Registry::new();
+        crate::telemetry::register_process_metrics(&metrics_registry, "consume")?;
         let metrics = ConsumeMetrics::new(&metrics_registry)?;
         let health =
             crate::telemetry::serve(self.metrics_addr, metrics_registry, &shutdown).await?;

@@ -45,6 +45,27 @@ pub struct DispatchArgs {
     /// Where to serve Prometheus /metrics and /healthz.
     #[arg(long, env = "REPLAYPROOF_METRICS_ADDR", default_value = DEFAULT_METRICS_ADDR)]
     pub metrics_addr: SocketAddr,
+
+    /// A PEM file of CA certificates trusted besides the system's roots, for a downstream
+    /// behind a private CA.
+    #[arg(long, env = "REPLAYPROOF_CA_FILE", value_name = "PEM")]
+    pub ca_file: Option<std::path::PathBuf>,
+
+    /// A header sent with every request, NAME=VALUE; repeatable. `${VAR}` in the value is read
+    /// from the environment: --header 'Authorization=Bearer ${DOWNSTREAM_TOKEN}'.
+    #[arg(long = "header", value_name = "NAME=VALUE")]
+    pub headers: Vec<outbound::Header>,
+
+    /// Sign every delivery with the Standard Webhooks scheme (webhook-id = the operation key,
+    /// webhook-timestamp, webhook-signature) with this whsec_ secret. Give it through the
+    /// variable or the file, not on the command line.
+    #[arg(
+        long,
+        env = "REPLAYPROOF_SIGNING_SECRET",
+        hide_env_values = true,
+        value_name = "WHSEC"
+    )]
+    pub signing_secret: Option<outbound::SigningSecret>,
 }
 
 impl DispatchArgs {
@@ -56,26 +77,36 @@ impl DispatchArgs {
         })
     }
 
-    pub fn settings(&self) -> DispatchSettings {
-        DispatchSettings {
+    pub fn settings(&self) -> anyhow::Result<DispatchSettings> {
+        let mut outbound = Outbound {
+            headers: self.headers.clone(),
+            signing: self.signing_secret.clone(),
+            ..Outbound::default()
+        };
+        if let Some(path) = &self.ca_file {
+            outbound.trust_pem_file(path)?;
+        }
+        Ok(DispatchSettings {
             batch_size: self.batch_size,
             lease: Duration::from_secs(self.lease_secs),
             request_timeout: Duration::from_millis(self.request_timeout_ms),
             poll_interval: Duration::from_millis(self.poll_ms),
             backoff_base: Duration::from_millis(self.backoff_ms),
             backoff_max: Duration::from_millis(self.max_backoff_ms),
+            outbound,
             ..DispatchSettings::new(&self.worker())
-        }
+        })
     }
 
     /// Runs the dispatcher process until a signal stops it.
     pub async fn run(self) -> anyhow::Result<()> {
         let shutdown = crate::shutdown::on_signal();
         let registry = prometheus::Registry::new();
+        crate::telemetry::register_process_metrics(&registry, "dispatch")?;
         let metrics = DispatchMetrics::new(&registry)?;
         let health = crate::telemetry::serve(self.metrics_addr, registry, &shutdown).await?;
         let pool = self.database.pool((self.batch_size as u32).clamp(2, 64))?;
-        let mut dispatcher = Dispatcher::new(self.settings(), pool, metrics)?;
+        let mut dispatcher = Dispatcher::new(self.settings()?, pool, metrics)?;
         dispatcher.health = health;
         dispatcher.start(shutdown).stopped().await
     }

@@ -9,8 +9,10 @@
 #[cfg(feature = "cli")]
 pub mod args;
 mod metrics;
+pub mod outbound;
 
 pub use metrics::DispatchMetrics;
+pub use outbound::Outbound;
 
 use crate::outbox::{self, Attempt, AttemptKind, Leased, OutboxState, Outcome, Settlement};
 pub use crate::shutdown::Running;
@@ -56,6 +58,8 @@ pub struct DispatchSettings {
     pub backoff_max: Duration,
     /// How long the outbox may be unreadable before `/healthz` fails.
     pub unhealthy_after: Duration,
+    /// Extra trusted roots, headers and signing of every request.
+    pub outbound: Outbound,
 }
 
 impl DispatchSettings {
@@ -69,6 +73,7 @@ impl DispatchSettings {
             backoff_base: DEFAULT_BACKOFF,
             backoff_max: DEFAULT_MAX_BACKOFF,
             unhealthy_after: DEFAULT_UNHEALTHY_AFTER,
+            outbound: Outbound::default(),
         }
     }
 }
@@ -97,13 +102,7 @@ impl Dispatcher {
             settings.lease.as_millis(),
             settings.request_timeout.as_millis()
         );
-        // A redirect would turn a POST into a body-less GET and carry the Idempotency-Key to
-        // another host: a 3xx is an answer to record, never to follow.
-        let http = reqwest::Client::builder()
-            .redirect(reqwest::redirect::Policy::none())
-            .timeout(settings.request_timeout)
-            .connect_timeout(settings.request_timeout.min(Duration::from_secs(5)))
-            .build()?;
+        let http = settings.outbound.client(settings.request_timeout)?;
         Ok(Self {
             settings,
             pool,
@@ -220,14 +219,19 @@ impl Dispatcher {
         }
         let started_at = chrono::Utc::now();
         let timer = Instant::now();
-        let result = self
+        let mut request = self
             .http
             .post(&row.destination)
             .header("content-type", "application/json")
-            .header("idempotency-key", &row.operation_key)
-            .body(row.payload.clone())
-            .send()
-            .await;
+            .header("idempotency-key", &row.operation_key);
+        for (name, value) in self
+            .settings
+            .outbound
+            .signature_headers(&row.operation_key, &row.payload)
+        {
+            request = request.header(name, value);
+        }
+        let result = request.body(row.payload.clone()).send().await;
         let (outcome, settlement) = match result {
             Ok(response) => self.classify_response(row, response).await,
             Err(e) => self.classify_error(row, &e),
@@ -297,7 +301,7 @@ impl Dispatcher {
             Some(404) => return Ok(None),
             _ => {
                 let error = match &result {
-                    Err(e) => Some(format!("reconcile: {e}")),
+                    Err(e) => Some(format!("reconcile: {}", error_chain(e))),
                     Ok(r) if r.status().is_redirection() => Some(format!(
                         "reconcile: redirected to {}; redirects are not followed",
                         location(r)
@@ -394,7 +398,7 @@ impl Dispatcher {
             outcome,
             Settlement {
                 next_attempt_at: Some(self.next_attempt(row, None)),
-                ..settled(state, None, Some(format!("{e:#}")))
+                ..settled(state, None, Some(error_chain(e)))
             },
         )
     }
@@ -485,6 +489,22 @@ fn settled(state: OutboxState, status: Option<i32>, error: Option<String>) -> Se
         error,
         response: None,
     }
+}
+
+/// An error with its causes, outermost first: reqwest's own message ("error sending request")
+/// says nothing of a refused certificate or a reset connection, its sources do.
+fn error_chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        let cause_text = cause.to_string();
+        if !text.contains(&cause_text) {
+            text.push_str(": ");
+            text.push_str(&cause_text);
+        }
+        source = cause.source();
+    }
+    text
 }
 
 #[cfg(test)]
