@@ -15,7 +15,20 @@ use clap::{Parser, Subcommand};
 pub struct Args {
     #[command(subcommand)]
     pub command: Command,
+
+    /// The configuration file every command reads (see replayproof.example.toml): sections
+    /// [kafka], [database], [consume], [dispatch] and [ingest]. A flag, then its environment
+    /// variable, then the file, then the default.
+    #[arg(long, global = true, env = crate::config::CONFIG_ENV, value_name = "FILE")]
+    pub config: Option<std::path::PathBuf>,
+
+    /// How log lines are written to stderr: text (coloured only on a terminal) or json (one
+    /// object a line).
+    #[arg(long, global = true, env = "REPLAYPROOF_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
 }
+
+pub use crate::telemetry::LogFormat;
 
 #[derive(Debug, Subcommand)]
 pub enum Command {
@@ -35,6 +48,10 @@ pub enum Command {
     DeadLetters(DeadLettersCommand),
     /// One screen for an operator: lag, claims, the outbox and dead letters.
     Status(StatusArgs),
+    /// Check the configuration file and print the settings every command would run with,
+    /// secrets redacted.
+    #[command(subcommand)]
+    Config(ConfigCommand),
     /// Exit 0 when the URL answers 2xx: a health check for images without curl.
     Probe {
         /// For example http://127.0.0.1:9464/healthz.
@@ -48,6 +65,14 @@ pub enum Command {
     /// broker and database unless real ones are configured.
     #[cfg(feature = "devkit")]
     Dev(crate::devkit::dev::DevArgs),
+}
+
+#[derive(Debug, Subcommand)]
+pub enum ConfigCommand {
+    /// Read the file (--config or REPLAYPROOF_CONFIG), replace its ${VARIABLES}, check every
+    /// setting, and print the effective settings with where each came from. Exits non-zero
+    /// when the file or a setting is wrong.
+    Check,
 }
 
 /// The whole command line, with an application's own effects registered by name:
@@ -79,7 +104,15 @@ impl Cli {
 
     /// Parses the process's arguments, runs the command, and returns the exit code.
     pub fn run(self) -> std::process::ExitCode {
-        main_with(self, Args::parse())
+        use clap::CommandFactory as _;
+        let argv = std::env::args_os().collect();
+        match crate::config::layer(&Args::command(), argv, &crate::config::ProcessEnv) {
+            Ok(argv) => main_with(self, Args::parse_from(argv)),
+            Err(e) => {
+                eprintln!("replayproof: {e:#}");
+                std::process::ExitCode::from(2)
+            }
+        }
     }
 
     /// Runs a parsed command line to completion.
@@ -91,16 +124,33 @@ impl Cli {
                 Ok(())
             }
             Command::Consume(args) => args.run(&self.effects).await,
-            Command::Ingest(args) => args.run().await,
+            Command::Ingest(ingest) => ingest.run(args.config.as_deref()).await,
             Command::Dispatch(args) => args.run().await,
             Command::Events(command) => command.run(&self.effects).await,
             Command::DeadLetters(command) => command.run().await,
             Command::Status(args) => args.run().await,
+            Command::Config(ConfigCommand::Check) => {
+                use clap::CommandFactory as _;
+                let report = crate::config::check(
+                    &Args::command(),
+                    args.config.as_deref(),
+                    &crate::config::ProcessEnv,
+                )?;
+                print!("{}", report.text);
+                anyhow::ensure!(
+                    report.problems == 0,
+                    "the configuration has {} problem(s)",
+                    report.problems
+                );
+                Ok(())
+            }
             Command::Probe { url } => crate::telemetry::probe(&url).await,
             #[cfg(feature = "devkit")]
             Command::Demo(args) => args.run().await,
             #[cfg(feature = "devkit")]
-            Command::Dev(args) => crate::devkit::dev::run(args, &self.effects).await,
+            Command::Dev(dev) => {
+                crate::devkit::dev::run(dev, args.config.as_deref(), &self.effects).await
+            }
         }
     }
 }
@@ -112,10 +162,12 @@ fn main_with(cli: Cli, args: Args) -> std::process::ExitCode {
     match &args.command {
         // The demo speaks through its progress bars and report; only problems are logged.
         #[cfg(feature = "devkit")]
-        Command::Demo(_) => crate::telemetry::init_logging_with("warn"),
+        Command::Demo(_) => crate::telemetry::init_logging_with("warn", args.log_format),
         #[cfg(feature = "devkit")]
-        Command::Dev(_) => crate::telemetry::init_logging_with(crate::devkit::dev::LOG_FILTER),
-        _ => crate::telemetry::init_logging(),
+        Command::Dev(_) => {
+            crate::telemetry::init_logging_with(crate::devkit::dev::LOG_FILTER, args.log_format)
+        }
+        _ => crate::telemetry::init_logging(args.log_format),
     }
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(rt) => rt,

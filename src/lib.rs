@@ -14,6 +14,8 @@ pub mod audit;
 pub mod claims;
 #[cfg(feature = "cli")]
 pub mod cli;
+#[cfg(feature = "cli")]
+pub mod config;
 pub mod consume;
 pub mod db;
 #[cfg(feature = "devkit")]

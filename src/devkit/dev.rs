@@ -32,11 +32,6 @@ pub struct DevArgs {
     #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
     pub database_url: Option<DatabaseUrl>,
 
-    /// A sources file, as for `ingest`; without it, development sources for stripe, github,
-    /// svix (standard-webhooks), shopify and slack.
-    #[arg(long, env = "REPLAYPROOF_CONFIG")]
-    pub config: Option<std::path::PathBuf>,
-
     #[arg(long, env = "REPLAYPROOF_LISTEN", default_value = DEFAULT_LISTEN)]
     pub listen: SocketAddr,
 
@@ -53,11 +48,18 @@ pub struct DevArgs {
 }
 
 /// Runs ingest, a consumer and (with a target) a dispatcher until a signal stops them.
-pub async fn run(opts: DevArgs, registry: &Registry) -> anyhow::Result<()> {
+///
+/// The sources are the configuration file's (`--config`, as for `ingest`); without one,
+/// development sources for stripe, github, svix (standard-webhooks), shopify and slack.
+pub async fn run(
+    opts: DevArgs,
+    config: Option<&std::path::Path>,
+    registry: &Registry,
+) -> anyhow::Result<()> {
     let shutdown = crate::shutdown::on_signal();
     let (brokers, url) = (opts.brokers.clone(), opts.database_url.clone());
     let stack = Stack::start(brokers, url, &opts.topic, opts.partitions).await?;
-    let (sources, secrets) = match &opts.config {
+    let (sources, secrets) = match config {
         Some(path) => (
             FileConfig::load(path)?.sources()?,
             vec![format!("from {}", path.display())],

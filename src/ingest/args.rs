@@ -14,13 +14,9 @@ pub const DEFAULT_LISTEN: &str = "0.0.0.0:8080";
 /// Where ingest serves `/metrics` (`--metrics-addr`); off the public listener.
 pub const DEFAULT_METRICS_ADDR: &str = "127.0.0.1:9463";
 
+/// Its sources come from the configuration file's `[[ingest.sources]]` (`--config`).
 #[derive(Debug, Clone, Args)]
 pub struct IngestArgs {
-    /// The TOML file naming the sources (see replayproof.example.toml). Flags and environment
-    /// variables override its settings.
-    #[arg(long, env = "REPLAYPROOF_CONFIG")]
-    pub config: std::path::PathBuf,
-
     /// Where to listen for webhooks (and /healthz, /readyz). [default: 0.0.0.0:8080]
     #[arg(long, env = "REPLAYPROOF_LISTEN")]
     pub listen: Option<SocketAddr>,
@@ -96,18 +92,22 @@ impl IngestArgs {
         Ok(settings)
     }
 
-    /// Loads the sources file and runs the ingress until a signal stops it.
-    pub async fn run(self) -> anyhow::Result<()> {
-        let file = FileConfig::load(&self.config)?;
+    /// Loads the configuration file's sources and runs the ingress until a signal stops it.
+    pub async fn run(self, config: Option<&std::path::Path>) -> anyhow::Result<()> {
+        let config = config.context(
+            "ingest reads its sources from the configuration file: set --config or REPLAYPROOF_CONFIG",
+        )?;
+        let file = FileConfig::load(config)?;
         let sources = file.sources()?;
         anyhow::ensure!(
             !sources.is_empty(),
-            "{} names no sources",
-            self.config.display()
+            "{} names no [[ingest.sources]]",
+            config.display()
         );
         let settings = self.settings(&file)?;
         let shutdown = crate::shutdown::on_signal();
         let registry = prometheus::Registry::new();
+        crate::telemetry::register_process_metrics(&registry, "ingest")?;
         let running = super::start(settings, sources, registry, shutdown).await?;
         running.stopped().await
     }

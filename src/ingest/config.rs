@@ -1,7 +1,8 @@
-//! The ingress configuration: a TOML file of sources whose secrets come from the environment.
+//! The ingress configuration: the `[ingest]` section of the configuration file, with its
+//! sources, whose secrets come from the environment.
 //!
 //! ```toml
-//! [[sources]]
+//! [[ingest.sources]]
 //! name = "stripe"                 # the URL segment: POST /webhooks/stripe
 //! kind = "stripe"                 # stripe | github | standard-webhooks | shopify | slack | hmac
 //! secrets_env = ["STRIPE_WEBHOOK_SECRET", "STRIPE_WEBHOOK_SECRET_PREVIOUS"]
@@ -100,10 +101,33 @@ pub struct Source {
 }
 
 impl FileConfig {
+    /// Ingest's settings from the configuration file at `path` (see [`crate::config`]).
+    #[cfg(feature = "cli")]
     pub fn load(path: &Path) -> anyhow::Result<Self> {
-        let text =
-            std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-        toml::from_str(&text).with_context(|| format!("parsing {}", path.display()))
+        let file = crate::config::ConfigFile::load(path, &crate::config::ProcessEnv)?;
+        Self::from_config(&file)
+    }
+
+    /// Ingest's settings from the file's `[ingest]` section, and the brokers and topic of its
+    /// `[kafka]` section.
+    #[cfg(feature = "cli")]
+    pub fn from_config(file: &crate::config::ConfigFile) -> anyhow::Result<Self> {
+        let mut table = toml::Table::new();
+        let ingest = file.section("ingest");
+        for key in ["listen", "max_body_bytes", "produce_timeout_ms", "sources"] {
+            if let Some(v) = ingest.get(key) {
+                table.insert(key.into(), v.clone());
+            }
+        }
+        let kafka = file.section("kafka");
+        for key in ["brokers", "topic"] {
+            if let Some(v) = kafka.get(key) {
+                table.insert(key.into(), v.clone());
+            }
+        }
+        toml::Value::Table(table)
+            .try_into()
+            .with_context(|| format!("{}: [ingest]", file.path.display()))
     }
 
     /// Resolves every source, reading secrets from the environment.
