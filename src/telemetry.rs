@@ -9,24 +9,57 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tracing_subscriber::EnvFilter;
 
-/// Starts structured logging on stderr; `RUST_LOG` filters, `REPLAYPROOF_LOG_FORMAT=json`
-/// switches to one JSON object a line.
-pub fn init_logging() {
-    init_logging_with("info,sqlx=warn,rdkafka=warn");
+/// How log lines are written (`--log-format`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
+pub enum LogFormat {
+    /// Human-readable lines, coloured only when stderr is a terminal.
+    #[default]
+    Text,
+    /// One JSON object a line, for a log pipeline.
+    Json,
+}
+
+/// Starts structured logging on stderr in `format`; `RUST_LOG` filters.
+pub fn init_logging(format: LogFormat) {
+    init_logging_with("info,sqlx=warn,rdkafka=warn", format);
 }
 
 /// Like [`init_logging`], with `default` as the filter when `RUST_LOG` is not set.
-pub fn init_logging_with(default: &str) {
+pub fn init_logging_with(default: &str, format: LogFormat) {
+    use std::io::IsTerminal as _;
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr);
-    let json = std::env::var("REPLAYPROOF_LOG_FORMAT").is_ok_and(|v| v == "json");
-    let _ = if json {
-        builder.json().try_init()
-    } else {
-        builder.try_init()
+    let _ = match format {
+        LogFormat::Json => builder.json().try_init(),
+        LogFormat::Text => builder
+            .with_ansi(std::io::stderr().is_terminal())
+            .try_init(),
     };
+}
+
+/// Registers what every long-running role exports besides its own metrics:
+/// `replayproof_build_info{version, librdkafka, role}` = 1, and the process's CPU, memory, open
+/// files and start time (`process_*`).
+pub fn register_process_metrics(registry: &Registry, role: &str) -> prometheus::Result<()> {
+    let info = prometheus::IntGaugeVec::new(
+        prometheus::Opts::new(
+            "replayproof_build_info",
+            "Always 1; the labels say which build runs in which role.",
+        ),
+        &["version", "librdkafka", "role"],
+    )?;
+    let (_, librdkafka) = rdkafka::util::get_rdkafka_version();
+    info.with_label_values(&[env!("CARGO_PKG_VERSION"), &librdkafka, role])
+        .set(1);
+    registry.register(Box::new(info))?;
+    #[cfg(target_os = "linux")]
+    registry.register(Box::new(
+        prometheus::process_collector::ProcessCollector::for_self(),
+    ))?;
+    Ok(())
 }
 
 /// Whether the process is doing its job. `/healthz` answers 503, naming each problem, while a

@@ -100,6 +100,13 @@ impl ConsumeMetrics {
         registry.register(Box::new(self.kafka_errors.clone()))
     }
 
+    /// Removes a revoked partition's series.
+    pub fn forget_partition(&self, partition: i32) {
+        let label = partition.to_string();
+        let _ = self.consumer_lag.remove_label_values(&[&label]);
+        let _ = self.committed_offset.remove_label_values(&[&label]);
+    }
+
     /// Counts what one committed batch did.
     pub fn record(&self, report: &BatchReport) {
         let outcomes = [

@@ -191,6 +191,9 @@ impl ConsumerSettings {
             // partitions with nothing new delays partitions whose queue just drained. 50 ms
             // instead of 500 doubles the rate of 2 KiB messages (`cargo bench --bench consume`).
             ("fetch.wait.max.ms", "50".into()),
+            // Each partition's lag is read from librdkafka's statistics this often, so it keeps
+            // moving while a partition's batches are stuck.
+            ("statistics.interval.ms", STATISTICS_INTERVAL_MS.to_string()),
         ];
         if let Some(id) = &self.instance_id {
             settings.push(("group.instance.id", id.clone()));
@@ -634,7 +637,49 @@ struct LaneContext {
     health: Health,
 }
 
-impl ClientContext for LaneContext {}
+/// How often librdkafka reports its statistics, the source of `replayproof_consumer_lag`.
+pub const STATISTICS_INTERVAL_MS: u64 = 5_000;
+
+impl ClientContext for LaneContext {
+    /// Sets each assigned partition's lag from librdkafka's statistics: the last stable offset
+    /// the broker reported minus the offset stored after the last applied batch (or the
+    /// committed one before any). It moves on a timer, whatever the lanes are doing; up to the
+    /// partition's fetch queue (1 MiB) past a stuck batch, after which librdkafka stops
+    /// fetching the partition and its reported end stops moving too.
+    fn stats(&self, statistics: rdkafka::Statistics) {
+        let Some(topic) = statistics.topics.get(&self.settings.topic) else {
+            return;
+        };
+        let feeds = self.feeds.lock().expect("feeds lock");
+        for (partition, stats) in &topic.partitions {
+            if !feeds.contains_key(partition) {
+                continue;
+            }
+            // Before this group stored or committed anything, everything from the log's start
+            // is still to apply (a new group reads from the earliest offset).
+            let end = if stats.ls_offset >= 0 {
+                stats.ls_offset
+            } else {
+                stats.hi_offset
+            };
+            let lag = if stats.consumer_lag_stored >= 0 {
+                stats.consumer_lag_stored
+            } else if stats.consumer_lag >= 0 {
+                stats.consumer_lag
+            } else if end >= 0 && stats.lo_offset >= 0 {
+                end - stats.lo_offset
+            } else {
+                -1
+            };
+            if lag >= 0 {
+                self.metrics
+                    .consumer_lag
+                    .with_label_values(&[&partition.to_string()])
+                    .set(lag);
+            }
+        }
+    }
+}
 
 impl ConsumerContext for LaneContext {
     fn pre_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
@@ -657,6 +702,14 @@ impl ConsumerContext for LaneContext {
     }
 
     fn post_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        if let Rebalance::Revoke(tpl) = rebalance {
+            // A partition this member no longer owns has no lag or offset here: its series go,
+            // so a dashboard does not show a stale number next to the new owner's.
+            for e in tpl.elements_for_topic(&self.settings.topic) {
+                self.metrics.forget_partition(e.partition());
+            }
+            return;
+        }
         // Right after the assignment, before its first fetch: each new partition gets its own
         // queue. The assignment is counted from the rebalances themselves: asking the client with
         // `assignment()` blocks forever when the rebalance is served while the consumer closes.
@@ -696,7 +749,12 @@ impl ConsumerContext for LaneContext {
             tracing::warn!(error = %e, "An offset commit failed; retrying it. Until it succeeds, its messages would be replayed harmlessly.");
             return;
         }
+        let feeds = self.feeds.lock().expect("feeds lock");
         for e in offsets.elements_for_topic(&self.settings.topic) {
+            // The final commit of a revoked partition is not this member's to show any more.
+            if !feeds.contains_key(&e.partition()) {
+                continue;
+            }
             if let Offset::Offset(o) = e.offset() {
                 self.metrics
                     .committed_offset
