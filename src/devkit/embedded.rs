@@ -33,6 +33,43 @@ impl EmbeddedPostgres {
     /// Like [`EmbeddedPostgres::start`], with server settings (`name=value`) that override the
     /// defaults, such as `fsync=on` for a durable cluster.
     pub fn start_with(settings: &[&str]) -> anyhow::Result<Self> {
+        let pg = Self::create(settings)?;
+        pg.resume()?;
+        tracing::info!(port = pg.port, dir = %pg.dir.path().display(), "Started a throwaway PostgreSQL cluster.");
+        Ok(pg)
+    }
+
+    /// A cluster that accepts TCP connections only over TLS, with the PEM certificate chain
+    /// and private key given: `ssl=on`, and `pg_hba.conf` refusing any connection without
+    /// encryption. Blocking, as [`EmbeddedPostgres::start`].
+    pub fn start_tls(cert_pem: &str, key_pem: &str) -> anyhow::Result<Self> {
+        let pg = Self::create(&[
+            "ssl=on",
+            "ssl_cert_file=server.crt",
+            "ssl_key_file=server.key",
+        ])?;
+        let data = PathBuf::from(pg.data_dir());
+        std::fs::write(data.join("server.crt"), cert_pem)?;
+        std::fs::write(data.join("server.key"), key_pem)?;
+        std::fs::write(
+            data.join("pg_hba.conf"),
+            "local all all trust\nhostssl all all 127.0.0.1/32 trust\nhostnossl all all 0.0.0.0/0 reject\n",
+        )?;
+        for file in ["server.crt", "server.key", "pg_hba.conf"] {
+            let path = data.join(file);
+            use std::os::unix::fs::PermissionsExt as _;
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))?;
+            if let Some(user) = &pg.run_as {
+                let user = nix::unistd::User::from_name(user)?.context("the postgres user")?;
+                nix::unistd::chown(&path, Some(user.uid), Some(user.gid))?;
+            }
+        }
+        pg.resume()?;
+        Ok(pg)
+    }
+
+    /// Creates the cluster's files, without starting it.
+    fn create(settings: &[&str]) -> anyhow::Result<Self> {
         let bin = postgres_bindir()?;
         let run_as = nix::unistd::geteuid()
             .is_root()
@@ -67,8 +104,6 @@ impl EmbeddedPostgres {
                 "--no-sync",
             ],
         )?;
-        pg.resume()?;
-        tracing::info!(port = pg.port, dir = %pg.dir.path().display(), "Started a throwaway PostgreSQL cluster.");
         Ok(pg)
     }
 

@@ -562,3 +562,71 @@ async fn an_idle_consumer_whose_database_is_gone_fails_health() {
     stop.cancel();
     running.stopped().await.unwrap();
 }
+
+/// Holds the batch with `key` inside its effect until released; the ledger effect for the rest.
+struct HoldsOn {
+    key: &'static str,
+    entered: std::sync::atomic::AtomicBool,
+    release: tokio::sync::Semaphore,
+}
+
+#[async_trait::async_trait]
+impl replayproof::effect::Effect for HoldsOn {
+    fn name(&self) -> &'static str {
+        "holds-on"
+    }
+
+    async fn apply(
+        &self,
+        tx: &mut replayproof::effect::Tx<'_>,
+        event: &replayproof::envelope::Event,
+    ) -> anyhow::Result<()> {
+        if event.key.as_str() == self.key {
+            self.entered
+                .store(true, std::sync::atomic::Ordering::SeqCst);
+            let _permit = self.release.acquire().await?;
+        }
+        replayproof::effect::Ledger.apply(tx, event).await
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lag_keeps_growing_from_the_statistics_while_a_partition_is_stuck() {
+    let (kafka, db) = (TestKafka::mock(), TestDb::new().await);
+    let (topic, group) = (kafka.topic(1).await, unique("group"));
+    let effect = std::sync::Arc::new(HoldsOn {
+        key: "stuck",
+        entered: std::sync::atomic::AtomicBool::new(false),
+        release: tokio::sync::Semaphore::new(0),
+    });
+    let mut s = settings(&kafka.brokers(), &topic, &group);
+    s.kafka_options
+        .push(("statistics.interval.ms".into(), "100".into()));
+    s.batch_timeout = Duration::from_secs(300);
+    let consumer = InProcessConsumer::with_effect(s, db.pool.clone(), effect.clone());
+    let producer = producer(&kafka.brokers());
+    produce(&producer, &topic, &[Record::event("stuck", json!(0))]).await;
+    wait_for("the batch to be stuck in its effect", WAIT, || async {
+        effect.entered.load(std::sync::atomic::Ordering::SeqCst)
+    })
+    .await;
+
+    // Nothing is applied while the batch is held, and the lag still follows the new messages.
+    let more: Vec<Record> = (1..=40)
+        .map(|i| Record::event(&format!("evt-{i}"), json!(i)))
+        .collect();
+    produce(&producer, &topic, &more).await;
+    wait_for("the lag to show the 41 waiting messages", WAIT, || async {
+        consumer.metric("replayproof_consumer_lag") == 41.0
+    })
+    .await;
+    assert_eq!(db.count("SELECT count(*) FROM ledger").await, 0);
+
+    effect.release.add_permits(1_000);
+    wait_for("the lag to drain", WAIT, || async {
+        consumer.metric("replayproof_consumer_lag") == 0.0
+            && db.count("SELECT count(*) FROM ledger").await == 41
+    })
+    .await;
+    consumer.stop().await;
+}

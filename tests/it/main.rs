@@ -15,6 +15,7 @@ mod failpoints;
 mod ingest;
 mod operator;
 mod processes;
+mod production;
 mod schema;
 mod signatures;
 mod status;

@@ -268,9 +268,20 @@ async fn respond_with(stream: &mut TcpStream, status: u16, extra: &str) -> std::
 /// Claims `keys` through the consume transaction with the http effect, which enqueues one
 /// `deliver` operation each to `downstream` (with its reconcile URL when `reconcile`).
 pub async fn enqueue_http(db: &TestDb, downstream: &Downstream, keys: &[String], reconcile: bool) {
+    let reconcile = reconcile.then(|| downstream.reconcile_url());
+    enqueue_to(db, &downstream.url(), reconcile, keys).await;
+}
+
+/// Like [`enqueue_http`], to any target URL.
+pub async fn enqueue_to(
+    db: &TestDb,
+    target_url: &str,
+    reconcile_url: Option<String>,
+    keys: &[String],
+) {
     let effect = replayproof::effect::HttpOutbox {
-        target_url: downstream.url(),
-        reconcile_url: reconcile.then(|| downstream.reconcile_url()),
+        target_url: target_url.into(),
+        reconcile_url,
         max_attempts: 8,
     };
     let processor = BatchProcessor {

@@ -9,7 +9,7 @@ pub mod kafka;
 pub mod processes;
 
 pub use database::*;
-pub use dispatcher::enqueue_http;
+pub use dispatcher::{enqueue_http, enqueue_to};
 pub use ingress::*;
 pub use kafka::*;
 pub use processes::*;

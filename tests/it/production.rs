@@ -1,0 +1,590 @@
+//! Connections as managed services require them: PostgreSQL over verified TLS, Kafka over TLS
+//! with SASL/SCRAM, dispatch over HTTPS to a private CA with signed deliveries, and one
+//! configuration whose secrets come only from the environment.
+
+use crate::harness::*;
+use replayproof::devkit::embedded::EmbeddedPostgres;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+const WAIT: Duration = Duration::from_secs(90);
+
+/// A test CA, a certificate it signed for localhost and 127.0.0.1, and a second CA that signed
+/// nothing here.
+pub struct Pki {
+    pub dir: tempfile::TempDir,
+    pub ca: PathBuf,
+    pub wrong_ca: PathBuf,
+    pub cert: PathBuf,
+    pub key: PathBuf,
+    pub cert_pem: String,
+    pub key_pem: String,
+    /// A certificate and key from the same CA for another host only.
+    pub other_cert_pem: String,
+    pub other_key_pem: String,
+}
+
+impl Pki {
+    pub fn new(names: &[&str]) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let ca = |name: &str| {
+            let key = rcgen::KeyPair::generate().unwrap();
+            let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+            params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+            params
+                .distinguished_name
+                .push(rcgen::DnType::CommonName, name);
+            let cert = params.self_signed(&key).unwrap();
+            (cert, key)
+        };
+        let (ca_cert, ca_key) = ca("replayproof test CA");
+        let (wrong_cert, _) = ca("another CA");
+        let key = rcgen::KeyPair::generate().unwrap();
+        let names: Vec<String> = names.iter().map(|s| s.to_string()).collect();
+        let mut params = rcgen::CertificateParams::new(names).unwrap();
+        params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, "localhost");
+        let cert = params.signed_by(&key, &ca_cert, &ca_key).unwrap();
+        let other_key = rcgen::KeyPair::generate().unwrap();
+        let other = rcgen::CertificateParams::new(vec!["downstream.example.internal".to_owned()])
+            .unwrap()
+            .signed_by(&other_key, &ca_cert, &ca_key)
+            .unwrap();
+        let write = |name: &str, text: &str| {
+            let path = dir.path().join(name);
+            std::fs::write(&path, text).unwrap();
+            path
+        };
+        let (cert_pem, key_pem) = (cert.pem(), key.serialize_pem());
+        Self {
+            ca: write("ca.pem", &ca_cert.pem()),
+            wrong_ca: write("wrong-ca.pem", &wrong_cert.pem()),
+            cert: write("server.pem", &cert_pem),
+            key: write("server.key", &key_pem),
+            cert_pem,
+            key_pem,
+            other_cert_pem: other.pem(),
+            other_key_pem: other_key.serialize_pem(),
+            dir,
+        }
+    }
+
+    /// For localhost and 127.0.0.1.
+    pub fn local() -> Self {
+        Self::new(&["localhost", "127.0.0.1"])
+    }
+}
+
+fn replayproof() -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_replayproof"));
+    cmd.env_remove("DATABASE_URL")
+        .env_remove("REPLAYPROOF_CONFIG")
+        .env("RUST_LOG", "warn")
+        .stdin(Stdio::null());
+    cmd
+}
+
+fn tls_url(port: u16, mode: &str, ca: &Path) -> String {
+    format!(
+        "postgres://postgres@127.0.0.1:{port}/postgres?sslmode={mode}&sslrootcert={}",
+        ca.display()
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_over_verified_tls_and_a_wrong_ca_or_plaintext_is_refused() {
+    let pki = Pki::local();
+    let (cert, key) = (pki.cert_pem.clone(), pki.key_pem.clone());
+    let cluster = tokio::task::spawn_blocking(move || EmbeddedPostgres::start_tls(&cert, &key))
+        .await
+        .unwrap()
+        .expect("a TLS-only PostgreSQL cluster");
+    let port = cluster.port();
+    let verified = tls_url(port, "verify-full", &pki.ca);
+
+    stdout_of(replayproof().args(["migrate", "--database-url", &verified]));
+
+    // The server takes no connection without TLS, and a server certificate from another CA is
+    // refused by the client, with the reason in the error.
+    let plain = format!("postgres://postgres@127.0.0.1:{port}/postgres?sslmode=disable");
+    let out = replayproof()
+        .args(["migrate", "--database-url", &plain])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("no encryption"), "{stderr}");
+    let wrong = tls_url(port, "verify-full", &pki.wrong_ca);
+    let out = replayproof()
+        .args(["migrate", "--database-url", &wrong])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("UnknownIssuer"), "{stderr}");
+
+    // consume applies events over the verified connection, and events list reads them.
+    let kafka = TestKafka::for_processes();
+    let (topic, group) = (kafka.topic(1).await, unique("group"));
+    let consumer = ConsumerProcess::spawn(&kafka.brokers(), &topic, &group, &verified, None);
+    let records: Vec<Record> = (0..20)
+        .map(|i| Record::event(&format!("tls-{i}"), serde_json::json!({ "i": i })))
+        .collect();
+    produce(&producer(&kafka.brokers()), &topic, &records).await;
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(2)
+        .connect(&format!(
+            "{verified}&options=-c%20search_path%3Dreplayproof"
+        ))
+        .await
+        .unwrap();
+    wait_for("the events applied over TLS", WAIT, || async {
+        sqlx::query_scalar::<_, i64>("SELECT count(DISTINCT event_key) FROM ledger")
+            .fetch_one(&pool)
+            .await
+            .is_ok_and(|n| n == 20)
+    })
+    .await;
+    let listed =
+        stdout_of(replayproof().args(["events", "list", "--json", "--database-url", &verified]));
+    let listed = String::from_utf8_lossy(&listed);
+    assert!(listed.contains("tls-7"), "{listed}");
+    consumer.kill9().await;
+    drop(cluster);
+}
+
+/// A nisshi broker serving only TLS and requiring SASL/SCRAM, with one user and one topic.
+struct SecuredBroker {
+    child: std::process::Child,
+    port: u16,
+    _dir: tempfile::TempDir,
+}
+
+impl Drop for SecuredBroker {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The nisshi binary the test script installed, if any.
+fn nisshi() -> Option<PathBuf> {
+    let candidates = [
+        std::env::var_os("REPLAYPROOF_NISSHI").map(PathBuf::from),
+        std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cargo/bin/nisshi")),
+    ];
+    candidates.into_iter().flatten().find(|p| p.is_file())
+}
+
+fn wait_port(port: u16) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "port {port} never opened"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+impl SecuredBroker {
+    /// Creates the user and topic on a plaintext broker over the same storage (nisshi's tools
+    /// speak plaintext only), then serves that storage over TLS with authentication required.
+    fn start(bin: &Path, pki: &Pki, user: &str, password: &str, topic: &str) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        // nisshi reads a sqlite path relative to its working directory.
+        let storage = "sqlite://nisshi.db";
+        let port = free_port();
+        let url = format!("tcp://127.0.0.1:{port}");
+        let broker = |secured: bool| {
+            let mut cmd = Command::new(bin);
+            cmd.args(["broker", "--listener-url", &url])
+                .args(["--advertised-listener-url", &url])
+                .args(["--storage-engine", storage])
+                .current_dir(dir.path())
+                .args(["--group-initial-rebalance-delay", "0s", "--silent"])
+                .stdout(Stdio::null())
+                .stderr(Stdio::null());
+            if secured {
+                cmd.arg("--cert").arg(&pki.cert).arg("--key").arg(&pki.key);
+                cmd.arg("--authentication");
+            }
+            cmd.spawn().unwrap()
+        };
+        let mut plain = broker(false);
+        wait_port(port);
+        let tool = |args: &[&str]| {
+            let status = Command::new(bin)
+                .args(args)
+                .args(["--broker", &url])
+                .stdout(Stdio::null())
+                .status()
+                .unwrap();
+            assert!(status.success(), "nisshi {args:?}");
+        };
+        tool(&["user", "create", "--mechanism", "scram512", user, password]);
+        tool(&["topic", "create", "--partitions", "2", "--silent", topic]);
+        plain.kill().unwrap();
+        plain.wait().unwrap();
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let child = broker(true);
+        wait_port(port);
+        Self {
+            child,
+            port,
+            _dir: dir,
+        }
+    }
+}
+
+fn read_cmdline(pid: u32) -> String {
+    std::fs::read(format!("/proc/{pid}/cmdline"))
+        .map(|b| String::from_utf8_lossy(&b).replace('\0', " "))
+        .unwrap_or_default()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ingest_and_consume_over_tls_with_scram_from_one_file_and_secrets_only_in_the_environment()
+{
+    let Some(bin) = nisshi() else {
+        eprintln!(
+            "SKIPPED: no nisshi binary (the test script installs it); Kafka over TLS with \
+             SASL is not exercised"
+        );
+        return;
+    };
+    let _heavy = heavy().await;
+    const PASSWORD: &str = "kafka-secret-9f1c2b7e";
+    const SOURCE_SECRET: &str = "github-secret-7c41e0aa";
+    let pki = Pki::local();
+    let topic = unique("webhooks");
+    let broker = SecuredBroker::start(&bin, &pki, "app", PASSWORD, &topic);
+    let db = TestDb::new().await;
+    let ingest_port = free_port();
+    let metrics_port = free_port();
+    let config = pki.dir.path().join("replayproof.toml");
+    std::fs::write(
+        &config,
+        format!(
+            r#"
+[kafka]
+brokers = "127.0.0.1:{port}"
+topic = "{topic}"
+group = "{group}"
+security.protocol = "SASL_SSL"
+sasl.mechanism = "SCRAM-SHA-512"
+sasl.username = "app"
+"ssl.ca.location" = "{ca}"
+"broker.address.family" = "v4"
+"session.timeout.ms" = "6000"
+
+[database]
+url = "${{TEST_DATABASE_URL}}"
+
+[consume]
+commit_interval_ms = 50
+metrics_addr = "127.0.0.1:{metrics_port}"
+
+[ingest]
+listen = "127.0.0.1:{ingest_port}"
+metrics_addr = "127.0.0.1:0"
+
+[[ingest.sources]]
+name = "github"
+kind = "github"
+secrets_env = ["TEST_GITHUB_SECRET"]
+"#,
+            port = broker.port,
+            group = unique("group"),
+            ca = pki.ca.display(),
+        ),
+    )
+    .unwrap();
+    let env = [
+        ("REPLAYPROOF_CONFIG", config.display().to_string()),
+        ("REPLAYPROOF_KAFKA_SASL_PASSWORD", PASSWORD.to_owned()),
+        ("TEST_DATABASE_URL", db.url.clone()),
+        ("TEST_GITHUB_SECRET", SOURCE_SECRET.to_owned()),
+        ("RUST_LOG", "info,replayproof=debug".to_owned()),
+    ];
+    let logs = tempfile::tempdir().unwrap();
+    let spawn = |command: &str| {
+        let log = std::fs::File::create(logs.path().join(command)).unwrap();
+        let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_replayproof"));
+        cmd.arg(command)
+            .env_remove("DATABASE_URL")
+            .envs(env.iter().map(|(k, v)| (k, v)))
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .kill_on_drop(true);
+        cmd.spawn().unwrap()
+    };
+    let mut ingest = spawn("ingest");
+    let mut consume = spawn("consume");
+    let http = reqwest::Client::new();
+    let base = format!("http://127.0.0.1:{ingest_port}");
+    for n in 0..30 {
+        let body = format!(r#"{{"action":"opened","number":{n}}}"#);
+        let signature = format!("sha256={}", hmac_hex(SOURCE_SECRET, &[body.as_bytes()]));
+        let mut delivered = false;
+        for _ in 0..300 {
+            let sent = http
+                .post(format!("{base}/webhooks/github"))
+                .header("x-hub-signature-256", &signature)
+                .header("x-github-delivery", format!("d-{n}"))
+                .header("x-github-event", "pull_request")
+                .body(body.clone())
+                .send()
+                .await;
+            if sent.is_ok_and(|r| r.status() == 200) {
+                delivered = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        assert!(
+            delivered,
+            "delivery {n} was never acknowledged over SASL_SSL"
+        );
+    }
+    let expected = (0..30).map(|n| format!("github:d-{n}")).collect();
+    assert_exactly_once(&db, &expected, WAIT).await;
+
+    // The secrets are in no process's command line, answer, log, or `config check`.
+    let mut seen = vec![
+        read_cmdline(ingest.id().unwrap()),
+        read_cmdline(consume.id().unwrap()),
+    ];
+    for path in ["/metrics", "/healthz"] {
+        seen.push(http_get(metrics_port, path).await.unwrap_or_default().1);
+    }
+    let check = replayproof()
+        .args(["config", "check"])
+        .envs(env.iter().map(|(k, v)| (k, v)))
+        .output()
+        .unwrap();
+    let check_text = String::from_utf8_lossy(&check.stdout).into_owned();
+    assert!(
+        check.status.success(),
+        "{check_text}{}",
+        String::from_utf8_lossy(&check.stderr)
+    );
+    assert!(
+        check_text.contains("\"sasl.password\" = \"<redacted>\""),
+        "{check_text}"
+    );
+    assert!(
+        check_text.contains("env REPLAYPROOF_KAFKA_SASL_PASSWORD"),
+        "{check_text}"
+    );
+    assert!(check_text.contains("consume: ready"), "{check_text}");
+    seen.push(check_text);
+    ingest.kill().await.unwrap();
+    consume.kill().await.unwrap();
+    for command in ["ingest", "consume"] {
+        seen.push(std::fs::read_to_string(logs.path().join(command)).unwrap());
+    }
+    for text in &seen {
+        for secret in [PASSWORD, SOURCE_SECRET] {
+            assert!(!text.contains(secret), "a secret leaked into: {text}");
+        }
+    }
+}
+
+/// One request an HTTPS receiver got: its headers and body.
+#[derive(Clone, Debug)]
+struct Received {
+    headers: http::HeaderMap,
+    body: Vec<u8>,
+}
+
+/// An HTTPS receiver with the given certificate that answers 200 to everything and keeps what
+/// it got.
+struct HttpsReceiver {
+    port: u16,
+    received: std::sync::Arc<std::sync::Mutex<Vec<Received>>>,
+    handshakes_failed: std::sync::Arc<std::sync::atomic::AtomicU32>,
+}
+
+impl HttpsReceiver {
+    async fn start(cert_pem: &str, key_pem: &str) -> Self {
+        use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+        let certs: Vec<_> = rustls_pemfile::certs(&mut cert_pem.as_bytes())
+            .collect::<Result<_, _>>()
+            .unwrap();
+        let key = rustls_pemfile::private_key(&mut key_pem.as_bytes())
+            .unwrap()
+            .unwrap();
+        let provider = std::sync::Arc::new(tokio_rustls::rustls::crypto::ring::default_provider());
+        let config = tokio_rustls::rustls::ServerConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_no_client_auth()
+            .with_single_cert(certs, key)
+            .unwrap();
+        let acceptor = tokio_rustls::TlsAcceptor::from(std::sync::Arc::new(config));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let received = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let handshakes_failed = std::sync::Arc::new(std::sync::atomic::AtomicU32::new(0));
+        let (got, failed) = (received.clone(), handshakes_failed.clone());
+        tokio::spawn(async move {
+            loop {
+                let Ok((tcp, _)) = listener.accept().await else {
+                    return;
+                };
+                let (acceptor, got, failed) = (acceptor.clone(), got.clone(), failed.clone());
+                tokio::spawn(async move {
+                    let Ok(mut tls) = acceptor.accept(tcp).await else {
+                        failed.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                        return;
+                    };
+                    let mut buf = Vec::new();
+                    let mut chunk = [0u8; 8192];
+                    let (head_end, length) = loop {
+                        let Ok(n) = tls.read(&mut chunk).await else {
+                            return;
+                        };
+                        if n == 0 {
+                            return;
+                        }
+                        buf.extend_from_slice(&chunk[..n]);
+                        if let Some(at) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                            let head = String::from_utf8_lossy(&buf[..at]).to_ascii_lowercase();
+                            let length = head
+                                .lines()
+                                .find_map(|l| l.strip_prefix("content-length:"))
+                                .map_or(0, |v| v.trim().parse::<usize>().unwrap());
+                            break (at + 4, length);
+                        }
+                    };
+                    while buf.len() < head_end + length {
+                        let Ok(n) = tls.read(&mut chunk).await else {
+                            return;
+                        };
+                        if n == 0 {
+                            return;
+                        }
+                        buf.extend_from_slice(&chunk[..n]);
+                    }
+                    let head = String::from_utf8_lossy(&buf[..head_end]).into_owned();
+                    let mut headers = http::HeaderMap::new();
+                    for line in head.lines().skip(1) {
+                        if let Some((k, v)) = line.split_once(':') {
+                            headers.append(
+                                http::HeaderName::try_from(k.trim()).unwrap(),
+                                http::HeaderValue::try_from(v.trim()).unwrap(),
+                            );
+                        }
+                    }
+                    let body = buf[head_end..head_end + length].to_vec();
+                    got.lock().unwrap().push(Received { headers, body });
+                    let _ = tls
+                        .write_all(
+                            b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\nconnection: close\r\n\r\n",
+                        )
+                        .await;
+                    let _ = tls.shutdown().await;
+                });
+            }
+        });
+        Self {
+            port,
+            received,
+            handshakes_failed,
+        }
+    }
+
+    fn url(&self, host: &str) -> String {
+        format!("https://{host}:{}/hooks", self.port)
+    }
+
+    fn received(&self) -> Vec<Received> {
+        self.received.lock().unwrap().clone()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dispatch_delivers_over_https_with_a_private_ca_signed_for_a_standard_webhooks_verifier() {
+    const SIGNING_SECRET: &str = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw";
+    const TOKEN: &str = "downstream-token-3b9d";
+    let db = TestDb::new().await;
+    let pki = Pki::local();
+    let good = HttpsReceiver::start(&pki.cert_pem, &pki.key_pem).await;
+    // A receiver whose certificate, from the same CA, names another host.
+    let mismatched = HttpsReceiver::start(&pki.other_cert_pem, &pki.other_key_pem).await;
+    let keys: Vec<String> = (0..5).map(|i| format!("https-{i}")).collect();
+    enqueue_to(&db, &good.url("localhost"), None, &keys).await;
+    enqueue_to(
+        &db,
+        &mismatched.url("127.0.0.1"),
+        None,
+        &["mismatch".into()],
+    )
+    .await;
+
+    let mut dispatcher = tokio::process::Command::new(env!("CARGO_BIN_EXE_replayproof"))
+        .arg("dispatch")
+        .args(["--database-url", &db.url])
+        .arg("--ca-file")
+        .arg(&pki.ca)
+        .args(["--header", "Authorization=Bearer ${TEST_DOWNSTREAM_TOKEN}"])
+        .args(["--metrics-addr", "127.0.0.1:0", "--poll-ms", "50"])
+        .args(["--backoff-ms", "100", "--max-backoff-ms", "200"])
+        .env("TEST_DOWNSTREAM_TOKEN", TOKEN)
+        .env("REPLAYPROOF_SIGNING_SECRET", SIGNING_SECRET)
+        .env("RUST_LOG", "warn")
+        .env_remove("DATABASE_URL")
+        .stdin(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    wait_for("the deliveries over HTTPS", WAIT, || async {
+        good.received().len() >= keys.len()
+    })
+    .await;
+    let verifier = standardwebhooks::Webhook::new(SIGNING_SECRET).unwrap();
+    let mut ids = std::collections::BTreeSet::new();
+    for request in good.received() {
+        verifier
+            .verify(&request.body, &request.headers)
+            .expect("the official Standard Webhooks verifier accepts the delivery");
+        assert_eq!(request.headers["authorization"], format!("Bearer {TOKEN}"));
+        let id = request.headers["webhook-id"].to_str().unwrap().to_owned();
+        assert_eq!(request.headers["idempotency-key"], id.as_str());
+        ids.insert(id);
+        // A tampered body fails the same verifier.
+        let mut tampered = request.body.clone();
+        tampered.push(b' ');
+        assert!(verifier.verify(&tampered, &request.headers).is_err());
+    }
+    assert_eq!(ids.len(), keys.len());
+
+    // The certificate that names another host is refused before anything is sent: the
+    // operation waits as retryable with the reason, and the receiver got no request.
+    wait_for("the mismatched attempt recorded", WAIT, || async {
+        db.count("SELECT count(*) FROM outbox WHERE event_key = 'mismatch' AND attempts >= 2 AND state = 'retryable'")
+            .await
+            == 1
+    })
+    .await;
+    let error: String =
+        sqlx::query_scalar("SELECT last_error FROM outbox WHERE event_key = 'mismatch'")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert!(error.contains("certificate not valid for name"), "{error}");
+    assert!(mismatched.received().is_empty());
+    assert!(
+        mismatched
+            .handshakes_failed
+            .load(std::sync::atomic::Ordering::SeqCst)
+            >= 1
+    );
+    dispatcher.kill().await.unwrap();
+}
