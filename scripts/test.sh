@@ -7,6 +7,8 @@
 #   - A Kafka-protocol broker process for the end-to-end tests: KAFKA_BROKERS when set;
 #     otherwise nisshi 0.8.1, installed with `cargo +nightly install` when missing.
 #     The fast tests use librdkafka's in-process mock cluster and need nothing.
+#   - promtool, from Debian's `prometheus` package (installed when missing), to check the alert
+#     rules in deploy/ and run their unit tests.
 #   - sqlx-cli (pinned), installed with `cargo install` when missing, to check that the
 #     committed `.sqlx/` query data matches the queries and migrations.
 # Then: formatting, the query data, clippy with warnings denied, a library build without the
@@ -133,6 +135,8 @@ start_nisshi() {
   nisshi_pid=$!
   wait_for_port "$port" 30 || { cat "$work/nisshi.log" >&2; die "nisshi did not start"; }
   export KAFKA_BROKERS="127.0.0.1:$port"
+  # The TLS and SASL test starts secured brokers of its own from the same binary.
+  export REPLAYPROOF_NISSHI="$bin"
 }
 
 # The compose file is validated against the Compose specification's JSON schema in Python.
@@ -140,6 +144,16 @@ ensure_python_modules() {
   if ! python3 -c 'import yaml, jsonschema' 2>/dev/null; then
     log "Installing PyYAML and jsonschema for the compose file's validation"
     python3 -m pip install --quiet pyyaml jsonschema
+  fi
+}
+
+# ------------------------------------------------------------------------------------ promtool
+ensure_promtool() {
+  if ! command -v promtool >/dev/null; then
+    log "Installing Debian's prometheus package (for promtool; once)"
+    as_root apt-get update -qq
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+    command -v promtool >/dev/null || die "promtool still missing after installing prometheus"
   fi
 }
 
@@ -177,7 +191,12 @@ ensure_postgres_binaries
 [ -n "${DATABASE_URL:-}" ] || start_postgres
 [ -n "${KAFKA_BROKERS:-}" ] || start_nisshi
 ensure_sqlx_cli
+ensure_promtool
 export SQLX_OFFLINE=true
+
+log "The alert rules (promtool check rules, promtool test rules)"
+promtool check rules deploy/alerts.yml
+promtool test rules deploy/alerts.test.yml
 
 log "cargo fmt --check"
 cargo fmt --all -- --check
