@@ -369,14 +369,10 @@ fn command_path(root: &Command, argv: &[OsString]) -> (Vec<String>, usize) {
                 i += 1;
             }
         } else if !token.starts_with('-') {
-            match cmd.find_subcommand(token) {
-                Some(sub) => {
-                    path.push(sub.get_name().to_owned());
-                    cmd = sub.clone();
-                    insert_at = i + 1;
-                }
-                None if cmd.has_subcommands() => {}
-                None => {}
+            if let Some(sub) = cmd.find_subcommand(token) {
+                path.push(sub.get_name().to_owned());
+                cmd = sub.clone();
+                insert_at = i + 1;
             }
         }
         i += 1;
@@ -516,18 +512,16 @@ fn flag_values(
     Ok(out)
 }
 
-/// Every key the file's sections may hold, with the commands that read it.
-fn known_keys(root: &Command) -> BTreeMap<(&'static str, String), Vec<String>> {
-    let mut known: BTreeMap<(&'static str, String), Vec<String>> = BTreeMap::new();
+/// Every flag of every command that a section sets: the command's path, the flag, and the
+/// section and key it is read from.
+fn file_flags(root: &Command) -> Vec<(Vec<String>, &Arg, &'static str, String)> {
+    let mut flags = Vec::new();
     let mut stack: Vec<(Vec<String>, &Command)> = vec![(Vec::new(), root)];
     while let Some((path, cmd)) = stack.pop() {
         for arg in cmd.get_arguments() {
             let Some(long) = arg.get_long() else { continue };
             if let Some((section, key)) = section_of(&path, long) {
-                known
-                    .entry((section, key))
-                    .or_default()
-                    .push(path.join(" "));
+                flags.push((path.clone(), arg, section, key));
             }
         }
         for sub in cmd.get_subcommands() {
@@ -535,6 +529,18 @@ fn known_keys(root: &Command) -> BTreeMap<(&'static str, String), Vec<String>> {
             p.push(sub.get_name().to_owned());
             stack.push((p, sub));
         }
+    }
+    flags
+}
+
+/// Every key the file's sections may hold, with the commands that read it.
+fn known_keys(root: &Command) -> BTreeMap<(&'static str, String), Vec<String>> {
+    let mut known: BTreeMap<(&'static str, String), Vec<String>> = BTreeMap::new();
+    for (path, _, section, key) in file_flags(root) {
+        known
+            .entry((section, key))
+            .or_default()
+            .push(path.join(" "));
     }
     known
         .entry(("ingest", "sources".into()))
@@ -606,51 +612,37 @@ pub fn effective(
     }
     let mut out: BTreeMap<&'static str, Vec<Setting>> = BTreeMap::new();
     let mut seen = std::collections::BTreeSet::new();
-    let mut stack: Vec<(Vec<String>, &Command)> = vec![(Vec::new(), root)];
-    while let Some((path, cmd)) = stack.pop() {
-        for arg in cmd.get_arguments() {
-            let Some(long) = arg.get_long() else { continue };
-            let Some((section, key)) = section_of(&path, long) else {
-                continue;
-            };
-            if !seen.insert((section, key.clone())) {
-                continue;
-            }
-            let env_name = arg.get_env().and_then(|n| n.to_str()).map(str::to_owned);
-            let from_env = env_name
-                .as_ref()
-                .and_then(|n| Some((n.clone(), env.var(n)?)));
-            let from_file = file.and_then(|f| f.section(section).get(&key).cloned());
-            let (value, source) = if let Some((name, value)) = from_env {
-                (
-                    literal(&redact_setting(section, &key, &value)),
-                    Source::Env(name),
-                )
-            } else if let Some(value) = from_file {
-                let value = match value {
-                    toml::Value::String(s) => {
-                        toml::Value::String(redact_setting(section, &key, &s))
-                    }
-                    toml::Value::Table(_) if !redact_setting(section, &key, "").is_empty() => {
-                        toml::Value::String("<redacted>".into())
-                    }
-                    other => other,
-                };
-                (value.to_string(), Source::File)
-            } else if let Some(default) = arg.get_default_values().first() {
-                (literal(&default.to_string_lossy()), Source::Default)
-            } else {
-                continue;
-            };
-            out.entry(section)
-                .or_default()
-                .push(Setting { key, value, source });
+    for (_, arg, section, key) in file_flags(root) {
+        if !seen.insert((section, key.clone())) {
+            continue;
         }
-        for sub in cmd.get_subcommands() {
-            let mut p = path.clone();
-            p.push(sub.get_name().to_owned());
-            stack.push((p, sub));
-        }
+        let env_name = arg.get_env().and_then(|n| n.to_str()).map(str::to_owned);
+        let from_env = env_name
+            .as_ref()
+            .and_then(|n| Some((n.clone(), env.var(n)?)));
+        let from_file = file.and_then(|f| f.section(section).get(&key).cloned());
+        let (value, source) = if let Some((name, value)) = from_env {
+            (
+                literal(&redact_setting(section, &key, &value)),
+                Source::Env(name),
+            )
+        } else if let Some(value) = from_file {
+            let value = match value {
+                toml::Value::String(s) => toml::Value::String(redact_setting(section, &key, &s)),
+                toml::Value::Table(_) if !redact_setting(section, &key, "").is_empty() => {
+                    toml::Value::String("<redacted>".into())
+                }
+                other => other,
+            };
+            (value.to_string(), Source::File)
+        } else if let Some(default) = arg.get_default_values().first() {
+            (literal(&default.to_string_lossy()), Source::Default)
+        } else {
+            continue;
+        };
+        out.entry(section)
+            .or_default()
+            .push(Setting { key, value, source });
     }
     // The environment's properties come after the file's, and replace them.
     let file_props = file.map(ConfigFile::kafka_properties).unwrap_or_default();
