@@ -17,7 +17,6 @@ use anyhow::{bail, Context as _};
 use base64::Engine as _;
 use serde::Deserialize;
 use std::collections::HashMap;
-use std::path::Path;
 
 /// The file as written.
 #[derive(Debug, Default, Deserialize)]
@@ -103,7 +102,7 @@ pub struct Source {
 impl FileConfig {
     /// Ingest's settings from the configuration file at `path` (see [`crate::config`]).
     #[cfg(feature = "cli")]
-    pub fn load(path: &Path) -> anyhow::Result<Self> {
+    pub fn load(path: &std::path::Path) -> anyhow::Result<Self> {
         let file = crate::config::ConfigFile::load(path, &crate::config::ProcessEnv)?;
         Self::from_config(&file)
     }
