@@ -402,6 +402,7 @@ impl Effect for FailingLedger {
 /// (events waiting for a retry then are settled afterwards, off the clock).
 async fn stage_b(url: &str, w: &Workload, effect: Arc<dyn Effect>) -> Duration {
     let processor = BatchProcessor {
+        defer: Default::default(),
         pool: pool(url, PARTITIONS as u32 + 1).await,
         effect,
         retry: EffectRetry::default(),

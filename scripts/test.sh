@@ -204,9 +204,15 @@ log "The committed query data (.sqlx) matches the queries and migrations"
 check_query_data
 log "cargo clippy (warnings denied)"
 cargo clippy --all-targets --all-features -- -D warnings
+log "The API documentation (cargo doc, warnings denied)"
+RUSTDOCFLAGS="-D warnings" cargo doc --no-deps --all-features
 log "The library alone, without the command line or the development kit"
 cargo build --lib --no-default-features
 log "The benchmarks build (they run with cargo bench, outside this script)"
 cargo build --benches --all-features
+# `cargo test` builds the example as its own test binary; the process tests run the example's
+# real binary, built here.
+log "The example binary (its processes are tested by tests/it)"
+cargo build --examples --all-features
 log "cargo test (broker process: ${KAFKA_BROKERS:-none, the mock cluster serves every test})"
 cargo test --all-features --no-fail-fast "$@"

@@ -19,6 +19,7 @@ pub struct Args {
     /// The configuration file every command reads (see replayproof.example.toml): sections
     /// [kafka], [database], [consume], [dispatch] and [ingest]. A flag, then its environment
     /// variable, then the file, then the default.
+    #[allow(rustdoc::broken_intra_doc_links)] // The brackets name the file's sections.
     #[arg(long, global = true, env = crate::config::CONFIG_ENV, value_name = "FILE")]
     pub config: Option<std::path::PathBuf>,
 

@@ -204,7 +204,7 @@ fn expand(value: toml::Value, env: &dyn Env) -> anyhow::Result<toml::Value> {
     })
 }
 
-/// [`expand`] for one string.
+/// `${VAR}` expansion (`$${` for a literal `${`) of one string.
 pub fn expand_str(s: &str, env: &dyn Env) -> anyhow::Result<String> {
     let mut out = String::with_capacity(s.len());
     let mut rest = s;
@@ -331,6 +331,7 @@ fn section_of(command_path: &[String], long: &str) -> Option<(&'static str, Stri
     match long {
         "database-url" => return Some(("database", "url".into())),
         "header" => return Some(("dispatch", "headers".into())),
+        "defer-source" => return Some(("consume", "defer_sources".into())),
         "schema"
         | "statement-timeout-ms"
         | "lock-timeout-ms"

@@ -5,6 +5,8 @@
 //! Everything is parsed here, at the boundary, into an [`Event`] that cannot be wrong; past
 //! this module nobody checks again.
 
+#![warn(missing_docs)]
+
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
@@ -20,6 +22,7 @@ pub const MAX_KEY_BYTES: usize = 512;
 pub struct EventKey(String);
 
 impl EventKey {
+    /// The key as text.
     pub fn as_str(&self) -> &str {
         &self.0
     }
@@ -52,16 +55,22 @@ impl fmt::Debug for EventKey {
 /// Why a message is not a valid envelope. Each becomes the `reason` of a dead letter.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum Malformed {
+    /// A Kafka message without a value (a tombstone).
     #[error("the message has no value")]
     NoValue,
+    /// The value is not JSON, or not an envelope; with the parser's message.
     #[error("the value is not a JSON envelope: {0}")]
     NotJson(String),
+    /// The envelope's key is empty.
     #[error("the envelope has an empty key")]
     EmptyKey,
+    /// The envelope's key is longer than 512 bytes; with its length.
     #[error("the envelope key is {0} bytes, more than the 512 allowed")]
     KeyTooLong(usize),
+    /// The Kafka message key and the envelope's key differ.
     #[error("the Kafka message key does not match the envelope key")]
     KeyMismatch,
+    /// A field PostgreSQL would refuse (a `\u0000`, a lone surrogate, a number out of range).
     #[error("PostgreSQL cannot store the envelope: {0}")]
     Unstorable(&'static str),
 }
@@ -162,12 +171,17 @@ fn decimal_exponent(text: &str) -> i64 {
 /// The envelope as written on the topic, for producers.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Envelope {
+    /// The dedupe key: the event's identity at its source, never the moment it arrived.
     pub key: String,
+    /// The source's name (`stripe`, `github`, a name of the operator's choosing).
     pub source: String,
+    /// The event's type at its source (`invoice.paid`), if it has one.
     #[serde(rename = "type", default, skip_serializing_if = "Option::is_none")]
     pub event_type: Option<String>,
+    /// When the ingress received the event, if it says.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub received_at: Option<DateTime<Utc>>,
+    /// The event as the source sent it.
     pub payload: serde_json::Value,
     /// Top-level payload fields the sender changes between deliveries of one event (Stripe's
     /// `pending_webhooks`): left out of the payload hash, so a redelivery is a replay and not a
@@ -202,13 +216,18 @@ impl Envelope {
 /// A valid event, with the SHA-256 of its payload for telling replays from key conflicts.
 #[derive(Debug, Clone)]
 pub struct Event {
+    /// The dedupe key.
     pub key: EventKey,
+    /// The source's name.
     pub source: String,
+    /// The event's type at its source, if it has one.
     pub event_type: Option<String>,
+    /// When the ingress received the event, if it says.
     pub received_at: Option<DateTime<Utc>>,
     /// The payload's JSON text as it arrived, stored and sent as is: the payload is never
     /// serialised again.
     pub payload_json: Box<RawValue>,
+    /// SHA-256 of the payload's canonical form: the same for every delivery of one event.
     pub payload_sha256: [u8; 32],
     /// The replay guard's window, for sources that sign only the body; see [`Envelope`].
     pub replay_window_secs: Option<u64>,

@@ -29,6 +29,8 @@ pub mod operator;
 pub mod outbox;
 pub mod shutdown;
 pub mod telemetry;
+#[cfg(feature = "devkit")]
+pub mod testing;
 
 #[cfg(feature = "cli")]
 pub use cli::Cli;

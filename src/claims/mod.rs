@@ -21,26 +21,35 @@ pub struct Origin<'a> {
     pub partition: i32,
 }
 
-/// A claim's status: `done` or `failed` (kept for an operator's retry or resolve), or `dead`
-/// when an operator gave up on it. `in_progress` is what claims were inserted with before they
-/// were written once with their final status; old rows may still hold it.
+/// A claim's status: `done`, `deferred` (the effect said "not yet"; applied again when due),
+/// `failed` (kept for an operator's retry or resolve), or `dead` when an operator gave up on
+/// it. `in_progress` is what claims were inserted with before they were written once with their
+/// final status; old rows may still hold it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, sqlx::Type)]
 #[sqlx(type_name = "text", rename_all = "snake_case")]
 #[serde(rename_all = "snake_case")]
 pub enum ClaimStatus {
     InProgress,
     Done,
+    Deferred,
     Failed,
     Dead,
 }
 
 impl ClaimStatus {
-    pub const ALL: [Self; 4] = [Self::InProgress, Self::Done, Self::Failed, Self::Dead];
+    pub const ALL: [Self; 5] = [
+        Self::InProgress,
+        Self::Done,
+        Self::Deferred,
+        Self::Failed,
+        Self::Dead,
+    ];
 
     pub fn as_str(self) -> &'static str {
         match self {
             Self::InProgress => "in_progress",
             Self::Done => "done",
+            Self::Deferred => "deferred",
             Self::Failed => "failed",
             Self::Dead => "dead",
         }
@@ -156,6 +165,134 @@ pub async fn fail(
     Ok(())
 }
 
+/// A claimed event whose effect said "not yet": its claim becomes `deferred` until `due`.
+#[derive(Debug)]
+pub struct Deferral<'a> {
+    pub event: &'a Event,
+    pub reason: String,
+    pub due: DateTime<Utc>,
+    /// After this the event is settled `failed` rather than deferred again.
+    pub deadline: DateTime<Utc>,
+}
+
+/// Marks claims of this transaction whose effect deferred as `deferred`, with the payload, the
+/// due time, the deadline, the reason and `effect_spec`.
+#[tracing::instrument(skip_all, fields(claims = deferrals.len()))]
+pub async fn defer(
+    conn: &mut PgConnection,
+    deferrals: &[Deferral<'_>],
+    effect_spec: Option<&serde_json::Value>,
+) -> sqlx::Result<()> {
+    let keys: Vec<&str> = deferrals.iter().map(|d| d.event.key.as_str()).collect();
+    let reasons: Vec<&str> = deferrals.iter().map(|d| d.reason.as_str()).collect();
+    let payloads: Vec<&str> = deferrals
+        .iter()
+        .map(|d| d.event.payload_json.get())
+        .collect();
+    let due: Vec<DateTime<Utc>> = deferrals.iter().map(|d| d.due).collect();
+    let deadlines: Vec<DateTime<Utc>> = deferrals.iter().map(|d| d.deadline).collect();
+    sqlx::query!(
+        r#"UPDATE processed_events AS p
+           SET status = 'deferred', deferred_reason = u.reason, payload = u.payload::jsonb,
+               due_at = u.due, deadline_at = u.deadline, completed_at = NULL,
+               effect_spec = $6::jsonb
+           FROM unnest($1::text[], $2::text[], $3::text[], $4::timestamptz[], $5::timestamptz[])
+               AS u(k, reason, payload, due, deadline)
+           WHERE p.event_key = u.k"#,
+        &keys as _,
+        &reasons as _,
+        &payloads as _,
+        &due,
+        &deadlines,
+        effect_spec,
+    )
+    .execute(conn)
+    .await?;
+    Ok(())
+}
+
+/// The keys of `topic`'s deferred claims that are due, soonest first.
+pub async fn due(pool: &PgPool, topic: &str, limit: i64) -> sqlx::Result<Vec<String>> {
+    sqlx::query_scalar!(
+        r#"SELECT event_key FROM processed_events
+           WHERE status = 'deferred' AND kafka_topic = $1 AND due_at <= now()
+           ORDER BY due_at LIMIT $2"#,
+        topic,
+        limit
+    )
+    .fetch_all(pool)
+    .await
+}
+
+/// How many of `topic`'s claims are deferred, and the age in seconds of the oldest (0 when
+/// none is).
+pub async fn deferred_gauges(pool: &PgPool, topic: &str) -> sqlx::Result<(i64, f64)> {
+    let row = sqlx::query!(
+        r#"SELECT count(*) AS "n!",
+                  coalesce(extract(epoch FROM now() - min(claimed_at))::float8, 0) AS "oldest!"
+           FROM processed_events WHERE status = 'deferred' AND kafka_topic = $1"#,
+        topic
+    )
+    .fetch_one(pool)
+    .await?;
+    Ok((row.n, row.oldest))
+}
+
+/// Deferred claims of every topic: how many, the age in seconds of the oldest, and the seconds
+/// until the next is due (negative when overdue; None when none is deferred).
+pub async fn deferred_overview(pool: &PgPool) -> sqlx::Result<(i64, f64, Option<f64>)> {
+    let row = sqlx::query!(
+        r#"SELECT count(*) AS "n!",
+                  coalesce(extract(epoch FROM now() - min(claimed_at))::float8, 0) AS "oldest!",
+                  extract(epoch FROM min(due_at) - now())::float8 AS next_due
+           FROM processed_events WHERE status = 'deferred'"#
+    )
+    .fetch_one(pool)
+    .await?;
+    Ok((row.n, row.oldest, row.next_due))
+}
+
+/// A due deferred claim, locked until the caller's transaction ends; None when it is not
+/// deferred and due any more, or another worker holds it (`SKIP LOCKED`): that worker applies
+/// it.
+pub async fn lock_due(conn: &mut PgConnection, key: &str) -> sqlx::Result<Option<StoredClaim>> {
+    sqlx::query_as!(
+        StoredClaim,
+        r#"SELECT source, event_type, received_at, payload, payload_sha256,
+                  status AS "status: ClaimStatus", effect_spec, attempts, deadline_at
+           FROM processed_events
+           WHERE event_key = $1 AND status = 'deferred' AND due_at <= now()
+           FOR UPDATE SKIP LOCKED"#,
+        key
+    )
+    .fetch_optional(conn)
+    .await
+}
+
+/// Defers a claim again (or, from `failed`, for the first time): one more attempt, the new due
+/// time and reason. `deadline` None keeps the one it has.
+pub async fn redefer(
+    conn: &mut PgConnection,
+    key: &str,
+    reason: &str,
+    due: DateTime<Utc>,
+    deadline: Option<DateTime<Utc>>,
+) -> sqlx::Result<()> {
+    sqlx::query!(
+        r#"UPDATE processed_events
+           SET status = 'deferred', attempts = attempts + 1, deferred_reason = $2, due_at = $3,
+               deadline_at = coalesce($4, deadline_at), completed_at = NULL
+           WHERE event_key = $1"#,
+        key,
+        reason,
+        due,
+        deadline,
+    )
+    .execute(conn)
+    .await?;
+    Ok(())
+}
+
 /// Takes back claims of this transaction whose effect failed and will be tried again in a later
 /// transaction: at commit the keys are unclaimed, as if never seen.
 pub async fn release(conn: &mut PgConnection, keys: &[&str]) -> sqlx::Result<()> {
@@ -182,6 +319,12 @@ pub struct ClaimRow {
     pub first_seen_at: String,
     pub claimed_at: DateTime<Utc>,
     pub completed_at: Option<DateTime<Utc>>,
+    /// When a deferred claim's effect is tried again.
+    pub due_at: Option<DateTime<Utc>>,
+    /// When a deferred claim is settled `failed` if its effect still defers.
+    pub deadline_at: Option<DateTime<Utc>>,
+    /// Why the effect deferred, the last time it did.
+    pub deferred_reason: Option<String>,
     /// Kept only on claims that are not settled `done` (see [`claim`]).
     pub payload: Option<serde_json::Value>,
 }
@@ -193,7 +336,7 @@ pub async fn find(pool: &PgPool, key: &str) -> sqlx::Result<Option<ClaimRow>> {
         r#"SELECT event_key, source, event_type, status AS "status: ClaimStatus", attempts,
                   last_error, encode(payload_sha256, 'hex') AS "payload_sha256!",
                   kafka_topic || '/' || kafka_partition || '@' || kafka_offset AS "first_seen_at!",
-                  claimed_at, completed_at, payload
+                  claimed_at, completed_at, due_at, deadline_at, deferred_reason, payload
            FROM processed_events WHERE event_key = $1"#,
         key
     )
@@ -212,6 +355,32 @@ pub struct StoredClaim {
     pub payload_sha256: Vec<u8>,
     pub status: ClaimStatus,
     pub effect_spec: Option<serde_json::Value>,
+    /// Effect attempts so far (deferrals included).
+    pub attempts: i32,
+    /// A deferred claim's deadline.
+    pub deadline_at: Option<DateTime<Utc>>,
+}
+
+impl StoredClaim {
+    /// The event the claim was made for, as stored.
+    pub fn event(&self, key: &str) -> anyhow::Result<Event> {
+        use anyhow::Context as _;
+        let payload = self
+            .payload
+            .clone()
+            .with_context(|| format!("the claim of {key} did not keep its payload"))?;
+        Ok(Event::stored(
+            crate::envelope::EventKey::try_from(key.to_owned())?,
+            self.source.clone(),
+            self.event_type.clone(),
+            self.received_at,
+            payload,
+            self.payload_sha256
+                .clone()
+                .try_into()
+                .map_err(|_| anyhow::anyhow!("a stored payload hash is not 32 bytes"))?,
+        ))
+    }
 }
 
 /// Reads a claim and locks it until the caller's transaction ends.
@@ -219,7 +388,7 @@ pub async fn lock(conn: &mut PgConnection, key: &str) -> sqlx::Result<Option<Sto
     sqlx::query_as!(
         StoredClaim,
         r#"SELECT source, event_type, received_at, payload, payload_sha256,
-                  status AS "status: ClaimStatus", effect_spec
+                  status AS "status: ClaimStatus", effect_spec, attempts, deadline_at
            FROM processed_events WHERE event_key = $1 FOR UPDATE"#,
         key
     )
@@ -228,7 +397,7 @@ pub async fn lock(conn: &mut PgConnection, key: &str) -> sqlx::Result<Option<Sto
 }
 
 /// Records one more attempt at a claim's effect: `error` None settles it `done` (keeping only
-/// the payload's hash, as every `done` claim), otherwise it stays `failed` with the error.
+/// the payload's hash, as every `done` claim), otherwise it becomes `failed` with the error.
 pub async fn record_attempt(
     conn: &mut PgConnection,
     key: &str,
@@ -237,9 +406,10 @@ pub async fn record_attempt(
     sqlx::query!(
         r#"UPDATE processed_events
            SET attempts = attempts + 1, last_error = $2,
-               status = CASE WHEN $2::text IS NULL THEN 'done' ELSE status END,
-               completed_at = CASE WHEN $2::text IS NULL THEN now() ELSE completed_at END,
-               payload = CASE WHEN $2::text IS NULL THEN NULL ELSE payload END
+               status = CASE WHEN $2::text IS NULL THEN 'done' ELSE 'failed' END,
+               completed_at = CASE WHEN $2::text IS NULL THEN now() END,
+               payload = CASE WHEN $2::text IS NULL THEN NULL ELSE payload END,
+               due_at = NULL
            WHERE event_key = $1"#,
         key,
         error
@@ -253,7 +423,7 @@ pub async fn record_attempt(
 pub async fn resolve(conn: &mut PgConnection, key: &str, to: ClaimStatus) -> sqlx::Result<()> {
     sqlx::query!(
         r#"UPDATE processed_events
-           SET status = $2, completed_at = CASE WHEN $2 = 'done' THEN now() END
+           SET status = $2, completed_at = CASE WHEN $2 = 'done' THEN now() END, due_at = NULL
            WHERE event_key = $1"#,
         key,
         to.as_str()

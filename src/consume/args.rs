@@ -2,7 +2,7 @@
 
 use super::*;
 use crate::args::{millis, DatabaseArgs, KafkaArgs, ToArgs};
-use crate::effect::{HttpOutbox, Registry};
+use crate::effect::{DeferPolicy, HttpOutbox, Registry};
 use clap::Args;
 use std::net::SocketAddr;
 
@@ -19,8 +19,11 @@ pub const DEFAULT_EFFECT_ATTEMPTS: u32 = 3;
 /// (`--db-pool-size`).
 pub const DEFAULT_DB_POOL_SIZE: u32 = 16;
 
+/// `replayproof consume`'s flags: the Kafka and database settings, the effects, batching,
+/// retries, deferral and the process's limits.
 #[derive(Debug, Clone, Args)]
 pub struct ConsumeArgs {
+    /// The brokers and librdkafka properties.
     #[command(flatten)]
     pub kafka: KafkaArgs,
 
@@ -43,6 +46,7 @@ pub struct ConsumeArgs {
     #[arg(long, env = "REPLAYPROOF_GROUP_INSTANCE_ID")]
     pub group_instance_id: Option<String>,
 
+    /// The PostgreSQL URL, schema and session timeouts.
     #[command(flatten)]
     pub database: DatabaseArgs,
 
@@ -52,6 +56,7 @@ pub struct ConsumeArgs {
     #[arg(long = "effect", env = "REPLAYPROOF_EFFECT", value_delimiter = ',', default_value = DEFAULT_EFFECT)]
     pub effects: Vec<String>,
 
+    /// The `http` effect's target.
     #[command(flatten)]
     pub http: HttpEffectArgs,
 
@@ -77,6 +82,35 @@ pub struct ConsumeArgs {
     /// transaction after a backoff (50 ms, doubled, at most 2 s); at most 10.
     #[arg(long, env = "REPLAYPROOF_EFFECT_ATTEMPTS", default_value_t = DEFAULT_EFFECT_ATTEMPTS, value_parser = clap::value_parser!(u32).range(1..=super::batch::MAX_EFFECT_ATTEMPTS as i64))]
     pub effect_attempts: u32,
+
+    /// After an effect first says "not yet" (defers its event), how long until it is applied
+    /// again; doubled after each further deferral (for example 30s, 5m).
+    #[arg(long, env = "REPLAYPROOF_DEFER_BACKOFF", default_value = "10s", value_parser = parse_duration)]
+    pub defer_backoff: Duration,
+
+    /// The longest wait between two attempts at a deferred event.
+    #[arg(long, env = "REPLAYPROOF_DEFER_MAX_BACKOFF", default_value = "10m", value_parser = parse_duration)]
+    pub defer_max_backoff: Duration,
+
+    /// How long after its first deferral an event may still be deferred; then it is settled
+    /// failed with its reason, for an operator.
+    #[arg(long, env = "REPLAYPROOF_DEFER_DEADLINE", default_value = "24h", value_parser = parse_duration)]
+    pub defer_deadline: Duration,
+
+    /// The deferral policy of one source, over the effect's own and the defaults:
+    /// SOURCE=DEADLINE, optionally followed by ,BACKOFF and ,MAX_BACKOFF; for example
+    /// stripe=72h or github=1h,5s,1m. Repeatable.
+    #[arg(
+        long = "defer-source",
+        env = "REPLAYPROOF_DEFER_SOURCES",
+        value_delimiter = ';',
+        value_name = "SOURCE=DEADLINE[,BACKOFF[,MAX]]"
+    )]
+    pub defer_sources: Vec<String>,
+
+    /// How often due deferred events are looked for, in milliseconds.
+    #[arg(long, env = "REPLAYPROOF_DEFER_POLL_MS", default_value_t = millis(super::DEFAULT_DEFER_POLL), value_parser = clap::value_parser!(u64).range(1..))]
+    pub defer_poll_ms: u64,
 
     /// The longest pause between retries of a batch that failed on a database error, in
     /// milliseconds.
@@ -133,6 +167,41 @@ pub struct HttpEffectArgs {
     pub max_attempts: i32,
 }
 
+/// A duration with its unit: 500ms, 30s, 10m, 24h, 3d.
+pub fn parse_duration(text: &str) -> Result<Duration, String> {
+    humantime::parse_duration(text)
+        .map_err(|e| format!("{text:?} is not a duration ({e}); for example 30s, 10m or 24h"))
+}
+
+/// The policy of `--defer-source SOURCE=DEADLINE[,BACKOFF[,MAX_BACKOFF]]`; what is not given
+/// comes from `defaults`.
+pub fn parse_defer_source(
+    text: &str,
+    defaults: DeferPolicy,
+) -> Result<(String, DeferPolicy), String> {
+    let (source, rest) = text
+        .split_once('=')
+        .filter(|(s, r)| !s.is_empty() && !r.is_empty())
+        .ok_or_else(|| {
+            format!("--defer-source {text:?}: expected SOURCE=DEADLINE[,BACKOFF[,MAX_BACKOFF]]")
+        })?;
+    let mut parts = rest.split(',').map(str::trim);
+    let mut policy = defaults;
+    policy.deadline = parse_duration(parts.next().unwrap_or_default())?;
+    if let Some(b) = parts.next() {
+        policy.backoff = parse_duration(b)?;
+    }
+    if let Some(m) = parts.next() {
+        policy.max_backoff = parse_duration(m)?;
+    }
+    if parts.next().is_some() {
+        return Err(format!(
+            "--defer-source {text:?}: at most DEADLINE,BACKOFF,MAX_BACKOFF"
+        ));
+    }
+    Ok((source.to_owned(), policy))
+}
+
 impl HttpEffectArgs {
     /// The outbox effect's settings, when a target is given.
     pub fn outbox(&self) -> Option<HttpOutbox> {
@@ -156,6 +225,7 @@ impl ConsumeArgs {
         Self::from_arg_matches(&matches).expect("the defaults parse")
     }
 
+    /// The consumer's settings from these flags.
     pub fn settings(&self) -> ConsumerSettings {
         ConsumerSettings {
             kafka_options: self.kafka.options.kafka_options.clone(),
@@ -172,6 +242,25 @@ impl ConsumeArgs {
             stall_exit_after: Duration::from_secs(self.stall_exit_secs),
             ..ConsumerSettings::new(&self.kafka.brokers, &self.topic, &self.group)
         }
+    }
+
+    /// How deferred events wait, from the `--defer-*` flags.
+    pub fn defer_settings(&self) -> anyhow::Result<DeferSettings> {
+        let default = DeferPolicy {
+            backoff: self.defer_backoff,
+            max_backoff: self.defer_max_backoff,
+            deadline: self.defer_deadline,
+        };
+        let sources = self
+            .defer_sources
+            .iter()
+            .map(|s| parse_defer_source(s, default).map_err(anyhow::Error::msg))
+            .collect::<anyhow::Result<_>>()?;
+        Ok(DeferSettings {
+            default,
+            sources,
+            poll_interval: Duration::from_millis(self.defer_poll_ms),
+        })
     }
 
     /// Runs the consumer process until a signal stops it.
@@ -193,6 +282,7 @@ impl ConsumeArgs {
                 attempts: self.effect_attempts,
                 ..EffectRetry::default()
             },
+            defer: self.defer_settings()?,
         };
         start(self.settings(), processor, metrics, health, shutdown)?
             .stopped()
@@ -226,6 +316,14 @@ impl ToArgs for ConsumeArgs {
         flag("max-lane-bytes", self.max_lane_bytes.to_string());
         flag("commit-interval-ms", self.commit_interval_ms.to_string());
         flag("effect-attempts", self.effect_attempts.to_string());
+        let duration = |d: Duration| humantime::format_duration(d).to_string();
+        flag("defer-backoff", duration(self.defer_backoff));
+        flag("defer-max-backoff", duration(self.defer_max_backoff));
+        flag("defer-deadline", duration(self.defer_deadline));
+        for source in &self.defer_sources {
+            flag("defer-source", source.clone());
+        }
+        flag("defer-poll-ms", self.defer_poll_ms.to_string());
         flag(
             "max-retry-backoff-ms",
             self.max_retry_backoff_ms.to_string(),
@@ -250,6 +348,30 @@ impl ToArgs for ConsumeArgs {
 mod tests {
     use super::*;
     use clap::{Command, FromArgMatches as _};
+
+    #[test]
+    fn a_source_policy_takes_a_deadline_and_optionally_its_backoff_and_cap() {
+        let defaults = DeferPolicy::default();
+        let (source, p) = parse_defer_source("stripe=72h", defaults).unwrap();
+        assert_eq!(source, "stripe");
+        assert_eq!(p.deadline, Duration::from_secs(72 * 3600));
+        assert_eq!(
+            (p.backoff, p.max_backoff),
+            (defaults.backoff, defaults.max_backoff)
+        );
+        let (_, p) = parse_defer_source("github=1h, 5s, 1m", defaults).unwrap();
+        assert_eq!(
+            (p.deadline, p.backoff, p.max_backoff),
+            (
+                Duration::from_secs(3600),
+                Duration::from_secs(5),
+                Duration::from_secs(60)
+            )
+        );
+        for bad in ["stripe", "=1h", "stripe=", "stripe=soon", "s=1h,1s,1s,1s"] {
+            assert!(parse_defer_source(bad, defaults).is_err(), "{bad}");
+        }
+    }
 
     fn parse(args: &[String]) -> ConsumeArgs {
         let matches = ConsumeArgs::augment_args(Command::new("consume"))
@@ -301,6 +423,16 @@ mod tests {
         "8",
         "--effect-attempts",
         "9",
+        "--defer-backoff",
+        "1m 30s",
+        "--defer-max-backoff",
+        "2h",
+        "--defer-deadline",
+        "3days",
+        "--defer-source",
+        "stripe=72h,30s,5m",
+        "--defer-poll-ms",
+        "16",
         "--max-retry-backoff-ms",
         "10",
         "--shutdown-grace-secs",
@@ -330,6 +462,17 @@ mod tests {
             reparsed.database.database_url.expose(),
             "postgres://u@db:5433/x"
         );
+        assert_eq!(parsed.defer_backoff, Duration::from_secs(90));
+        let defer = parsed.defer_settings().unwrap();
+        assert_eq!(
+            defer.sources["stripe"].deadline,
+            Duration::from_secs(72 * 3600)
+        );
+        assert_eq!(
+            defer.sources["stripe"].max_backoff,
+            Duration::from_secs(300)
+        );
+        assert_eq!(defer.default.deadline, Duration::from_secs(3 * 86400));
         // A flag added to `consume` but not to this list, or not rendered, fails here.
         for arg in ConsumeArgs::augment_args(Command::new("consume")).get_arguments() {
             let long = format!("--{}", arg.get_long().expect("every flag is long"));

@@ -13,9 +13,10 @@
 //! batch is split in halves until the refused messages are found; each becomes a dead letter
 //! with PostgreSQL's message and the rest commits, so one bad message never stalls a partition.
 
+use super::deferred::DeferSettings;
 use crate::claims::dead_letters::{self, DeadLetter};
-use crate::claims::{self, conflicts, Failure, Origin};
-use crate::effect::{self, Effect, FailureKind};
+use crate::claims::{self, conflicts, Deferral, Failure, Origin};
+use crate::effect::{self, Deferred, Effect, FailureKind};
 use crate::envelope::Event;
 use sqlx::{PgPool, Postgres, Transaction};
 use std::collections::{HashMap, HashSet, VecDeque};
@@ -25,8 +26,11 @@ use std::time::Duration;
 /// A Kafka message as the consumer hands it over: its offset and raw bytes.
 #[derive(Debug, Clone)]
 pub struct RawMessage {
+    /// The message's offset in its partition.
     pub offset: i64,
+    /// The message key's bytes, if it has a key.
     pub key: Option<Vec<u8>>,
+    /// The message value's bytes (the envelope), if it has a value.
     pub value: Option<Vec<u8>>,
 }
 
@@ -50,7 +54,11 @@ pub struct BatchReport {
     pub dead_letters: Vec<(i64, String)>,
     /// Claimed events whose effect failed every attempt; recorded as `failed` claims.
     pub failed: usize,
-    /// Effect attempts that failed, including those retried successfully.
+    /// Claimed events whose effect said "not yet"; recorded as `deferred` claims, applied again
+    /// when due.
+    pub deferred: usize,
+    /// Effect attempts that failed, including those retried successfully (deferrals are not
+    /// failures).
     pub effect_errors: usize,
 }
 
@@ -63,6 +71,7 @@ impl BatchReport {
         self.conflicts += other.conflicts;
         self.dead_letters.extend(other.dead_letters);
         self.failed += other.failed;
+        self.deferred += other.deferred;
         self.effect_errors += other.effect_errors;
     }
 }
@@ -71,6 +80,7 @@ impl BatchReport {
 /// outcome is unknown; either way the offset must not move, and a retry is harmless.
 #[derive(Debug, thiserror::Error)]
 pub enum BatchError {
+    /// A database error: nothing committed, or the outcome of COMMIT is unknown.
     #[error("database error: {0}")]
     Database(#[from] sqlx::Error),
     /// An effect failed for a reason that says nothing about its event.
@@ -105,12 +115,12 @@ impl Default for EffectRetry {
 }
 
 impl EffectRetry {
-    fn attempts(&self) -> u32 {
+    pub(crate) fn attempts(&self) -> u32 {
         self.attempts.clamp(1, MAX_EFFECT_ATTEMPTS)
     }
 
     /// The wait after the failed attempt number `attempt` (from 1).
-    fn delay(&self, attempt: u32) -> Duration {
+    pub(crate) fn delay(&self, attempt: u32) -> Duration {
         let doubled = self.backoff.saturating_mul(
             1u32.checked_shl(attempt.saturating_sub(1))
                 .unwrap_or(u32::MAX),
@@ -150,6 +160,7 @@ struct Held {
 }
 
 impl Retrying {
+    /// Whether no event waits for another attempt.
     pub fn is_empty(&self) -> bool {
         self.held.is_empty()
     }
@@ -221,9 +232,14 @@ type Attempts = HashMap<i64, u32>;
 /// Applies batches for one consumer; cheap to clone into each partition lane.
 #[derive(Clone)]
 pub struct BatchProcessor {
+    /// Where the claims and effects are written.
     pub pool: PgPool,
+    /// The effect applied to each claimed event.
     pub effect: Arc<dyn Effect>,
+    /// How a failing effect is retried before its event is settled `failed`.
     pub retry: EffectRetry,
+    /// How long deferred events wait, and when they are given up.
+    pub defer: DeferSettings,
 }
 
 /// The batch, sorted out before any database work.
@@ -371,7 +387,7 @@ impl BatchProcessor {
             .collect();
         let guarded = retrying.guarded > 0;
         let pass = self.run_pass(origin, &part, &attempts, guarded).await?;
-        retrying.guarded = match pass.report.effect_errors {
+        retrying.guarded = match pass.report.effect_errors + pass.report.deferred {
             0 => retrying.guarded.saturating_sub(1),
             _ => GUARDED_PASSES,
         };
@@ -660,9 +676,10 @@ impl BatchProcessor {
         Ok(failures)
     }
 
-    /// Records each failed event: out of attempts (or failed for good), its claim becomes
-    /// `failed` with the error and the payload; otherwise its claim is taken back and its offset
-    /// returned, to be tried again in a later transaction.
+    /// Records each failed event: deferred, its claim becomes `deferred` with the payload and
+    /// its due time; out of attempts (or failed for good), its claim becomes `failed` with the
+    /// error and the payload; otherwise its claim is taken back and its offset returned, to be
+    /// tried again in a later transaction.
     async fn settle_failures(
         &self,
         tx: &mut Transaction<'static, Postgres>,
@@ -671,8 +688,21 @@ impl BatchProcessor {
         report: &mut BatchReport,
     ) -> Result<Vec<i64>, RunError> {
         let mut failed = Vec::new();
+        let mut deferred = Vec::new();
         let mut held = Vec::new();
         for (offset, event, error) in failures {
+            if let Some(not_yet) = error.downcast_ref::<Deferred>() {
+                let policy = self.defer.policy(&event.source, &*self.effect);
+                let (due, deadline) = super::deferred::first_due(not_yet, &policy);
+                tracing::debug!(key = event.key.as_str(), reason = not_yet.reason, %due, "An effect deferred its event.");
+                deferred.push(Deferral {
+                    event,
+                    reason: not_yet.reason.clone(),
+                    due,
+                    deadline,
+                });
+                continue;
+            }
             let attempt = attempts.get(offset).copied().unwrap_or(0) + 1;
             let permanent = effect::classify(error) == FailureKind::Permanent;
             let error = format!("{error:#}");
@@ -694,10 +724,14 @@ impl BatchProcessor {
                 held.push(*offset);
             }
         }
-        report.effect_errors += failures.len();
+        report.effect_errors += failures.len() - deferred.len();
         report.failed += failed.len();
+        report.deferred += deferred.len();
         if !failed.is_empty() {
             claims::fail(tx, &failed, self.effect.spec().as_ref()).await?;
+        }
+        if !deferred.is_empty() {
+            claims::defer(tx, &deferred, self.effect.spec().as_ref()).await?;
         }
         if !held.is_empty() {
             let keys: Vec<&str> = failures

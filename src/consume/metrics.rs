@@ -2,19 +2,22 @@
 
 use super::BatchReport;
 use prometheus::{
-    Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
+    Gauge, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
+    Registry,
 };
 
 /// The consumer's metrics. Labels are bounded: an outcome from a fixed list, a partition.
 #[derive(Clone)]
 pub struct ConsumeMetrics {
-    /// Events by outcome: applied, duplicate, conflict, dead_letter, failed.
+    /// Events by outcome: applied, duplicate, conflict, dead_letter, failed, deferred.
     pub events: IntCounterVec,
     /// Effect attempts that returned an error, retried or not.
     pub effect_failures: IntCounter,
     /// Batches that failed on a database error and were retried.
     pub batch_retries: IntCounter,
+    /// Messages per batch.
     pub batch_size: Histogram,
+    /// Time from the start of a batch to its commit.
     pub batch_seconds: Histogram,
     /// The last offset committed to Kafka, per partition.
     pub committed_offset: IntGaugeVec,
@@ -26,9 +29,17 @@ pub struct ConsumeMetrics {
     pub lane_panics: IntCounter,
     /// Errors Kafka reported while consuming, by librdkafka's error code.
     pub kafka_errors: IntCounterVec,
+    /// Due deferred claims taken up, by outcome: applied, deferred (again), failed, skipped
+    /// (another worker held it).
+    pub deferred_attempts: IntCounterVec,
+    /// The topic's deferred claims, read from the database (every member reports the same).
+    pub deferred_events: IntGauge,
+    /// Seconds since the oldest deferred claim of the topic was first deferred.
+    pub deferred_oldest_age: Gauge,
 }
 
 impl ConsumeMetrics {
+    /// The metrics, registered in `registry`.
     pub fn new(registry: &Registry) -> prometheus::Result<Self> {
         let counter = |name: &str, help: &str| IntCounter::new(name, help);
         let by = |name: &str, help: &str, label: &str| {
@@ -82,6 +93,19 @@ impl ConsumeMetrics {
                 "Errors Kafka reported while consuming, by error code.",
                 "code",
             )?,
+            deferred_attempts: by(
+                "replayproof_deferred_attempts_total",
+                "Due deferred events taken up, by outcome.",
+                "outcome",
+            )?,
+            deferred_events: IntGauge::new(
+                "replayproof_deferred_events",
+                "Events of the topic whose effect deferred, waiting to be applied.",
+            )?,
+            deferred_oldest_age: Gauge::new(
+                "replayproof_deferred_oldest_age_seconds",
+                "Age of the oldest deferred event of the topic, from its first deferral.",
+            )?,
         };
         m.register(registry)?;
         Ok(m)
@@ -97,7 +121,10 @@ impl ConsumeMetrics {
         registry.register(Box::new(self.assigned_partitions.clone()))?;
         registry.register(Box::new(self.consumer_lag.clone()))?;
         registry.register(Box::new(self.lane_panics.clone()))?;
-        registry.register(Box::new(self.kafka_errors.clone()))
+        registry.register(Box::new(self.kafka_errors.clone()))?;
+        registry.register(Box::new(self.deferred_attempts.clone()))?;
+        registry.register(Box::new(self.deferred_events.clone()))?;
+        registry.register(Box::new(self.deferred_oldest_age.clone()))
     }
 
     /// Removes a revoked partition's series.
@@ -115,6 +142,7 @@ impl ConsumeMetrics {
             ("conflict", report.conflicts),
             ("dead_letter", report.dead_letters.len()),
             ("failed", report.failed),
+            ("deferred", report.deferred),
         ];
         for (outcome, n) in outcomes {
             if n > 0 {

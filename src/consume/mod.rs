@@ -10,15 +10,19 @@
 //! is revoked is stopped and drained first, and anything it reports afterwards is ignored, so no
 //! offset is ever stored for a partition this member no longer owns.
 
+#![warn(missing_docs)]
+
 #[cfg(feature = "cli")]
 pub mod args;
 mod batch;
+mod deferred;
 mod metrics;
 
 pub use batch::{
     BatchError, BatchProcessor, BatchReport, EffectRetry, RawMessage, Retrying, APPLIED_LOG,
     MAX_EFFECT_ATTEMPTS, MAX_EFFECT_BACKOFF,
 };
+pub use deferred::{Applied, DeferSettings, DeferredApplier, Round, DEFAULT_DEFER_POLL};
 pub use metrics::ConsumeMetrics;
 
 pub use crate::shutdown::Running;
@@ -110,8 +114,11 @@ impl Assignor {
 /// How the consumer reads, batches and commits.
 #[derive(Debug, Clone)]
 pub struct ConsumerSettings {
+    /// The bootstrap servers, `host:port` separated by commas.
     pub brokers: String,
+    /// The topic the envelopes are read from.
     pub topic: String,
+    /// The consumer group; members of one group share the topic's partitions.
     pub group: String,
     /// Passed to librdkafka last, so they override everything set here.
     pub kafka_options: Vec<(String, String)>,
@@ -230,6 +237,7 @@ pub fn start(
     crate::kafka::check_options(crate::kafka::Role::Consumer, &settings.kafka_options)?;
     let vitals = Arc::new(Vitals::new(shutdown.child_token()));
     let pool = processor.pool.clone();
+    let deferred = DeferredApplier::new(processor.clone(), &settings.topic, metrics.clone());
     let context = LaneContext::new(
         settings.clone(),
         processor,
@@ -253,6 +261,7 @@ pub fn start(
         settings.unhealthy_after,
     ));
     let watchdog = tokio::spawn(watch(vitals.clone(), health.clone(), settings));
+    let deferred = tokio::spawn(deferred.run(vitals.stop.clone()));
     let (done_tx, done_rx) = tokio::sync::oneshot::channel();
     let stop = vitals.stop.clone();
     std::thread::Builder::new()
@@ -268,6 +277,7 @@ pub fn start(
         vitals.stop.cancel();
         let _ = watchdog.await;
         let _ = probe.await;
+        let _ = deferred.await;
         health.forget(POLL_LOOP);
         polled.context("the Kafka poll thread panicked")?;
         match vitals.fatal() {

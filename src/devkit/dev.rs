@@ -104,6 +104,7 @@ fn start_consumer(
         max_attempts: crate::consume::args::DEFAULT_MAX_ATTEMPTS,
     });
     let processor = BatchProcessor {
+        defer: Default::default(),
         pool: stack.pool.clone(),
         effect: registry.build(&effects, http.as_ref())?,
         retry: EffectRetry::default(),

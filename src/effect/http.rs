@@ -9,10 +9,12 @@ use async_trait::async_trait;
 /// envelope to a fixed URL, enqueued with the claim and sent later by `replayproof dispatch`.
 #[derive(Debug, Clone)]
 pub struct HttpOutbox {
+    /// Where each event's envelope is POSTed.
     pub target_url: String,
     /// A URL template with `{key}` where the operation key goes; a GET answering 2xx means the
     /// downstream already has the operation, 404 that it does not.
     pub reconcile_url: Option<String>,
+    /// Attempts before an operation is `dead`.
     pub max_attempts: i32,
 }
 

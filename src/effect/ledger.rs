@@ -53,10 +53,14 @@ impl Effect for Ledger {
 /// A ledger row as the operator sees it.
 #[derive(Debug, Clone, Serialize)]
 pub struct LedgerRow {
+    /// The row's id, in the order rows were written.
     pub id: i64,
+    /// The event's type, if the envelope had one.
     #[serde(rename = "type")]
     pub event_type: Option<String>,
+    /// When the transaction that wrote it started.
     pub applied_at: DateTime<Utc>,
+    /// The event's payload.
     pub payload: Value,
 }
 

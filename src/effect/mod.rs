@@ -5,10 +5,71 @@
 //! An [`Effect`] receives the open transaction and the parsed event. Whatever it writes commits
 //! together with the claim or not at all, so a crash can never leave a claimed event without its
 //! effect, nor an effect without its claim.
+//!
+//! An effect has three answers: `Ok(())` (applied), an error (see [`FailureKind`]), or
+//! [`Deferred`]: "not yet", for an event that arrives before what it refers to. A deferred event
+//! does not hold its partition: its claim is committed as `deferred` with its payload and a due
+//! time, and the consumer applies it again when due ([`crate::consume::DeferredApplier`]).
+//! [`newest`] keeps the latest state of an object when events arrive out of order. The guide for
+//! effect authors is `docs/effects.md`.
+//!
+//! # Example
+//!
+//! An effect that marks an invoice paid, deferring a payment whose invoice has not arrived:
+//!
+//! ```
+//! use anyhow::Context as _;
+//! use async_trait::async_trait;
+//! use replayproof::effect::{Deferred, Effect, Permanent, Tx};
+//! use replayproof::envelope::Event;
+//!
+//! struct MarkInvoicePaid;
+//!
+//! #[async_trait]
+//! impl Effect for MarkInvoicePaid {
+//!     fn name(&self) -> &'static str {
+//!         "invoices"
+//!     }
+//!
+//!     async fn apply(&self, tx: &mut Tx<'_>, event: &Event) -> anyhow::Result<()> {
+//!         let invoice = event.payload()["invoice"]
+//!             .as_str()
+//!             .context("the payment names no invoice")
+//!             .map_err(Permanent)?;
+//!         let paid = sqlx::query("UPDATE invoices SET paid = true WHERE id = $1 AND NOT paid")
+//!             .bind(invoice)
+//!             .execute(&mut **tx)
+//!             .await?
+//!             .rows_affected();
+//!         if paid == 0 {
+//!             let exists: bool =
+//!                 sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM invoices WHERE id = $1)")
+//!                     .bind(invoice)
+//!                     .fetch_one(&mut **tx)
+//!                     .await?;
+//!             if !exists {
+//!                 // Not an error, and not done: applied again when due.
+//!                 return Err(Deferred::new(format!("invoice {invoice} has not arrived")).into());
+//!             }
+//!             return Err(Permanent(anyhow::anyhow!("invoice {invoice} was already paid")).into());
+//!         }
+//!         Ok(())
+//!     }
+//! }
+//!
+//! // Registered by name, it runs with `consume --effect invoices`.
+//! let cli = replayproof::Cli::new().with_effect("invoices", MarkInvoicePaid);
+//! # drop(cli);
+//! ```
+
+#![warn(missing_docs)]
 
 pub mod http;
 pub mod ledger;
+pub mod newest;
 mod registry;
+#[cfg(feature = "failpoints")]
+pub mod testing;
 
 pub use http::HttpOutbox;
 pub use ledger::Ledger;
@@ -16,8 +77,10 @@ pub use registry::Registry;
 
 use crate::envelope::Event;
 use async_trait::async_trait;
+use chrono::{DateTime, Utc};
 use sqlx::{Postgres, Transaction};
 use std::sync::Arc;
+use std::time::Duration;
 
 /// The transaction an effect writes in: the batch's own. When the effect fails, only its own
 /// work is undone: rolled back to a savepoint taken before it, or with the whole transaction
@@ -30,6 +93,8 @@ pub type Tx<'a> = Transaction<'a, Postgres>;
 /// second connection) does not roll back with the claim and belongs in the outbox instead.
 ///
 /// What an error does depends on its [`FailureKind`] (see [`classify`]):
+/// - [`Deferred`] ("not yet") commits the claim as `deferred` with the payload; the event is
+///   applied again when due, until it applies or passes its deadline ([`DeferPolicy`]);
 /// - transient or infrastructure trouble (a deadlock, a timeout, a lost connection, a full disk,
 ///   a read-only database, a missing table or privilege, or an error wrapped in [`Transient`])
 ///   rolls the whole batch back; nothing is settled and the batch is retried with backoff;
@@ -65,6 +130,98 @@ pub trait Effect: Send + Sync + 'static {
     fn spec(&self) -> Option<serde_json::Value> {
         None
     }
+
+    /// How long this effect's deferred events wait: the first wait, its cap, and the deadline
+    /// after which a deferred event is settled `failed`. None (the default) takes the
+    /// consumer's `--defer-*` settings; a `--defer-source` setting for the event's source wins
+    /// over both.
+    fn defer_policy(&self) -> Option<DeferPolicy> {
+        None
+    }
+}
+
+/// An effect's answer "not yet": the event refers to something that has not arrived (Stripe's
+/// `invoice.paid` before `invoice.created`, a payment before the order it pays). Return it as
+/// the error of [`Effect::apply`]: the effect's work for this event is undone, its claim is
+/// committed as `deferred` with the payload and `reason`, and the event is applied again when
+/// due, each time in its own transaction that moves the claim to `done` with the effect.
+///
+/// ```
+/// # use replayproof::effect::Deferred;
+/// # fn check() -> anyhow::Result<()> {
+/// return Err(Deferred::new("order 42 does not exist yet")
+///     .after(std::time::Duration::from_secs(30))
+///     .into());
+/// # }
+/// # assert!(check().is_err());
+/// ```
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("deferred: {reason}")]
+pub struct Deferred {
+    /// Why not yet; shown by `events show` and kept as the failure's reason past the deadline.
+    pub reason: String,
+    /// When to try again; None for the backoff of the [`DeferPolicy`]. Never later than the
+    /// deadline.
+    pub until: Option<DateTime<Utc>>,
+}
+
+impl Deferred {
+    /// Not yet, for `reason`; tried again after the policy's backoff.
+    pub fn new(reason: impl Into<String>) -> Self {
+        Self {
+            reason: reason.into(),
+            until: None,
+        }
+    }
+
+    /// Tried again at `at` rather than after the backoff.
+    pub fn until(mut self, at: DateTime<Utc>) -> Self {
+        self.until = Some(at);
+        self
+    }
+
+    /// Tried again after `wait` rather than after the backoff.
+    pub fn after(self, wait: Duration) -> Self {
+        let wait = chrono::Duration::from_std(wait).unwrap_or(chrono::Duration::MAX);
+        let at = Utc::now()
+            .checked_add_signed(wait)
+            .unwrap_or(DateTime::<Utc>::MAX_UTC);
+        self.until(at)
+    }
+}
+
+/// How long deferred events wait: the wait after the first "not yet", doubled after each
+/// further one up to `max_backoff`, and the `deadline`, counted from the first deferral, after
+/// which the event is settled `failed` with its last reason.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeferPolicy {
+    /// The wait after the first deferral.
+    pub backoff: Duration,
+    /// The longest wait between two attempts.
+    pub max_backoff: Duration,
+    /// How long after its first deferral an event may still be deferred.
+    pub deadline: Duration,
+}
+
+impl Default for DeferPolicy {
+    /// 10 s, doubled up to 10 min, for at most 24 h.
+    fn default() -> Self {
+        Self {
+            backoff: Duration::from_secs(10),
+            max_backoff: Duration::from_secs(600),
+            deadline: Duration::from_secs(24 * 3600),
+        }
+    }
+}
+
+impl DeferPolicy {
+    /// The wait after deferral number `deferrals` (from 1).
+    pub fn delay(&self, deferrals: u32) -> Duration {
+        let factor = 1u32
+            .checked_shl(deferrals.saturating_sub(1))
+            .unwrap_or(u32::MAX);
+        self.backoff.saturating_mul(factor).min(self.max_backoff)
+    }
 }
 
 /// How an effect's error is handled; see [`Effect`].
@@ -76,6 +233,8 @@ pub enum FailureKind {
     Deterministic,
     /// Will fail the same way every time: settle the event `failed` at once.
     Permanent,
+    /// Not yet ([`Deferred`]): settle the claim `deferred` and apply the event again when due.
+    Deferred,
 }
 
 /// Marks an effect's error as permanent: the event is recorded as `failed` without retries.
@@ -88,10 +247,13 @@ pub struct Permanent(pub anyhow::Error);
 #[error("{0:#}")]
 pub struct Transient(pub anyhow::Error);
 
-/// Sorts an effect's error: an explicit [`Permanent`] or [`Transient`] wins; otherwise a
+/// Sorts an effect's error: an explicit [`Deferred`], [`Permanent`] or [`Transient`] wins; otherwise a
 /// database error anywhere in the chain decides by its SQLSTATE ([`crate::db::is_transient`]);
 /// anything else is [`FailureKind::Deterministic`].
 pub fn classify(error: &anyhow::Error) -> FailureKind {
+    if error.downcast_ref::<Deferred>().is_some() {
+        return FailureKind::Deferred;
+    }
     if error.downcast_ref::<Permanent>().is_some() {
         return FailureKind::Permanent;
     }
@@ -105,8 +267,23 @@ pub fn classify(error: &anyhow::Error) -> FailureKind {
     }
 }
 
+/// Applies `effect` to one event in a savepoint of `tx`: its work is kept when it succeeds and
+/// undone when it fails (or defers). The outer result is the database's; the inner, the
+/// effect's.
+pub async fn apply_in_savepoint(
+    tx: &mut sqlx::PgConnection,
+    effect: &dyn Effect,
+    event: &Event,
+) -> sqlx::Result<anyhow::Result<()>> {
+    let mut savepoint = sqlx::Acquire::begin(tx).await?;
+    match effect.apply(&mut savepoint, event).await {
+        Ok(()) => savepoint.commit().await.map(|()| Ok(())),
+        Err(e) => savepoint.rollback().await.map(|()| Err(e)),
+    }
+}
+
 /// Several effects applied in order in the same transaction, such as a ledger row and an
-/// outbox operation.
+/// outbox operation. When one defers or fails, the work of all of them for that event is undone.
 pub struct Chain(pub Vec<Arc<dyn Effect>>);
 
 #[async_trait]
@@ -132,5 +309,10 @@ impl Effect for Chain {
     fn spec(&self) -> Option<serde_json::Value> {
         let parts: Option<Vec<_>> = self.0.iter().map(|e| e.spec()).collect();
         Some(serde_json::json!({ "effect": "chain", "of": parts? }))
+    }
+
+    /// The first policy one of the chained effects has.
+    fn defer_policy(&self) -> Option<DeferPolicy> {
+        self.0.iter().find_map(|e| e.defer_policy())
     }
 }

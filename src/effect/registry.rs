@@ -1,7 +1,7 @@
 //! Effects by name: the built-in `ledger` and `http`, and whatever an application registers,
 //! so that `consume --effect` and an operator's retry can build any of them.
 
-use super::{Chain, Effect, HttpOutbox, Ledger, Tx};
+use super::{Chain, DeferPolicy, Effect, HttpOutbox, Ledger, Tx};
 use crate::envelope::Event;
 use anyhow::Context as _;
 use async_trait::async_trait;
@@ -22,6 +22,8 @@ impl Default for Registry {
     fn default() -> Self {
         let mut named: BTreeMap<String, Arc<dyn Effect>> = BTreeMap::new();
         named.insert("ledger".into(), Arc::new(Ledger));
+        #[cfg(feature = "failpoints")]
+        named.insert("ledger-after".into(), Arc::new(super::testing::LedgerAfter));
         Self { named }
     }
 }
@@ -126,5 +128,9 @@ impl Effect for Named {
         self.inner
             .spec()
             .or_else(|| Some(serde_json::json!({ "effect": self.name })))
+    }
+
+    fn defer_policy(&self) -> Option<DeferPolicy> {
+        self.inner.defer_policy()
     }
 }

@@ -3,10 +3,8 @@
 
 use super::{Act, Change, OperatorError};
 use crate::claims::{self, conflicts, dead_letters, ClaimStatus};
-use crate::effect::{ledger, Effect, Registry};
-use crate::envelope::{Event, EventKey};
+use crate::effect::{ledger, Deferred, Effect, Registry};
 use crate::outbox::{self, OutboxState};
-use anyhow::Context as _;
 use chrono::{DateTime, Utc};
 use serde::Serialize;
 use sqlx::{PgConnection, PgPool};
@@ -22,12 +20,16 @@ impl StateName {
         self.0
     }
 
-    /// A state a bulk retry takes: `failed`, `uncertain` or `dead`.
+    /// A state a bulk retry takes: `failed`, `uncertain`, `dead` or `deferred` (applied now
+    /// rather than when due).
     pub fn retryable(s: &str) -> Result<Self, String> {
         let name: Self = s.parse()?;
         match name.0.parse::<OutboxState>() {
             Ok(state) if state.is_retryable_by_hand() => Ok(name),
-            _ => Err(format!("a retry takes failed, uncertain or dead, not {s}")),
+            _ if name.0 == ClaimStatus::Deferred.as_str() => Ok(name),
+            _ => Err(format!(
+                "a retry takes failed, uncertain, dead or deferred, not {s}"
+            )),
         }
     }
 }
@@ -157,8 +159,9 @@ pub struct Retry {
 }
 
 /// Sends an event's `failed`, `uncertain` or `dead` operations again, with the same idempotency
-/// key and payload; an event without operations whose local effect failed has the effect run
-/// again from its stored payload. `done` is refused, and so is an operation already on its way.
+/// key and payload; an event without operations whose local effect failed or deferred has the
+/// effect run again, now, from its stored payload. `done` is refused, and so is an operation
+/// already on its way.
 pub async fn retry(
     pool: &PgPool,
     registry: &Registry,
@@ -194,7 +197,9 @@ pub async fn retry(
     Ok(changes)
 }
 
-/// Runs a failed local effect again in one transaction with its claim's change and audit row.
+/// Runs a failed or deferred local effect again, now, in one transaction with its claim's change
+/// and audit row. An effect that defers again leaves the claim `deferred` (a failed one with a
+/// fresh deadline, from the effect's policy or the default one).
 async fn retry_local(
     pool: &PgPool,
     registry: &Registry,
@@ -206,27 +211,55 @@ async fn retry_local(
     let claim = claims::lock(&mut tx, key)
         .await?
         .ok_or_else(|| OperatorError::NoSuchEvent(key.into()))?;
-    if claim.status != ClaimStatus::Failed {
+    if !matches!(claim.status, ClaimStatus::Failed | ClaimStatus::Deferred) {
         return Err(OperatorError::NotRetryable {
             key: key.into(),
             status: claim.status.to_string(),
         });
     }
     let effect = effect_to_run(registry, key, given, claim.effect_spec.as_ref())?;
-    let event = stored_event(key, claim)?;
-    let outcome = apply_in_savepoint(&mut tx, effect.as_ref(), &event).await?;
-    let error = outcome.as_ref().err().map(|e| format!("{e:#}"));
-    claims::record_attempt(&mut tx, key, error.as_deref()).await?;
-    let after = match outcome {
-        Ok(()) => ClaimStatus::Done,
-        Err(_) => ClaimStatus::Failed,
+    let event = claim.event(key)?;
+    let outcome = crate::effect::apply_in_savepoint(&mut tx, effect.as_ref(), &event).await?;
+    let mut deferred_until = None;
+    let after = match &outcome {
+        Ok(()) => {
+            claims::record_attempt(&mut tx, key, None).await?;
+            ClaimStatus::Done
+        }
+        Err(e) => match e.downcast_ref::<Deferred>() {
+            Some(not_yet) => {
+                let policy = effect.defer_policy().unwrap_or_default();
+                let now = Utc::now();
+                let deadline = match claim.status {
+                    ClaimStatus::Deferred => claim.deadline_at.unwrap_or(now),
+                    _ => now + chrono::Duration::from_std(policy.deadline).unwrap_or_default(),
+                };
+                let wait = policy.delay(claim.attempts.max(0) as u32 + 1);
+                let due = not_yet
+                    .until
+                    .unwrap_or(now + chrono::Duration::from_std(wait).unwrap_or_default())
+                    .clamp(now, deadline.max(now));
+                claims::redefer(&mut tx, key, &not_yet.reason, due, Some(deadline)).await?;
+                deferred_until = Some((not_yet.reason.clone(), due));
+                ClaimStatus::Deferred
+            }
+            None => {
+                claims::record_attempt(&mut tx, key, Some(&format!("{e:#}"))).await?;
+                ClaimStatus::Failed
+            }
+        },
     };
-    let change = Change::new(key, ClaimStatus::Failed, after);
+    let change = Change::new(key, claim.status, after);
     crate::audit::record(&mut tx, act.audit("retry", &change)).await?;
     tx.commit().await?;
-    match outcome {
-        Ok(()) => Ok(vec![change]),
-        Err(error) => Err(OperatorError::EffectFailed {
+    match (outcome, deferred_until) {
+        (Ok(()), _) => Ok(vec![change]),
+        (Err(_), Some((reason, due))) => Err(OperatorError::StillDeferred {
+            key: key.into(),
+            reason,
+            due,
+        }),
+        (Err(error), None) => Err(OperatorError::EffectFailed {
             key: key.into(),
             error,
         }),
@@ -258,37 +291,6 @@ fn effect_to_run(
     }
 }
 
-/// The event a claim was made for, as stored.
-fn stored_event(key: &str, claim: claims::StoredClaim) -> anyhow::Result<Event> {
-    let payload = claim
-        .payload
-        .with_context(|| format!("the claim of {key} did not keep its payload"))?;
-    Ok(Event::stored(
-        EventKey::try_from(key.to_owned())?,
-        claim.source,
-        claim.event_type,
-        claim.received_at,
-        payload,
-        claim
-            .payload_sha256
-            .try_into()
-            .map_err(|_| anyhow::anyhow!("a stored payload hash is not 32 bytes"))?,
-    ))
-}
-
-/// Applies `effect` in a savepoint: its work is kept when it succeeds and undone when it fails.
-async fn apply_in_savepoint(
-    tx: &mut PgConnection,
-    effect: &dyn Effect,
-    event: &Event,
-) -> sqlx::Result<anyhow::Result<()>> {
-    let mut savepoint = sqlx::Acquire::begin(tx).await?;
-    match effect.apply(&mut savepoint, event).await {
-        Ok(()) => savepoint.commit().await.map(|()| Ok(())),
-        Err(e) => savepoint.rollback().await.map(|()| Err(e)),
-    }
-}
-
 /// How an operator settles an event by hand.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
@@ -316,7 +318,7 @@ impl Resolution {
 }
 
 /// Settles an event by hand: its operations that are not done and not under a live lease, and
-/// its failed claim.
+/// its failed or deferred claim.
 pub async fn resolve(
     pool: &PgPool,
     key: &str,
@@ -329,9 +331,9 @@ pub async fn resolve(
     let claim = claims::lock(&mut tx, key)
         .await?
         .ok_or_else(|| OperatorError::NoSuchEvent(key.into()))?;
-    if claim.status == ClaimStatus::Failed {
+    if matches!(claim.status, ClaimStatus::Failed | ClaimStatus::Deferred) {
         claims::resolve(&mut tx, key, to.claim_status()).await?;
-        let change = Change::new(key, ClaimStatus::Failed, to.claim_status());
+        let change = Change::new(key, claim.status, to.claim_status());
         crate::audit::record(&mut tx, act.audit("resolve", &change)).await?;
         changes.push(change);
     }
@@ -374,6 +376,7 @@ mod tests {
         for name in [
             "in_progress",
             "done",
+            "deferred",
             "failed",
             "dead",
             "pending",
@@ -387,7 +390,7 @@ mod tests {
 
     #[test]
     fn a_bulk_retry_takes_only_states_an_operator_may_retry() {
-        for name in ["failed", "uncertain", "dead"] {
+        for name in ["failed", "uncertain", "dead", "deferred"] {
             assert!(StateName::retryable(name).is_ok(), "{name}");
         }
         for name in ["done", "pending", "in_progress", "retryable", "bogus"] {

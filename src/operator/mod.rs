@@ -28,7 +28,7 @@ pub enum OperatorError {
     OnItsWay { target: String, state: String },
     #[error("{0} is being sent right now; resolve it when its lease has ended")]
     LeaseLive(String),
-    #[error("{key} is {status}: only a failed effect or a failed, uncertain or dead operation is retried")]
+    #[error("{key} is {status}: only a failed or deferred effect or a failed, uncertain or dead operation is retried")]
     NotRetryable { key: String, status: String },
     #[error("{0} has nothing to resolve: its claim and operations are settled")]
     NothingToResolve(String),
@@ -42,6 +42,12 @@ pub enum OperatorError {
     EffectNotRecorded(String),
     #[error("the effect failed again for {key}: {error:#}")]
     EffectFailed { key: String, error: anyhow::Error },
+    #[error("{key} is still not ready: {reason}; it stays deferred, due again at {due}")]
+    StillDeferred {
+        key: String,
+        reason: String,
+        due: chrono::DateTime<chrono::Utc>,
+    },
     #[error("the database: {0}")]
     Database(#[from] sqlx::Error),
     #[error(transparent)]

@@ -102,6 +102,17 @@ pub fn status(s: &Status) -> String {
         out += &lag_table(s);
     }
     out += &format!("Claims: {}\n", counts(&s.claims));
+    if let Some(next) = s.next_deferred_due_seconds {
+        out += &format!(
+            "Deferred: {}; oldest {:.0} s; next due {}\n",
+            s.deferred,
+            s.oldest_deferred_seconds,
+            match next > 0.0 {
+                true => format!("in {next:.0} s"),
+                false => format!("now (overdue {:.0} s)", -next),
+            }
+        );
+    }
     out += &format!("Outbox: {}\n", counts(&s.outbox));
     out += &format!(
         "Oldest due operation: {:.0} s; expired leases: {}\n",

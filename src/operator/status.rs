@@ -1,5 +1,6 @@
 //! `replayproof status`: one screen for an operator. Lag per partition of the group, claims by
-//! status, the outbox by state, the oldest due operation, dead letters and key conflicts.
+//! status, deferred events (the oldest, the next due), the outbox by state, the oldest due
+//! operation, dead letters and key conflicts.
 
 use anyhow::Context as _;
 use rdkafka::consumer::{BaseConsumer, Consumer};
@@ -24,6 +25,12 @@ pub struct Status {
     pub group: Option<String>,
     pub lag: Vec<PartitionLag>,
     pub claims: Vec<(String, i64)>,
+    /// Claims whose effect deferred, waiting to be applied.
+    pub deferred: i64,
+    /// Seconds since the oldest deferred claim was first deferred.
+    pub oldest_deferred_seconds: f64,
+    /// Seconds until the next deferred claim is due (negative: overdue).
+    pub next_deferred_due_seconds: Option<f64>,
     pub outbox: Vec<(String, i64)>,
     pub oldest_due_seconds: f64,
     pub expired_leases: i64,
@@ -45,9 +52,13 @@ pub struct KafkaTarget {
 pub async fn gather(pool: &PgPool, kafka: Option<KafkaTarget>) -> anyhow::Result<Status> {
     let gauges = crate::outbox::gauges(pool).await?;
     let (dead_letters, not_replayed) = crate::claims::dead_letters::counts(pool).await?;
+    let (deferred, oldest_deferred, next_due) = crate::claims::deferred_overview(pool).await?;
     let outbox = gauges.by_state.into_iter();
     let mut status = Status {
         claims: crate::claims::counts(pool).await?,
+        deferred,
+        oldest_deferred_seconds: oldest_deferred,
+        next_deferred_due_seconds: next_due,
         outbox: outbox.map(|(s, n)| (s.to_string(), n)).collect(),
         oldest_due_seconds: gauges.oldest_due_seconds,
         expired_leases: gauges.expired_leases,

@@ -5,6 +5,8 @@
 //! stamping a fresh fencing token; a completion only changes a row whose token it presents, so a
 //! worker whose lease expired and was taken over changes nothing.
 
+#![warn(missing_docs)]
+
 pub mod state;
 
 pub use state::{AttemptKind, OutboxState, Outcome};
@@ -17,12 +19,17 @@ use std::time::Duration;
 /// An operation to enqueue.
 #[derive(Debug, Clone)]
 pub struct NewOperation<'a> {
+    /// The event that enqueued it, in the same transaction as its claim.
     pub event_key: &'a str,
     /// The operation's name within its event, such as `deliver`; one event can drive several.
     pub operation: &'a str,
+    /// Where it is sent.
     pub destination: &'a str,
+    /// The exact request body, sent byte for byte on every attempt.
     pub payload: Vec<u8>,
+    /// A URL template (`{key}`) that tells whether the downstream already has the operation.
     pub reconcile_url: Option<String>,
+    /// Attempts before the operation is `dead`.
     pub max_attempts: i32,
 }
 
@@ -33,6 +40,8 @@ impl NewOperation<'_> {
     }
 }
 
+/// The operation key of `operation` of the event `event_key`: sent downstream as the
+/// `Idempotency-Key` (and `webhook-id`) on every attempt.
 pub fn operation_key(event_key: &str, operation: &str) -> String {
     format!("{event_key}#{operation}")
 }
@@ -76,14 +85,21 @@ pub async fn enqueue_all(conn: &mut PgConnection, ops: &[NewOperation<'_>]) -> s
 /// A row leased to this worker.
 #[derive(Debug, Clone)]
 pub struct Leased {
+    /// The row's id.
     pub id: i64,
+    /// The idempotency key sent downstream.
     pub operation_key: String,
+    /// Where it is sent.
     pub destination: String,
+    /// The exact request body.
     pub payload: Vec<u8>,
+    /// The reconcile URL template, if any.
     pub reconcile_url: Option<String>,
     /// Attempts so far, this one included.
     pub attempts: i32,
+    /// Attempts before the operation is `dead`.
     pub max_attempts: i32,
+    /// The fencing token of this lease; a completion must present it.
     pub fencing_token: i64,
     /// `uncertain`, or `in_progress` for a lease taken over from a worker that vanished: the
     /// operation may already have been applied.
@@ -171,19 +187,28 @@ async fn bury_expired_last_attempts(pool: &PgPool) -> sqlx::Result<()> {
 pub struct Settlement {
     /// `done`, `retryable`, `uncertain`, `failed` or `dead`.
     pub state: OutboxState,
+    /// When a `retryable` or `uncertain` row is due again.
     pub next_attempt_at: Option<DateTime<Utc>>,
+    /// The downstream's HTTP status, if it answered.
     pub status: Option<i32>,
+    /// What went wrong, if anything.
     pub error: Option<String>,
+    /// The start of the downstream's answer, for an operator.
     pub response: Option<String>,
 }
 
 /// One attempt, as recorded whatever its lease became.
 #[derive(Debug, Clone)]
 pub struct Attempt<'a> {
+    /// The worker that made the attempt.
     pub worker: &'a str,
+    /// A delivery or a reconcile.
     pub kind: AttemptKind,
+    /// When the attempt started.
     pub started_at: DateTime<Utc>,
+    /// How long it took.
     pub duration: Duration,
+    /// How it ended.
     pub outcome: Outcome,
 }
 
@@ -250,6 +275,7 @@ async fn record_attempt(
 /// What the metrics show of the outbox.
 #[derive(Debug, Clone, Default)]
 pub struct Gauges {
+    /// Operations by state.
     pub by_state: Vec<(OutboxState, i64)>,
     /// Seconds since the oldest due operation became due.
     pub oldest_due_seconds: f64,
@@ -257,6 +283,7 @@ pub struct Gauges {
     pub expired_leases: i64,
 }
 
+/// The outbox's gauges: operations by state, the oldest due one, expired leases.
 pub async fn gauges(pool: &PgPool) -> sqlx::Result<Gauges> {
     let by_state = sqlx::query!(
         r#"SELECT state AS "state: OutboxState", count(*) AS "n!"
@@ -286,14 +313,23 @@ pub async fn gauges(pool: &PgPool) -> sqlx::Result<Gauges> {
 /// An operation as the operator sees it.
 #[derive(Debug, Clone, Serialize)]
 pub struct OperationRow {
+    /// The idempotency key sent downstream.
     pub operation_key: String,
+    /// Where the operation stands.
     pub state: OutboxState,
+    /// Attempts so far, of the most allowed (`3/10`).
     pub attempts: String,
+    /// Where it is sent.
     pub destination: String,
+    /// When it is due (again).
     pub next_attempt_at: DateTime<Utc>,
+    /// When the current lease ends, while one is held.
     pub lease_expires_at: Option<DateTime<Utc>>,
+    /// The last HTTP status the downstream answered.
     pub last_status: Option<i32>,
+    /// The last error.
     pub last_error: Option<String>,
+    /// When it was settled.
     pub completed_at: Option<DateTime<Utc>>,
 }
 
@@ -314,15 +350,23 @@ pub async fn of_event(pool: &PgPool, key: &str) -> sqlx::Result<Vec<OperationRow
 /// One recorded attempt, as the operator sees it.
 #[derive(Debug, Clone, Serialize)]
 pub struct AttemptRow {
+    /// The operation's name within its event.
     pub operation: String,
+    /// A delivery or a reconcile.
     pub kind: AttemptKind,
+    /// How it ended.
     pub outcome: Outcome,
     /// The downstream's answer; none when no answer came.
     pub status_code: Option<i32>,
+    /// False when the attempt's lease had been taken over: it changed nothing.
     pub applied: bool,
+    /// When it started.
     pub started_at: DateTime<Utc>,
+    /// How long it took, in milliseconds.
     pub duration_ms: i32,
+    /// The worker that made it.
     pub worker: String,
+    /// What went wrong, if anything.
     pub error: Option<String>,
 }
 
@@ -343,8 +387,11 @@ pub async fn attempts_of_event(pool: &PgPool, key: &str) -> sqlx::Result<Vec<Att
 /// An operation locked for an operator's change.
 #[derive(Debug, Clone)]
 pub struct Locked {
+    /// The row's id.
     pub id: i64,
+    /// The idempotency key sent downstream.
     pub operation_key: String,
+    /// Where the operation stands.
     pub state: OutboxState,
     /// Whether a worker holds a lease on it that has not expired.
     pub leased: bool,

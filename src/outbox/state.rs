@@ -25,6 +25,7 @@ pub enum OutboxState {
 }
 
 impl OutboxState {
+    /// Every state, in the order of an operation's life.
     pub const ALL: [Self; 7] = [
         Self::Pending,
         Self::InProgress,
@@ -35,6 +36,7 @@ impl OutboxState {
         Self::Dead,
     ];
 
+    /// The state as stored.
     pub fn as_str(self) -> &'static str {
         match self {
             Self::Pending => "pending",
@@ -82,6 +84,7 @@ pub enum AttemptKind {
 }
 
 impl AttemptKind {
+    /// The kind as stored.
     pub fn as_str(self) -> &'static str {
         match self {
             Self::Deliver => "deliver",
@@ -116,6 +119,7 @@ pub enum Outcome {
 }
 
 impl Outcome {
+    /// Every outcome.
     pub const ALL: [Self; 9] = [
         Self::Done,
         Self::Redirected,
@@ -128,6 +132,7 @@ impl Outcome {
         Self::LeaseShort,
     ];
 
+    /// The outcome as stored.
     pub fn as_str(self) -> &'static str {
         match self {
             Self::Done => "done",

@@ -20,6 +20,7 @@ fn message(offset: i64, key: &str, payload: serde_json::Value) -> RawMessage {
 
 fn processor(db: &TestDb, effect: Arc<dyn Effect>) -> BatchProcessor {
     BatchProcessor {
+        defer: Default::default(),
         pool: db.pool.clone(),
         effect,
         retry: EffectRetry {
@@ -394,6 +395,7 @@ async fn read_only_database_fails_the_batch_and_settles_nothing() {
     .unwrap();
     let read_only = sqlx::PgPool::connect(&db.url).await.unwrap();
     let p = BatchProcessor {
+        defer: Default::default(),
         pool: read_only,
         ..processor(&db, Arc::new(Ledger))
     };
@@ -415,6 +417,7 @@ async fn read_only_database_fails_the_batch_and_settles_nothing() {
     .await
     .unwrap();
     let writable = BatchProcessor {
+        defer: Default::default(),
         pool: sqlx::PgPool::connect(&db.url).await.unwrap(),
         ..processor(&db, Arc::new(Ledger))
     };
@@ -523,6 +526,7 @@ async fn a_slow_effect_is_ended_by_the_statement_timeout_and_settles_nothing() {
     };
     let pool = replayproof::db::pool_with(&db.url.parse().unwrap(), 2, limits).unwrap();
     let p = BatchProcessor {
+        defer: Default::default(),
         pool,
         ..processor(&db, Arc::new(Slow))
     };
@@ -585,6 +589,7 @@ async fn one_poisoned_effect_among_500_fails_alone_and_nothing_waits_inside_a_tr
         calls: Default::default(),
     });
     let p = BatchProcessor {
+        defer: Default::default(),
         pool,
         effect: effect.clone(),
         retry: EffectRetry {

@@ -178,6 +178,10 @@ fn dashboard_and_scrape_config_name_real_metrics() {
     consume.events.with_label_values(&["applied"]).inc();
     consume.committed_offset.with_label_values(&["0"]).set(1);
     consume.consumer_lag.with_label_values(&["0"]).set(1);
+    consume
+        .deferred_attempts
+        .with_label_values(&["applied"])
+        .inc();
     dispatch.attempts.with_label_values(&["done"]).inc();
     dispatch.operations.with_label_values(&["done"]).set(1);
     let ingest_requests = registry.gather();

@@ -168,6 +168,7 @@ async fn a_failing_event_waits_for_its_retries_while_later_events_go_on_and_hold
     let (kafka, db) = (TestKafka::mock(), TestDb::new().await);
     let (topic, group) = (kafka.topic(1).await, unique("group"));
     let processor = replayproof::consume::BatchProcessor {
+        defer: Default::default(),
         pool: db.pool.clone(),
         effect: std::sync::Arc::new(crate::batch::FailsFor("evt-bad")),
         retry: replayproof::consume::EffectRetry {
@@ -364,6 +365,7 @@ async fn options_that_would_break_offset_safety_are_refused_at_start() {
         let mut s = settings(&kafka.brokers(), &topic, &unique("group"));
         s.kafka_options.push((key.into(), value.into()));
         let processor = replayproof::consume::BatchProcessor {
+            defer: Default::default(),
             pool: db.pool.clone(),
             effect: std::sync::Arc::new(replayproof::effect::Ledger),
             retry: replayproof::consume::EffectRetry::default(),
@@ -543,6 +545,7 @@ async fn an_idle_consumer_whose_database_is_gone_fails_health() {
         ..settings(&kafka.brokers(), &topic, &group)
     };
     let processor = replayproof::consume::BatchProcessor {
+        defer: Default::default(),
         pool,
         effect: std::sync::Arc::new(replayproof::effect::Ledger),
         retry: replayproof::consume::EffectRetry::default(),

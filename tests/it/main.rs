@@ -8,6 +8,7 @@ mod compose;
 mod consume;
 mod dev_and_demo;
 mod dispatch;
+mod effects;
 mod end_to_end;
 mod example_orders;
 #[cfg(feature = "failpoints")]

@@ -58,6 +58,7 @@ fn message(offset: i64, key: &str) -> RawMessage {
 
 async fn process(db: &TestDb, effect: Arc<dyn Effect>, messages: &[RawMessage]) {
     let p = BatchProcessor {
+        defer: Default::default(),
         pool: db.pool.clone(),
         effect,
         retry: EffectRetry {

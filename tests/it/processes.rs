@@ -222,6 +222,7 @@ async fn dispatcher_killed_mid_request_is_taken_over_and_its_late_completion_cha
     let op = outbox::operation_key("evt-d", "deliver");
     downstream.script(&op, &[Behaviour::Hang]);
     let processor = replayproof::consume::BatchProcessor {
+        defer: Default::default(),
         pool: db.pool.clone(),
         effect: std::sync::Arc::new(replayproof::effect::HttpOutbox {
             target_url: downstream.url(),
@@ -665,4 +666,112 @@ async fn a_rolling_restart_of_three_static_cooperative_consumers_loses_and_doubl
     for member in members {
         assert!(member.terminate(Duration::from_secs(30)).await.success());
     }
+}
+
+/// A deferred event whose effect one consumer has applied but not yet committed, while a second
+/// consumer's background task finds it due: the second skips it (the first holds its claim);
+/// then the first is killed (`kill`) or commits. Either way the event is applied once: by the
+/// second after the kill, by the first otherwise.
+#[cfg(feature = "failpoints")]
+async fn deferred_event_applied_once_by_two_consumers(kill: bool) {
+    let (kafka, db) = (TestKafka::for_processes(), TestDb::new().await);
+    let (topic, group) = (kafka.topic(1).await, unique("group"));
+    let consumer = |failpoints: Option<&str>, port: &str| {
+        let extra = [
+            "--effect",
+            "ledger-after",
+            "--defer-backoff",
+            "100ms",
+            "--defer-max-backoff",
+            "200ms",
+            "--defer-poll-ms",
+            "50",
+            "--metrics-addr",
+            port,
+        ];
+        ConsumerProcess::spawn_with(
+            &kafka.brokers(),
+            &topic,
+            &group,
+            &db.url,
+            failpoints,
+            &extra,
+        )
+    };
+    let (port_a, port_b) = (free_port(), free_port());
+    let (addr_a, addr_b) = (format!("127.0.0.1:{port_a}"), format!("127.0.0.1:{port_b}"));
+    // The first application of a deferred event stops before COMMIT, its transaction open:
+    // long enough to be killed there, or for the second consumer to meet it and move on.
+    let stall = match kill {
+        true => "consume::deferred_applied_stall_before_commit=1*return(120000)",
+        false => "consume::deferred_applied_stall_before_commit=1*return(10000)",
+    };
+    let mut first = Some(consumer(Some(stall), &addr_a));
+    let producer = producer(&kafka.brokers());
+    let late = Record::event("evt-late", json!({"after": "evt-first"}));
+    produce(&producer, &topic, &[late]).await;
+    wait_for("the late event deferred", WAIT, || async {
+        db.count("SELECT count(*) FROM processed_events WHERE status = 'deferred'")
+            .await
+            == 1
+    })
+    .await;
+    produce(&producer, &topic, &[Record::event("evt-first", json!({}))]).await;
+    wait_for(
+        "the first consumer inside the deferred event's transaction",
+        WAIT,
+        || async { idle_in_transaction(&db).await == 1 },
+    )
+    .await;
+    let second = consumer(None, &addr_b);
+    let skipped = "replayproof_deferred_attempts_total{outcome=\"skipped\"}";
+    wait_for(
+        "the second consumer to find the event held",
+        WAIT,
+        || async {
+            match http_get(port_b, "/metrics").await {
+                Some((_, page)) => scraped(&page, skipped) >= 1.0,
+                None => false,
+            }
+        },
+    )
+    .await;
+    assert_eq!(
+        db.count("SELECT count(*) FROM ledger WHERE event_key = 'evt-late'")
+            .await,
+        0,
+        "nothing applied it while the first consumer held it"
+    );
+    if kill {
+        first.take().expect("running").kill9().await;
+    }
+    wait_for("the deferred event applied", WAIT, || async {
+        db.count("SELECT count(*) FROM processed_events WHERE status = 'done'")
+            .await
+            == 2
+    })
+    .await;
+    let applied = "replayproof_deferred_attempts_total{outcome=\"applied\"}";
+    let by_second = scraped(&http_get(port_b, "/metrics").await.unwrap().1, applied);
+    assert_eq!(by_second, if kill { 1.0 } else { 0.0 });
+    if let Some(first) = first {
+        assert!(first.terminate(WAIT).await.success());
+    }
+    assert!(second.terminate(WAIT).await.success());
+    let both = HashSet::from(["evt-first".to_owned(), "evt-late".to_owned()]);
+    assert_exactly_once(&db, &both, WAIT).await;
+}
+
+#[cfg(feature = "failpoints")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deferred_event_whose_consumer_is_killed_mid_apply_is_applied_once_by_another() {
+    let _heavy = heavy().await;
+    deferred_event_applied_once_by_two_consumers(true).await;
+}
+
+#[cfg(feature = "failpoints")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deferred_event_held_by_one_consumer_is_skipped_by_another_and_applied_once() {
+    let _heavy = heavy().await;
+    deferred_event_applied_once_by_two_consumers(false).await;
 }

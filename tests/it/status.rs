@@ -32,6 +32,7 @@ async fn status_prints_the_right_counts() {
     .unwrap();
 
     let p = BatchProcessor {
+        defer: Default::default(),
         pool: db.pool.clone(),
         effect: Arc::new(Ledger),
         retry: EffectRetry::default(),
@@ -46,12 +47,23 @@ async fn status_prints_the_right_counts() {
         raw(1, "k2", &envelope("k2", json!(2))),
         raw(2, "k3", b"not json"),
         raw(3, "k1", &envelope("k1", json!("other"))),
+        raw(4, "k4", &envelope("k4", json!(4))),
     ];
     p.process("t", 0, &batch).await.unwrap();
     sqlx::query("UPDATE processed_events SET status = 'failed' WHERE event_key = 'k2'")
         .execute(&db.pool)
         .await
         .unwrap();
+    // An event an effect deferred 100 s ago, due again in an hour.
+    sqlx::query(
+        "UPDATE processed_events SET status = 'deferred', payload = '4', \
+         claimed_at = now() - interval '100 s', due_at = now() + interval '1 hour', \
+         deadline_at = now() + interval '1 day', deferred_reason = 'waiting' \
+         WHERE event_key = 'k4'",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
 
     let stdout = stdout_of(
         std::process::Command::new(env!("CARGO_BIN_EXE_replayproof"))
@@ -65,7 +77,15 @@ async fn status_prints_the_right_counts() {
             .args(["--topic", &topic, "--group", &group, "--json"]),
     );
     let s: serde_json::Value = serde_json::from_slice(&stdout).unwrap();
-    assert_eq!(s["claims"], json!([["done", 1], ["failed", 1]]));
+    assert_eq!(
+        s["claims"],
+        json!([["deferred", 1], ["done", 1], ["failed", 1]])
+    );
+    assert_eq!(s["deferred"], 1);
+    let oldest = s["oldest_deferred_seconds"].as_f64().unwrap();
+    assert!((100.0..160.0).contains(&oldest), "{oldest}");
+    let next = s["next_deferred_due_seconds"].as_f64().unwrap();
+    assert!((3500.0..=3600.0).contains(&next), "{next}");
     assert_eq!(s["dead_letters"], 1);
     assert_eq!(s["key_conflicts"], 1);
     assert_eq!(s["outbox"], json!([]));
@@ -81,7 +101,12 @@ async fn status_prints_the_right_counts() {
         .output()
         .unwrap();
     let text = String::from_utf8(text.stdout).unwrap();
-    assert!(text.contains("Claims: done 1, failed 1"), "{text}");
+    assert!(
+        text.contains("Claims: deferred 1, done 1, failed 1"),
+        "{text}"
+    );
+    assert!(text.contains("Deferred: 1; oldest 1"), "{text}");
+    assert!(text.contains("; next due in 3"), "{text}");
     assert!(
         text.contains("Dead letters: 1 (1 not replayed); key conflicts: 1"),
         "{text}"

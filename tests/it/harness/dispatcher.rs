@@ -285,6 +285,7 @@ pub async fn enqueue_to(
         max_attempts: 8,
     };
     let processor = BatchProcessor {
+        defer: Default::default(),
         pool: db.pool.clone(),
         effect: Arc::new(effect),
         retry: EffectRetry::default(),

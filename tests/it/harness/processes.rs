@@ -24,6 +24,7 @@ impl InProcessConsumer {
 
     pub fn with_effect(settings: ConsumerSettings, pool: PgPool, effect: Arc<dyn Effect>) -> Self {
         let processor = BatchProcessor {
+            defer: Default::default(),
             pool,
             effect,
             retry: EffectRetry {

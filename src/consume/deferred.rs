@@ -1,0 +1,378 @@
+//! Deferred events: an effect said "not yet" ([`Deferred`]), so the event's claim was committed
+//! as `deferred` with its payload, a due time and a deadline, and the partition moved on.
+//!
+//! Every consumer runs a [`DeferredApplier`] beside its lanes. It applies its topic's due
+//! claims one at a time, each in its own transaction: the claim is locked with
+//! `FOR UPDATE SKIP LOCKED`, the effect runs, and the claim moves to `done` (or is deferred
+//! again, or settled `failed`) in the same transaction. A claim another worker holds is
+//! skipped; a worker killed mid-way leaves no trace (its transaction aborts and releases the
+//! lock), so each deferred event is applied once, whichever member of the group gets to it.
+
+use super::{BatchError, BatchProcessor, ConsumeMetrics};
+use crate::claims;
+use crate::effect::{self, DeferPolicy, Deferred, Effect, FailureKind};
+use chrono::{DateTime, Utc};
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+use tokio_util::sync::CancellationToken;
+
+/// How often the applier looks for due claims (`DeferSettings::poll_interval`).
+pub const DEFAULT_DEFER_POLL: Duration = Duration::from_secs(1);
+/// Due claims taken in one round; the next round starts at once while claims are due.
+const ROUND_LIMIT: i64 = 100;
+/// How often the deferred gauges are read from the database.
+const GAUGE_INTERVAL: Duration = Duration::from_secs(5);
+
+/// How long deferred events wait, by source and by effect.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeferSettings {
+    /// For events whose source has no policy of its own and whose effect names none
+    /// (`--defer-backoff`, `--defer-max-backoff`, `--defer-deadline`).
+    pub default: DeferPolicy,
+    /// Per source (`--defer-source`); wins over the effect's own policy.
+    pub sources: BTreeMap<String, DeferPolicy>,
+    /// How often the applier looks for due claims.
+    pub poll_interval: Duration,
+}
+
+impl Default for DeferSettings {
+    fn default() -> Self {
+        Self {
+            default: DeferPolicy::default(),
+            sources: BTreeMap::new(),
+            poll_interval: DEFAULT_DEFER_POLL,
+        }
+    }
+}
+
+impl DeferSettings {
+    /// The policy for an event from `source` deferred by `effect`: the source's, else the
+    /// effect's ([`Effect::defer_policy`]), else the default.
+    pub fn policy(&self, source: &str, effect: &dyn Effect) -> DeferPolicy {
+        self.sources
+            .get(source)
+            .copied()
+            .or_else(|| effect.defer_policy())
+            .unwrap_or(self.default)
+    }
+}
+
+/// `now + wait`, saturating.
+fn later(now: DateTime<Utc>, wait: Duration) -> DateTime<Utc> {
+    chrono::Duration::from_std(wait)
+        .ok()
+        .and_then(|w| now.checked_add_signed(w))
+        .unwrap_or(DateTime::<Utc>::MAX_UTC)
+}
+
+/// The due time and deadline of an event deferred for the first time.
+pub(crate) fn first_due(
+    not_yet: &Deferred,
+    policy: &DeferPolicy,
+) -> (DateTime<Utc>, DateTime<Utc>) {
+    let now = Utc::now();
+    let deadline = later(now, policy.deadline);
+    let due = not_yet
+        .until
+        .unwrap_or_else(|| later(now, policy.delay(1)))
+        .clamp(now, deadline);
+    (due, deadline)
+}
+
+/// What the applier did with one due claim.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Applied {
+    /// The effect applied; the claim is `done`.
+    Done,
+    /// The effect said "not yet" again; the claim waits for its next due time.
+    Deferred,
+    /// The effect failed for good, or still deferred at the deadline; the claim is `failed`.
+    Failed,
+    /// Another worker holds the claim, or it is no longer deferred and due.
+    Skipped,
+}
+
+impl Applied {
+    fn as_str(self) -> &'static str {
+        match self {
+            Self::Done => "applied",
+            Self::Deferred => "deferred",
+            Self::Failed => "failed",
+            Self::Skipped => "skipped",
+        }
+    }
+}
+
+/// What one round did, claim by claim.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Round {
+    /// Due claims found at the start of the round.
+    pub due: usize,
+    /// Claims applied and settled `done`.
+    pub applied: usize,
+    /// Claims deferred again.
+    pub deferred: usize,
+    /// Claims settled `failed`.
+    pub failed: usize,
+    /// Claims another worker held (or had settled).
+    pub skipped: usize,
+}
+
+impl Round {
+    fn count(&mut self, applied: Applied) {
+        match applied {
+            Applied::Done => self.applied += 1,
+            Applied::Deferred => self.deferred += 1,
+            Applied::Failed => self.failed += 1,
+            Applied::Skipped => self.skipped += 1,
+        }
+    }
+}
+
+/// Applies a topic's due deferred claims; see the module's documentation.
+#[derive(Clone)]
+pub struct DeferredApplier {
+    processor: BatchProcessor,
+    topic: String,
+    metrics: ConsumeMetrics,
+}
+
+impl DeferredApplier {
+    /// An applier for the deferred claims of `topic`, with the processor's effect, retries and
+    /// deferral settings.
+    pub fn new(processor: BatchProcessor, topic: &str, metrics: ConsumeMetrics) -> Self {
+        Self {
+            processor,
+            topic: topic.into(),
+            metrics,
+        }
+    }
+
+    /// Applies due claims in rounds until `stop` is cancelled, waiting
+    /// [`DeferSettings::poll_interval`] when nothing is due and backing off on database errors.
+    /// A claim being applied when `stop` comes is finished first.
+    pub async fn run(self, stop: CancellationToken) {
+        let poll = self.processor.defer.poll_interval;
+        let mut backoff = poll;
+        let mut gauges_read: Option<Instant> = None;
+        while !stop.is_cancelled() {
+            let wait = match self.apply_due(&stop).await {
+                Ok(round) => {
+                    backoff = poll;
+                    match round.due as i64 >= ROUND_LIMIT && round.skipped < round.due {
+                        true => Duration::ZERO,
+                        false => poll,
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, retry_in_ms = backoff.as_millis() as u64, "Applying deferred events failed; trying again.");
+                    backoff = (backoff * 2).min(Duration::from_secs(30));
+                    backoff
+                }
+            };
+            if gauges_read.is_none_or(|at| at.elapsed() >= GAUGE_INTERVAL) {
+                self.read_gauges().await;
+                gauges_read = Some(Instant::now());
+            }
+            tokio::select! {
+                _ = stop.cancelled() => {}
+                _ = tokio::time::sleep(wait) => {}
+            }
+        }
+    }
+
+    /// Sets the gauges of deferred claims from the database.
+    async fn read_gauges(&self) {
+        match claims::deferred_gauges(&self.processor.pool, &self.topic).await {
+            Ok((count, oldest)) => {
+                self.metrics.deferred_events.set(count);
+                self.metrics.deferred_oldest_age.set(oldest);
+            }
+            Err(e) => tracing::debug!(error = %e, "Could not read the deferred gauges."),
+        }
+    }
+
+    /// One round: every claim due now (at most 100), each in its own transaction. Stops early
+    /// when `stop` is cancelled, between claims.
+    pub async fn apply_due(&self, stop: &CancellationToken) -> Result<Round, BatchError> {
+        let keys = claims::due(&self.processor.pool, &self.topic, ROUND_LIMIT).await?;
+        let mut round = Round {
+            due: keys.len(),
+            ..Round::default()
+        };
+        for key in keys {
+            if stop.is_cancelled() {
+                break;
+            }
+            let applied = self.apply_one(&key).await?;
+            self.metrics
+                .deferred_attempts
+                .with_label_values(&[applied.as_str()])
+                .inc();
+            round.count(applied);
+        }
+        Ok(round)
+    }
+
+    /// Applies one due claim in its own transaction, retrying a deterministic error like the
+    /// batch does; a transient error rolls back and is returned.
+    async fn apply_one(&self, key: &str) -> Result<Applied, BatchError> {
+        let p = &self.processor;
+        let mut attempt = 1;
+        loop {
+            let mut tx = p.pool.begin().await?;
+            let Some(claim) = claims::lock_due(&mut tx, key).await? else {
+                return Ok(Applied::Skipped);
+            };
+            let event = match claim.event(key) {
+                Ok(event) => event,
+                Err(e) => {
+                    let error = format!("{e:#}");
+                    claims::record_attempt(&mut tx, key, Some(&error)).await?;
+                    tx.commit().await?;
+                    return Ok(Applied::Failed);
+                }
+            };
+            let outcome = effect::apply_in_savepoint(&mut tx, &*p.effect, &event).await?;
+            let error = match outcome {
+                Ok(()) => {
+                    claims::record_attempt(&mut tx, key, None).await?;
+                    crate::failpoint!("consume::deferred_applied_before_commit");
+                    crate::stallpoint!("consume::deferred_applied_stall_before_commit");
+                    tx.commit().await?;
+                    tracing::debug!(key, "Applied a deferred event.");
+                    return Ok(Applied::Done);
+                }
+                Err(error) => error,
+            };
+            let settled = match effect::classify(&error) {
+                FailureKind::Transient => {
+                    let _ = tx.rollback().await;
+                    return Err(BatchError::Transient(error));
+                }
+                FailureKind::Deferred => {
+                    let not_yet = error
+                        .downcast_ref::<Deferred>()
+                        .expect("classified as deferred");
+                    let now = Utc::now();
+                    match claim.deadline_at {
+                        Some(deadline) if now < deadline => {
+                            let policy = p.defer.policy(&event.source, &*p.effect);
+                            let deferrals = claim.attempts.max(0) as u32 + 1;
+                            let due = not_yet
+                                .until
+                                .unwrap_or_else(|| later(now, policy.delay(deferrals)))
+                                .clamp(now, deadline);
+                            claims::redefer(&mut tx, key, &not_yet.reason, due, None).await?;
+                            Applied::Deferred
+                        }
+                        deadline => {
+                            let deadline = deadline.map_or("-".into(), |d| d.to_rfc3339());
+                            let error = format!(
+                                "still deferred at its deadline ({deadline}): {}",
+                                not_yet.reason
+                            );
+                            tracing::warn!(key, error, "A deferred event passed its deadline.");
+                            claims::record_attempt(&mut tx, key, Some(&error)).await?;
+                            Applied::Failed
+                        }
+                    }
+                }
+                kind => {
+                    let error_text = format!("{error:#}");
+                    tracing::warn!(
+                        key,
+                        attempt,
+                        effect = p.effect.name(),
+                        error = error_text,
+                        "A deferred event's effect failed."
+                    );
+                    if kind == FailureKind::Deterministic && attempt < p.retry.attempts() {
+                        let _ = tx.rollback().await;
+                        tokio::time::sleep(p.retry.delay(attempt)).await;
+                        attempt += 1;
+                        continue;
+                    }
+                    claims::record_attempt(&mut tx, key, Some(&error_text)).await?;
+                    Applied::Failed
+                }
+            };
+            tx.commit().await?;
+            return Ok(settled);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_first_due_time_is_the_backoff_or_the_effects_time_never_past_the_deadline() {
+        let policy = DeferPolicy {
+            backoff: Duration::from_secs(10),
+            max_backoff: Duration::from_secs(60),
+            deadline: Duration::from_secs(3600),
+        };
+        let before = Utc::now();
+        let (due, deadline) = first_due(&Deferred::new("x"), &policy);
+        assert!(due >= later(before, Duration::from_secs(10)));
+        assert!(due <= later(Utc::now(), Duration::from_secs(10)));
+        assert!(deadline >= later(before, Duration::from_secs(3600)));
+        let far = Deferred::new("x").after(Duration::from_secs(7200));
+        let (due, deadline) = first_due(&far, &policy);
+        assert_eq!(due, deadline, "never later than the deadline");
+        let past = Deferred::new("x").until(before - chrono::Duration::seconds(5));
+        assert!(first_due(&past, &policy).0 >= before, "never in the past");
+    }
+
+    #[test]
+    fn the_backoff_doubles_up_to_its_cap() {
+        let policy = DeferPolicy {
+            backoff: Duration::from_secs(10),
+            max_backoff: Duration::from_secs(60),
+            deadline: Duration::from_secs(3600),
+        };
+        let waits: Vec<u64> = (1..=6).map(|n| policy.delay(n).as_secs()).collect();
+        assert_eq!(waits, [10, 20, 40, 60, 60, 60]);
+        assert_eq!(policy.delay(100).as_secs(), 60);
+    }
+
+    #[test]
+    fn a_sources_policy_wins_over_the_effects_which_wins_over_the_default() {
+        struct Patient;
+        #[async_trait::async_trait]
+        impl Effect for Patient {
+            fn name(&self) -> &'static str {
+                "patient"
+            }
+            async fn apply(
+                &self,
+                _: &mut effect::Tx<'_>,
+                _: &crate::envelope::Event,
+            ) -> anyhow::Result<()> {
+                Ok(())
+            }
+            fn defer_policy(&self) -> Option<DeferPolicy> {
+                Some(DeferPolicy {
+                    deadline: Duration::from_secs(7),
+                    ..DeferPolicy::default()
+                })
+            }
+        }
+        let stripe = DeferPolicy {
+            deadline: Duration::from_secs(3 * 86400),
+            ..DeferPolicy::default()
+        };
+        let settings = DeferSettings {
+            sources: BTreeMap::from([("stripe".to_owned(), stripe)]),
+            ..DeferSettings::default()
+        };
+        assert_eq!(settings.policy("stripe", &Patient), stripe);
+        assert_eq!(settings.policy("github", &Patient).deadline.as_secs(), 7);
+        assert_eq!(
+            settings.policy("github", &crate::effect::Ledger),
+            DeferPolicy::default()
+        );
+    }
+}
