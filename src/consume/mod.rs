@@ -260,8 +260,9 @@ pub fn start(
         vitals.stop.clone(),
         settings.unhealthy_after,
     ));
+    let grace = settings.shutdown_grace;
     let watchdog = tokio::spawn(watch(vitals.clone(), health.clone(), settings));
-    let deferred = tokio::spawn(deferred.run(vitals.stop.clone()));
+    let mut deferred = tokio::spawn(deferred.run(vitals.stop.clone()));
     let (done_tx, done_rx) = tokio::sync::oneshot::channel();
     let stop = vitals.stop.clone();
     std::thread::Builder::new()
@@ -277,7 +278,11 @@ pub fn start(
         vitals.stop.cancel();
         let _ = watchdog.await;
         let _ = probe.await;
-        let _ = deferred.await;
+        // The deferred event being applied is finished within the grace period; past it, its
+        // transaction is abandoned (rolled back), and it is applied again when due.
+        if tokio::time::timeout(grace, &mut deferred).await.is_err() {
+            deferred.abort();
+        }
         health.forget(POLL_LOOP);
         polled.context("the Kafka poll thread panicked")?;
         match vitals.fatal() {
