@@ -12,6 +12,10 @@
 //!   effect), then the offset;
 //! - **F** A and B again with 1M and 10M keys already claimed (repeated, medians);
 //! - **G** B with 0.2% of effects failing (retried, then recorded as failed);
+//! - **H** B with 1% of events deferred by their effect (committed `deferred`, the partition
+//!   moving on); then **H2**, the consumer's background task applying those deferred events
+//!   once they can apply, one transaction per event, next to E (also one transaction per
+//!   message);
 //! - statements and WAL bytes per message for A, B and D, the consumer's peak RSS during D, and a
 //!   memory run: the consumer draining a backlog of 1M messages of 2 KiB on 16 partitions.
 //!
@@ -21,7 +25,7 @@
 //! mock cluster runs in this process. Sizes: `BENCH_EVENTS` (50000 events per run, plus 30%
 //! replays), `BENCH_PEER_MESSAGES` (10000: the peer is timed on the first messages of the same
 //! backlog), `BENCH_PREFILL` (`1000000,10000000`; empty skips F), `BENCH_MEMORY_MESSAGES`
-//! (1000000; 0 skips the memory run). `BENCH_STAGES` picks stages (`ABCDEG`),
+//! (1000000; 0 skips the memory run). `BENCH_STAGES` picks stages (`ABCDEGH`),
 //! `BENCH_STATEMENT_TIMES=1` prints each run's slowest statements from `pg_stat_statements`, and
 //! `BENCH_D_ARGS` adds arguments to the consumer of D and of the memory run. Stages A and B print
 //! the CPU time the benchmark process used while timed.
@@ -31,12 +35,15 @@
 use rdkafka::consumer::{BaseConsumer, Consumer, StreamConsumer};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::Message;
-use replayproof::consume::{BatchProcessor, EffectRetry, RawMessage, Retrying};
+use replayproof::consume::{
+    BatchProcessor, ConsumeMetrics, DeferredApplier, EffectRetry, RawMessage, Retrying,
+};
 use replayproof::devkit::embedded::{EmbeddedKafka, EmbeddedPostgres};
-use replayproof::effect::{Effect, Ledger, Tx};
+use replayproof::effect::{Deferred, Effect, Ledger, Tx};
 use replayproof::envelope::{Envelope, Event};
 use sqlx::PgPool;
 use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -396,6 +403,81 @@ impl Effect for FailingLedger {
             None => Ok(()),
         }
     }
+}
+
+/// The ledger effect, deferring one key in `one_in` ("not yet") until `ready` is set.
+struct DeferringLedger {
+    one_in: u64,
+    ready: Arc<AtomicBool>,
+}
+
+#[async_trait::async_trait]
+impl Effect for DeferringLedger {
+    fn name(&self) -> &'static str {
+        "deferring-ledger"
+    }
+
+    async fn apply(&self, tx: &mut Tx<'_>, event: &Event) -> anyhow::Result<()> {
+        self.apply_batch(tx, &[event]).await
+    }
+
+    async fn apply_batch(&self, tx: &mut Tx<'_>, events: &[&Event]) -> anyhow::Result<()> {
+        let waiting = !self.ready.load(Ordering::Relaxed)
+            && events
+                .iter()
+                .any(|e| fxhash(e.key.as_str()).is_multiple_of(self.one_in));
+        if waiting {
+            return Err(Deferred::new("what it refers to has not arrived").into());
+        }
+        Ledger.apply_batch(tx, events).await
+    }
+}
+
+/// H: the batches with 1% of events deferred (timed as B), then H2: the deferred events applied
+/// by the background task once they can apply. Returns both times and how many were deferred.
+async fn stage_h(url: &str, w: &Workload) -> (Duration, Duration, usize) {
+    let ready = Arc::new(AtomicBool::new(false));
+    let effect = Arc::new(DeferringLedger {
+        one_in: 100,
+        ready: ready.clone(),
+    });
+    let batches = stage_b(url, w, effect.clone()).await;
+    let pool = pool(url, 2).await;
+    let deferred: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM processed_events WHERE status = 'deferred'")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    ready.store(true, Ordering::Relaxed);
+    sqlx::query("UPDATE processed_events SET due_at = now() WHERE status = 'deferred'")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let processor = BatchProcessor {
+        pool: pool.clone(),
+        effect,
+        retry: EffectRetry::default(),
+        defer: Default::default(),
+    };
+    let metrics = ConsumeMetrics::new(&prometheus::Registry::new()).unwrap();
+    let applier = DeferredApplier::new(processor, "bench", metrics);
+    let stop = tokio_util::sync::CancellationToken::new();
+    let started = Instant::now();
+    let mut applied = 0;
+    loop {
+        let round = applier.apply_due(&stop).await.unwrap();
+        applied += round.applied;
+        if round.due == 0 {
+            break;
+        }
+    }
+    let took = started.elapsed();
+    assert_eq!(
+        applied as i64, deferred,
+        "every deferred event applied once"
+    );
+    pool.close().await;
+    (batches, took, deferred as usize)
 }
 
 /// Drives the batch processor as the lanes do; returns the time until every batch committed
@@ -758,7 +840,7 @@ fn main() {
         std::thread::available_parallelism().map_or(0, |n| n.get()),
     );
 
-    let stages = std::env::var("BENCH_STAGES").unwrap_or_else(|_| "ABCDEG".into());
+    let stages = std::env::var("BENCH_STAGES").unwrap_or_else(|_| "ABCDEGH".into());
     let run = |stage: char| stages.contains(stage);
     let mut results = Results::default();
     runtime.block_on(async {
@@ -840,6 +922,13 @@ fn main() {
                     let took = stage_b(&url, w, Arc::new(FailingLedger { one_in: 500 })).await;
                     results.rate("G", size, messages, took);
                     results.cost("G", size, counters.since(&db, &url, messages).await);
+                    db.drop(&url).await;
+                }
+                if run('H') {
+                    let url = db.fresh("bench_template").await;
+                    let (batches, applying, deferred) = stage_h(&url, w).await;
+                    results.rate("H", size, messages, batches);
+                    results.rate("H2", size, deferred, applying);
                     db.drop(&url).await;
                 }
             }
@@ -926,6 +1015,11 @@ fn report(r: &Results, growth: &[Growth], memory: Option<(usize, Duration, u64, 
         ("D", "`replayproof consume` process, defaults"),
         ("E", "peer: one transaction per message"),
         ("G", "B with 0.2% of effects failing"),
+        ("H", "B with 1% of events deferred"),
+        (
+            "H2",
+            "deferred events applied when due, one transaction each",
+        ),
     ];
     for (stage, what) in stages {
         let (small, large) = (r.median(stage, SIZES[0]), r.median(stage, SIZES[1]));
@@ -939,11 +1033,13 @@ fn report(r: &Results, growth: &[Growth], memory: Option<(usize, Duration, u64, 
     for size in SIZES {
         let m = |s| r.median(s, size);
         println!(
-            "{size} B: D/A {:.2}, D/E {:.1}, B/A {:.2}, G/B {:.2}, C/A {:.2}, D/C {:.2}",
+            "{size} B: D/A {:.2}, D/E {:.1}, B/A {:.2}, G/B {:.2}, H/B {:.2}, H2/E {:.2}, C/A {:.2}, D/C {:.2}",
             m("D") / m("A"),
             m("D") / m("E"),
             m("B") / m("A"),
             m("G") / m("B"),
+            m("H") / m("B"),
+            m("H2") / m("E"),
             m("C") / m("A"),
             m("D") / m("C"),
         );
