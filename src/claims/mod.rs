@@ -224,28 +224,20 @@ pub async fn due(pool: &PgPool, topic: &str, limit: i64) -> sqlx::Result<Vec<Str
     .await
 }
 
-/// How many of `topic`'s claims are deferred, and the age in seconds of the oldest (0 when
-/// none is).
-pub async fn deferred_gauges(pool: &PgPool, topic: &str) -> sqlx::Result<(i64, f64)> {
-    let row = sqlx::query!(
-        r#"SELECT count(*) AS "n!",
-                  coalesce(extract(epoch FROM now() - min(claimed_at))::float8, 0) AS "oldest!"
-           FROM processed_events WHERE status = 'deferred' AND kafka_topic = $1"#,
-        topic
-    )
-    .fetch_one(pool)
-    .await?;
-    Ok((row.n, row.oldest))
-}
-
-/// Deferred claims of every topic: how many, the age in seconds of the oldest, and the seconds
-/// until the next is due (negative when overdue; None when none is deferred).
-pub async fn deferred_overview(pool: &PgPool) -> sqlx::Result<(i64, f64, Option<f64>)> {
+/// Deferred claims of `topic` (None: of every topic): how many, the age in seconds of the
+/// oldest (0 when none is), and the seconds until the next is due (negative when overdue; None
+/// when none is deferred).
+pub async fn deferred_overview(
+    pool: &PgPool,
+    topic: Option<&str>,
+) -> sqlx::Result<(i64, f64, Option<f64>)> {
     let row = sqlx::query!(
         r#"SELECT count(*) AS "n!",
                   coalesce(extract(epoch FROM now() - min(claimed_at))::float8, 0) AS "oldest!",
                   extract(epoch FROM min(due_at) - now())::float8 AS next_due
-           FROM processed_events WHERE status = 'deferred'"#
+           FROM processed_events
+           WHERE status = 'deferred' AND ($1::text IS NULL OR kafka_topic = $1)"#,
+        topic
     )
     .fetch_one(pool)
     .await?;

@@ -57,26 +57,14 @@ impl DeferSettings {
     }
 }
 
-/// `now + wait`, saturating.
-fn later(now: DateTime<Utc>, wait: Duration) -> DateTime<Utc> {
-    chrono::Duration::from_std(wait)
-        .ok()
-        .and_then(|w| now.checked_add_signed(w))
-        .unwrap_or(DateTime::<Utc>::MAX_UTC)
-}
-
 /// The due time and deadline of an event deferred for the first time.
 pub(crate) fn first_due(
     not_yet: &Deferred,
     policy: &DeferPolicy,
 ) -> (DateTime<Utc>, DateTime<Utc>) {
     let now = Utc::now();
-    let deadline = later(now, policy.deadline);
-    let due = not_yet
-        .until
-        .unwrap_or_else(|| later(now, policy.delay(1)))
-        .clamp(now, deadline);
-    (due, deadline)
+    let deadline = policy.deadline_from(now);
+    (policy.due(not_yet, 1, now, deadline), deadline)
 }
 
 /// What the applier did with one due claim.
@@ -183,8 +171,8 @@ impl DeferredApplier {
 
     /// Sets the gauges of deferred claims from the database.
     async fn read_gauges(&self) {
-        match claims::deferred_gauges(&self.processor.pool, &self.topic).await {
-            Ok((count, oldest)) => {
+        match claims::deferred_overview(&self.processor.pool, Some(&self.topic)).await {
+            Ok((count, oldest, _)) => {
                 self.metrics.deferred_events.set(count);
                 self.metrics.deferred_oldest_age.set(oldest);
             }
@@ -259,10 +247,7 @@ impl DeferredApplier {
                         Some(deadline) if now < deadline => {
                             let policy = p.defer.policy(&event.source, &*p.effect);
                             let deferrals = claim.attempts.max(0) as u32 + 1;
-                            let due = not_yet
-                                .until
-                                .unwrap_or_else(|| later(now, policy.delay(deferrals)))
-                                .clamp(now, deadline);
+                            let due = policy.due(not_yet, deferrals, now, deadline);
                             claims::redefer(&mut tx, key, &not_yet.reason, due, None).await?;
                             Applied::Deferred
                         }
@@ -316,9 +301,10 @@ mod tests {
         };
         let before = Utc::now();
         let (due, deadline) = first_due(&Deferred::new("x"), &policy);
-        assert!(due >= later(before, Duration::from_secs(10)));
-        assert!(due <= later(Utc::now(), Duration::from_secs(10)));
-        assert!(deadline >= later(before, Duration::from_secs(3600)));
+        let secs = chrono::Duration::seconds;
+        assert!(due >= before + secs(10));
+        assert!(due <= Utc::now() + secs(10));
+        assert!(deadline >= before + secs(3600));
         let far = Deferred::new("x").after(Duration::from_secs(7200));
         let (due, deadline) = first_due(&far, &policy);
         assert_eq!(due, deadline, "never later than the deadline");

@@ -182,12 +182,16 @@ impl Deferred {
 
     /// Tried again after `wait` rather than after the backoff.
     pub fn after(self, wait: Duration) -> Self {
-        let wait = chrono::Duration::from_std(wait).unwrap_or(chrono::Duration::MAX);
-        let at = Utc::now()
-            .checked_add_signed(wait)
-            .unwrap_or(DateTime::<Utc>::MAX_UTC);
-        self.until(at)
+        self.until(later(Utc::now(), wait))
     }
+}
+
+/// `now + wait`, saturating at the latest time there is.
+fn later(now: DateTime<Utc>, wait: Duration) -> DateTime<Utc> {
+    chrono::Duration::from_std(wait)
+        .ok()
+        .and_then(|w| now.checked_add_signed(w))
+        .unwrap_or(DateTime::<Utc>::MAX_UTC)
 }
 
 /// How long deferred events wait: the wait after the first "not yet", doubled after each
@@ -221,6 +225,27 @@ impl DeferPolicy {
             .checked_shl(deferrals.saturating_sub(1))
             .unwrap_or(u32::MAX);
         self.backoff.saturating_mul(factor).min(self.max_backoff)
+    }
+
+    /// The deadline of an event first deferred at `now`.
+    pub fn deadline_from(&self, now: DateTime<Utc>) -> DateTime<Utc> {
+        later(now, self.deadline)
+    }
+
+    /// When an event deferred (`not_yet`) for the `deferrals`-th time at `now` is due again:
+    /// the time the effect asked for, else after [`DeferPolicy::delay`]; never before `now`,
+    /// never after `deadline`.
+    pub fn due(
+        &self,
+        not_yet: &Deferred,
+        deferrals: u32,
+        now: DateTime<Utc>,
+        deadline: DateTime<Utc>,
+    ) -> DateTime<Utc> {
+        not_yet
+            .until
+            .unwrap_or_else(|| later(now, self.delay(deferrals)))
+            .clamp(now, deadline.max(now))
     }
 }
 

@@ -232,13 +232,9 @@ async fn retry_local(
                 let now = Utc::now();
                 let deadline = match claim.status {
                     ClaimStatus::Deferred => claim.deadline_at.unwrap_or(now),
-                    _ => now + chrono::Duration::from_std(policy.deadline).unwrap_or_default(),
+                    _ => policy.deadline_from(now),
                 };
-                let wait = policy.delay(claim.attempts.max(0) as u32 + 1);
-                let due = not_yet
-                    .until
-                    .unwrap_or(now + chrono::Duration::from_std(wait).unwrap_or_default())
-                    .clamp(now, deadline.max(now));
+                let due = policy.due(not_yet, claim.attempts.max(0) as u32 + 1, now, deadline);
                 claims::redefer(&mut tx, key, &not_yet.reason, due, Some(deadline)).await?;
                 deferred_until = Some((not_yet.reason.clone(), due));
                 ClaimStatus::Deferred

@@ -52,7 +52,8 @@ pub struct KafkaTarget {
 pub async fn gather(pool: &PgPool, kafka: Option<KafkaTarget>) -> anyhow::Result<Status> {
     let gauges = crate::outbox::gauges(pool).await?;
     let (dead_letters, not_replayed) = crate::claims::dead_letters::counts(pool).await?;
-    let (deferred, oldest_deferred, next_due) = crate::claims::deferred_overview(pool).await?;
+    let (deferred, oldest_deferred, next_due) =
+        crate::claims::deferred_overview(pool, None).await?;
     let outbox = gauges.by_state.into_iter();
     let mut status = Status {
         claims: crate::claims::counts(pool).await?,

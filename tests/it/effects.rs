@@ -419,7 +419,7 @@ async fn one_objects_events_racing_on_two_partitions_end_in_the_newest_state() {
         .execute(&db.pool)
         .await
         .unwrap();
-    let processor = |_: ()| replayproof::consume::BatchProcessor {
+    let processor = || replayproof::consume::BatchProcessor {
         pool: db.pool.clone(),
         effect: Arc::new(SubscriptionStatus),
         retry: EffectRetry::default(),
@@ -444,7 +444,7 @@ async fn one_objects_events_racing_on_two_partitions_end_in_the_newest_state() {
                 .collect()
         };
         let (even, odd) = (messages(0), messages(1));
-        let (p0, p1) = (processor(()), processor(()));
+        let (p0, p1) = (processor(), processor());
         let (a, b) = tokio::join!(p0.process("t", 0, &even), p1.process("t", 1, &odd));
         a.unwrap();
         b.unwrap();

@@ -93,6 +93,16 @@ fn tls_url(port: u16, mode: &str, ca: &Path) -> String {
     )
 }
 
+/// Runs `migrate` against `url`, checks that it fails, and returns its standard error.
+fn migrate_refused(url: &str) -> String {
+    let out = replayproof()
+        .args(["migrate", "--database-url", url])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_over_verified_tls_and_a_wrong_ca_or_plaintext_is_refused() {
     let pki = Pki::local();
@@ -109,20 +119,9 @@ async fn postgres_over_verified_tls_and_a_wrong_ca_or_plaintext_is_refused() {
     // The server takes no connection without TLS, and a server certificate from another CA is
     // refused by the client, with the reason in the error.
     let plain = format!("postgres://postgres@127.0.0.1:{port}/postgres?sslmode=disable");
-    let out = replayproof()
-        .args(["migrate", "--database-url", &plain])
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    let stderr = String::from_utf8_lossy(&out.stderr);
+    let stderr = migrate_refused(&plain);
     assert!(stderr.contains("no encryption"), "{stderr}");
-    let wrong = tls_url(port, "verify-full", &pki.wrong_ca);
-    let out = replayproof()
-        .args(["migrate", "--database-url", &wrong])
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    let stderr = String::from_utf8_lossy(&out.stderr);
+    let stderr = migrate_refused(&tls_url(port, "verify-full", &pki.wrong_ca));
     assert!(stderr.contains("UnknownIssuer"), "{stderr}");
 
     // consume applies events over the verified connection, and events list reads them.
