@@ -27,6 +27,7 @@ pub mod ingest;
 pub mod kafka;
 pub mod operator;
 pub mod outbox;
+pub mod secrets;
 pub mod shutdown;
 pub mod telemetry;
 #[cfg(feature = "devkit")]

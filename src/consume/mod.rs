@@ -174,12 +174,11 @@ impl ConsumerSettings {
         }
     }
 
-    fn client_config(&self) -> ClientConfig {
-        let mut settings = vec![
-            ("group.id", self.group.clone()),
-            ("enable.auto.commit", "false".into()),
-            ("enable.auto.offset.store", "false".into()),
-            ("auto.offset.reset", "earliest".into()),
+    /// The consumer's librdkafka configuration: replayproof's tuning, the user's options over
+    /// it, and the guarded properties (no auto-commit, no automatic offset store, a new group
+    /// from the earliest offset, committed records only) set last ([`crate::kafka`]).
+    fn client_config(&self) -> anyhow::Result<ClientConfig> {
+        let mut tuning = vec![
             (
                 "partition.assignment.strategy",
                 self.assignor.strategy().into(),
@@ -203,9 +202,15 @@ impl ConsumerSettings {
             ("statistics.interval.ms", STATISTICS_INTERVAL_MS.to_string()),
         ];
         if let Some(id) = &self.instance_id {
-            settings.push(("group.instance.id", id.clone()));
+            tuning.push(("group.instance.id", id.clone()));
         }
-        crate::kafka::client_config(&self.brokers, &settings, &self.kafka_options)
+        crate::kafka::client_config(
+            crate::kafka::Role::Consumer,
+            &self.brokers,
+            Some(&self.group),
+            &tuning,
+            &self.kafka_options,
+        )
     }
 }
 
@@ -234,7 +239,7 @@ pub fn start(
     health: Health,
     shutdown: CancellationToken,
 ) -> anyhow::Result<Running> {
-    crate::kafka::check_options(crate::kafka::Role::Consumer, &settings.kafka_options)?;
+    let config = settings.client_config()?;
     let vitals = Arc::new(Vitals::new(shutdown.child_token()));
     let pool = processor.pool.clone();
     let deferred = DeferredApplier::new(processor.clone(), &settings.topic, metrics.clone());
@@ -246,8 +251,7 @@ pub fn start(
         vitals.clone(),
         health.clone(),
     );
-    let consumer: BaseConsumer<LaneContext> = settings
-        .client_config()
+    let consumer: BaseConsumer<LaneContext> = config
         .create_with_context(context)
         .context("creating the Kafka consumer")?;
     consumer

@@ -92,8 +92,8 @@ impl IngestSettings {
         self.max_body_bytes * 2 + 64 * 1024
     }
 
-    fn producer_config(&self) -> ClientConfig {
-        let mut settings = crate::kafka::durable_producer_settings("replayproof-ingest");
+    fn producer_config(&self) -> anyhow::Result<ClientConfig> {
+        let mut settings = crate::kafka::producer_tuning("replayproof-ingest");
         settings.extend([
             ("linger.ms", "2".to_owned()),
             (
@@ -102,7 +102,13 @@ impl IngestSettings {
             ),
             ("message.max.bytes", self.max_message_bytes().to_string()),
         ]);
-        crate::kafka::client_config(&self.brokers, &settings, &self.kafka_options)
+        crate::kafka::client_config(
+            crate::kafka::Role::Producer,
+            &self.brokers,
+            None,
+            &settings,
+            &self.kafka_options,
+        )
     }
 }
 
@@ -140,9 +146,8 @@ pub async fn start(
     registry: Registry,
     shutdown: CancellationToken,
 ) -> anyhow::Result<Running> {
-    crate::kafka::check_options(crate::kafka::Role::Producer, &settings.kafka_options)?;
     let producer: FutureProducer = settings
-        .producer_config()
+        .producer_config()?
         .create()
         .context("creating the Kafka producer")?;
     let listener = tokio::net::TcpListener::bind(settings.listen)

@@ -77,11 +77,14 @@ pub async fn gather(pool: &PgPool, kafka: Option<KafkaTarget>) -> anyhow::Result
 }
 
 fn lag(target: &KafkaTarget) -> anyhow::Result<Vec<PartitionLag>> {
-    let settings = [
-        ("group.id", target.group.clone()),
-        ("enable.auto.commit", "false".into()),
-    ];
-    let config = crate::kafka::client_config(&target.brokers, &settings, &target.options);
+    let settings = [("enable.auto.commit", "false".into())];
+    let config = crate::kafka::client_config(
+        crate::kafka::Role::Reader,
+        &target.brokers,
+        Some(&target.group),
+        &settings,
+        &target.options,
+    )?;
     let consumer: BaseConsumer = config.create().context("creating a Kafka client")?;
     let timeout = Duration::from_secs(10);
     let metadata = consumer
