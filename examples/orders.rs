@@ -51,7 +51,7 @@ impl Payment {
     /// The payment in `event`'s payload; a payload without one can never apply.
     fn of(event: &Event) -> Result<Self, Permanent> {
         let field = |name: &str| {
-            event.payload()[name]
+            event.payload().map_err(|e| Permanent(e.into()))?[name]
                 .as_i64()
                 .with_context(|| format!("the payment event has no integer {name}"))
                 .map_err(Permanent)

@@ -31,10 +31,14 @@ impl EventKey {
 impl TryFrom<String> for EventKey {
     type Error = Malformed;
 
+    /// A key travels as a Kafka key, a primary key, and an HTTP header (`Idempotency-Key`,
+    /// `webhook-id`): a control character (a line break, a NUL) cannot be sent as a header, so
+    /// such a key is refused here rather than failing every delivery later.
     fn try_from(key: String) -> Result<Self, Malformed> {
         match key.len() {
             0 => Err(Malformed::EmptyKey),
             n if n > MAX_KEY_BYTES => Err(Malformed::KeyTooLong(n)),
+            _ if key.chars().any(char::is_control) => Err(Malformed::KeyControlCharacter),
             _ => Ok(Self(key)),
         }
     }
@@ -67,12 +71,58 @@ pub enum Malformed {
     /// The envelope's key is longer than 512 bytes; with its length.
     #[error("the envelope key is {0} bytes, more than the 512 allowed")]
     KeyTooLong(usize),
+    /// The envelope's key holds a control character (a line break, a tab, a NUL), which no
+    /// HTTP header can carry.
+    #[error(
+        "the envelope key holds a control character (such as a line break), which an \
+             Idempotency-Key header cannot carry"
+    )]
+    KeyControlCharacter,
+    /// The payload nests arrays and objects deeper than [`MAX_NESTING`] levels: far deeper
+    /// than any real document, and too deep to read back without risking the stack.
+    #[error("the payload nests arrays and objects more than {MAX_NESTING} levels deep")]
+    TooDeep,
     /// The Kafka message key and the envelope's key differ.
     #[error("the Kafka message key does not match the envelope key")]
     KeyMismatch,
     /// A field PostgreSQL would refuse (a `\u0000`, a lone surrogate, a number out of range).
     #[error("PostgreSQL cannot store the envelope: {0}")]
     Unstorable(&'static str),
+}
+
+/// The deepest nesting of arrays and objects a payload may have: the most serde_json reads back
+/// (its recursion limit of 128 counts the level it refuses). Checked without recursion before
+/// anything else walks the payload, so a payload nested 200,000 levels deep is a dead letter,
+/// not a stack overflow.
+pub const MAX_NESTING: usize = 127;
+
+/// Whether JSON `text` nests arrays and objects more than `limit` deep, found in one pass
+/// without recursion (brackets inside strings do not count).
+fn nests_deeper_than(text: &str, limit: usize) -> bool {
+    let (mut depth, mut in_string, mut escaped) = (0usize, false, false);
+    for &b in text.as_bytes() {
+        if in_string {
+            match (escaped, b) {
+                (true, _) => escaped = false,
+                (false, b'\\') => escaped = true,
+                (false, b'"') => in_string = false,
+                _ => {}
+            }
+            continue;
+        }
+        match b {
+            b'"' => in_string = true,
+            b'[' | b'{' => {
+                depth += 1;
+                if depth > limit {
+                    return true;
+                }
+            }
+            b']' | b'}' => depth = depth.saturating_sub(1),
+            _ => {}
+        }
+    }
+    false
 }
 
 /// The earliest instant PostgreSQL's `timestamptz` holds: 4713 BC, which is year -4712.
@@ -201,8 +251,10 @@ impl Envelope {
         serde_json::to_vec(self).expect("an envelope always serialises")
     }
 
-    /// Whether PostgreSQL can store this envelope; see [`check_storable`].
+    /// Whether a consumer will take this envelope: a valid key ([`EventKey`]) and nothing
+    /// PostgreSQL would refuse ([`check_storable`]).
     pub fn check_storable(&self) -> Result<(), Malformed> {
+        EventKey::try_from(self.key.clone())?;
         check_storable(
             &self.key,
             &self.source,
@@ -233,7 +285,7 @@ pub struct Event {
     pub replay_window_secs: Option<u64>,
     /// The payload as a JSON value, built the first time [`Event::payload`] asks for it: the
     /// built-in effects store and send the text and never need it.
-    payload: std::sync::OnceLock<serde_json::Value>,
+    payload: std::sync::OnceLock<Result<serde_json::Value, Malformed>>,
 }
 
 /// The envelope as read: `payload` is required, though it may be `null`.
@@ -269,6 +321,10 @@ impl Event {
             wire.event_type.as_deref(),
             wire.received_at,
         )?;
+        // The canonical form below is written level by level: the depth is bounded first.
+        if nests_deeper_than(wire.payload.get(), MAX_NESTING) {
+            return Err(Malformed::TooDeep);
+        }
         // One walk over the payload's text checks what PostgreSQL would refuse and writes the
         // canonical form to hash, without building a `serde_json::Value`.
         let mut canonical = Vec::with_capacity(wire.payload.get().len());
@@ -302,17 +358,26 @@ impl Event {
             payload_json: Self::json_of(&payload),
             payload_sha256,
             replay_window_secs: None,
-            payload: std::sync::OnceLock::from(payload),
+            payload: std::sync::OnceLock::from(Ok(payload)),
         }
     }
 
     /// The payload as a JSON value, parsed from [`Event::payload_json`] on first use. Numbers
-    /// keep their exact text (serde_json's `arbitrary_precision`).
-    pub fn payload(&self) -> &serde_json::Value {
-        self.payload.get_or_init(|| {
-            serde_json::from_str(self.payload_json.get())
-                .expect("the payload's text was checked as JSON when the event was parsed")
-        })
+    /// keep their exact text (serde_json's `arbitrary_precision`). An event read from a message
+    /// was checked when it was parsed, so this does not fail for one; it never panics. Its
+    /// error, returned with `?` from an effect, settles the event `failed` at once: a payload
+    /// that cannot be read now never will be.
+    pub fn payload(&self) -> Result<&serde_json::Value, Malformed> {
+        self.payload
+            .get_or_init(|| {
+                if nests_deeper_than(self.payload_json.get(), MAX_NESTING) {
+                    return Err(Malformed::TooDeep);
+                }
+                serde_json::from_str(self.payload_json.get())
+                    .map_err(|e| Malformed::NotJson(e.to_string()))
+            })
+            .as_ref()
+            .map_err(Clone::clone)
     }
 
     /// The JSON text of a payload that was not read from a message (a stored claim's).
@@ -560,7 +625,7 @@ mod tests {
         let e = parse(r#"{"key":"k","source":"s","payload":{ "z": 1, "a": 10.000 }}"#).unwrap();
         assert_eq!(e.payload_json.get(), r#"{ "z": 1, "a": 10.000 }"#);
         let sent: serde_json::Value = serde_json::from_slice(&e.envelope_bytes()).unwrap();
-        assert_eq!(&sent["payload"], e.payload());
+        assert_eq!(&sent["payload"], e.payload().unwrap());
         assert_eq!(sent["key"], "k");
     }
 
@@ -624,6 +689,75 @@ mod tests {
     }
 
     #[test]
+    fn keys_with_control_characters_are_malformed() {
+        for key in [
+            "a\\r\\nInjected: 1",
+            "tab\\there",
+            "bell\\u0007",
+            "del\\u007f",
+        ] {
+            let value = format!(r#"{{"key":"{key}","source":"s","payload":1}}"#);
+            assert_eq!(
+                parse(&value).unwrap_err(),
+                Malformed::KeyControlCharacter,
+                "{key}"
+            );
+        }
+        assert!(parse(r#"{"key":"stripe:evt_ü ok","source":"s","payload":1}"#).is_ok());
+    }
+
+    /// A payload nested `depth` levels deep: arrays and objects in turn.
+    fn nested(depth: usize) -> String {
+        let mut text = String::with_capacity(depth * 6);
+        for i in 0..depth {
+            text.push_str(if i % 2 == 0 { "[" } else { "{\"a\":" });
+        }
+        text.push('1');
+        for i in (0..depth).rev() {
+            text.push(if i % 2 == 0 { ']' } else { '}' });
+        }
+        text
+    }
+
+    #[test]
+    fn a_payload_nested_200000_levels_deep_is_malformed_without_recursion() {
+        let value = format!(
+            r#"{{"key":"k","source":"s","payload":{}}}"#,
+            nested(200_000)
+        );
+        assert_eq!(parse(&value).unwrap_err(), Malformed::TooDeep);
+        // Brackets inside strings are text, not nesting.
+        let text = format!(
+            r#"{{"key":"k","source":"s","payload":["{}"]}}"#,
+            "[".repeat(500)
+        );
+        assert!(parse(&text).is_ok());
+    }
+
+    #[test]
+    fn a_payload_at_the_nesting_limit_parses_and_reads_back() {
+        let at_limit = format!(
+            r#"{{"key":"k","source":"s","payload":{}}}"#,
+            nested(MAX_NESTING)
+        );
+        let event = parse(&at_limit).unwrap();
+        assert!(event.payload().is_ok());
+        let over = format!(
+            r#"{{"key":"k","source":"s","payload":{}}}"#,
+            nested(MAX_NESTING + 1)
+        );
+        assert_eq!(parse(&over).unwrap_err(), Malformed::TooDeep);
+    }
+
+    #[test]
+    fn payload_returns_an_error_and_never_panics() {
+        // An event built around a payload no parser checked.
+        let mut event = parse(r#"{"key":"k","source":"s","payload":1}"#).unwrap();
+        event.payload_json = RawValue::from_string(nested(5_000)).unwrap();
+        assert_eq!(event.payload().unwrap_err(), Malformed::TooDeep);
+    }
+
+    #[test]
     fn message_key_must_match_envelope_key() {
         let v = br#"{"key":"a","source":"s","payload":1}"#;
         assert!(Event::parse(Some(b"a"), Some(v)).is_ok());
@@ -638,7 +772,6 @@ mod tests {
         let unstorable = [
             r#"{"key":"k","source":"s","payload":{"note":"a\u0000b"}}"#,
             r#"{"key":"k","source":"s","payload":[{"\u0000":1}]}"#,
-            r#"{"key":"k\u0000","source":"s","payload":1}"#,
             r#"{"key":"k","source":"s\u0000","payload":1}"#,
             r#"{"key":"k","source":"s","type":"t\u0000","payload":1}"#,
             r#"{"key":"k","source":"s","received_at":"-5000-01-01T00:00:00Z","payload":1}"#,
@@ -650,6 +783,11 @@ mod tests {
             );
         }
         assert!(parse(r#"{"key":"k","source":"s","payload":"\\u0000 is text"}"#).is_ok());
+        // A NUL in the key is a control character, which no header can carry either.
+        assert_eq!(
+            parse(r#"{"key":"k\u0000","source":"s","payload":1}"#).unwrap_err(),
+            Malformed::KeyControlCharacter
+        );
         // Left out of the hash, or replaced by a later copy of its key: stored all the same.
         assert!(matches!(
             parse(r#"{"key":"k","source":"s","unhashed":["x"],"payload":{"x":"\u0000"}}"#),
@@ -673,7 +811,7 @@ mod tests {
                "rate":0.1000000000000000055511151231257827,"tiny":1.5e-300}}"#,
         )
         .unwrap();
-        let text = serde_json::to_string(e.payload()).unwrap();
+        let text = serde_json::to_string(e.payload().unwrap()).unwrap();
         assert!(text.contains("123456789012345678901234567890"), "{text}");
         assert!(
             text.contains("0.1000000000000000055511151231257827"),
@@ -705,7 +843,7 @@ mod tests {
         assert_eq!(a.payload_sha256, b.payload_sha256);
         assert_ne!(b.payload_sha256, c.payload_sha256);
         assert_eq!(
-            b.payload()["pending_webhooks"],
+            b.payload().unwrap()["pending_webhooks"],
             3,
             "the field is still stored"
         );
@@ -807,8 +945,8 @@ mod tests {
     fn a_payload_is_parsed_only_when_asked_for() {
         let e = parse(r#"{"key":"k","source":"s","payload":{"n":1.50,"a":[true]}}"#).unwrap();
         assert!(e.payload.get().is_none());
-        assert_eq!(e.payload()["n"].to_string(), "1.50");
-        assert_eq!(e.payload()["a"][0], true);
+        assert_eq!(e.payload().unwrap()["n"].to_string(), "1.50");
+        assert_eq!(e.payload().unwrap()["a"][0], true);
     }
 
     #[test]

@@ -32,7 +32,7 @@
 //!     }
 //!
 //!     async fn apply(&self, tx: &mut Tx<'_>, event: &Event) -> anyhow::Result<()> {
-//!         let invoice = event.payload()["invoice"]
+//!         let invoice = event.payload()?["invoice"]
 //!             .as_str()
 //!             .context("the payment names no invoice")
 //!             .map_err(Permanent)?;
@@ -279,7 +279,10 @@ pub fn classify(error: &anyhow::Error) -> FailureKind {
     if error.downcast_ref::<Deferred>().is_some() {
         return FailureKind::Deferred;
     }
-    if error.downcast_ref::<Permanent>().is_some() {
+    // A payload that cannot be read now never will be.
+    if error.downcast_ref::<Permanent>().is_some()
+        || error.downcast_ref::<crate::envelope::Malformed>().is_some()
+    {
         return FailureKind::Permanent;
     }
     if error.downcast_ref::<Transient>().is_some() {

@@ -27,7 +27,7 @@
 //!     }
 //!
 //!     async fn apply(&self, tx: &mut Tx<'_>, event: &Event) -> anyhow::Result<()> {
-//!         let object = &event.payload()["data"]["object"];
+//!         let object = &event.payload()?["data"]["object"];
 //!         let id = object["id"].as_str().ok_or_else(|| Permanent(anyhow::anyhow!("no id")))?;
 //!         let version = newest::version(event, "/created").map_err(Permanent)?;
 //!         let candidate = Candidate::new("subscription", id, version, event);
@@ -81,7 +81,7 @@ impl<'a> Candidate<'a> {
 /// RFC 3339 time as microseconds since 1970.
 pub fn version(event: &Event, pointer: &str) -> anyhow::Result<i64> {
     let value = event
-        .payload()
+        .payload()?
         .pointer(pointer)
         .with_context(|| format!("the payload has no version at {pointer}"))?;
     version_of(value).with_context(|| format!("the version at {pointer} is not usable: {value}"))

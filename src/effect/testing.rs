@@ -18,7 +18,7 @@ impl Effect for LedgerAfter {
     }
 
     async fn apply(&self, tx: &mut Tx<'_>, event: &Event) -> anyhow::Result<()> {
-        if let Some(after) = event.payload().get("after").and_then(|a| a.as_str()) {
+        if let Some(after) = event.payload()?.get("after").and_then(|a| a.as_str()) {
             let done: bool = sqlx::query_scalar(
                 "SELECT EXISTS (SELECT 1 FROM processed_events \
                  WHERE event_key = $1 AND status = 'done')",

@@ -634,3 +634,49 @@ async fn one_poisoned_effect_among_500_fails_alone_and_nothing_waits_inside_a_tr
         .await;
     assert_eq!(done_without_payload, 499);
 }
+
+#[tokio::test]
+async fn a_key_no_header_can_carry_is_dead_lettered_and_the_batch_goes_on() {
+    let db = TestDb::new().await;
+    let p = processor(&db, Arc::new(Ledger));
+    let crlf = "evt-1\r\nX-Injected: 1";
+    let batch = [
+        message(0, "before", json!(1)),
+        message(1, crlf, json!(2)),
+        message(2, "after", json!(3)),
+    ];
+    let report = p.process("t", 0, &batch).await.unwrap();
+    assert_eq!(report.applied, 2);
+    assert_eq!(report.dead_letters.len(), 1);
+    assert!(
+        report.dead_letters[0].1.contains("control character"),
+        "{report:?}"
+    );
+    assert_eq!(db.count("SELECT count(*) FROM processed_events").await, 2);
+}
+
+#[tokio::test]
+async fn a_payload_nested_deeper_than_any_document_is_dead_lettered_without_a_crash() {
+    let db = TestDb::new().await;
+    let p = processor(&db, Arc::new(Ledger));
+    let deep = format!(
+        r#"{{"key":"deep","source":"s","payload":{}1{}}}"#,
+        "{\"a\":".repeat(200_000),
+        "}".repeat(200_000)
+    );
+    let batch = [
+        message(0, "before", json!(1)),
+        RawMessage {
+            offset: 1,
+            key: Some(b"deep".to_vec()),
+            value: Some(deep.into_bytes()),
+        },
+        message(2, "after", json!(3)),
+    ];
+    let report = p.process("t", 0, &batch).await.unwrap();
+    assert_eq!((report.applied, report.dead_letters.len()), (2, 1));
+    assert!(
+        report.dead_letters[0].1.contains("levels deep"),
+        "{report:?}"
+    );
+}

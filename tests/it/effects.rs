@@ -26,7 +26,7 @@ impl Effect for Gated {
     }
 
     async fn apply(&self, tx: &mut Tx<'_>, event: &Event) -> anyhow::Result<()> {
-        let gate = event.payload()["gate"]
+        let gate = event.payload()?["gate"]
             .as_str()
             .unwrap_or_default()
             .to_owned();
@@ -309,7 +309,7 @@ impl Effect for SubscriptionStatus {
     async fn apply_batch(&self, tx: &mut Tx<'_>, events: &[&Event]) -> anyhow::Result<()> {
         let mut parsed = Vec::new();
         for e in events {
-            let object = &e.payload()["data"]["object"];
+            let object = &e.payload()?["data"]["object"];
             let id = object["id"]
                 .as_str()
                 .ok_or_else(|| Permanent(anyhow::anyhow!("no id")))?;
