@@ -204,7 +204,7 @@ impl Dispatcher {
     async fn attempt(&self, row: &Leased, lease_deadline: Instant) -> sqlx::Result<()> {
         if row.may_have_been_applied() {
             if let Some(url) = &row.reconcile_url {
-                if let Some(settled) = self.reconcile(row, url).await? {
+                if let Some(settled) = self.reconcile(row, url, lease_deadline).await? {
                     return Ok(settled);
                 }
             }
@@ -215,7 +215,7 @@ impl Dispatcher {
             Instant::now(),
             self.settings.request_timeout,
         ) {
-            return self.give_back(row).await;
+            return self.give_back(row, lease_deadline).await;
         }
         let started_at = chrono::Utc::now();
         let timer = Instant::now();
@@ -236,21 +236,32 @@ impl Dispatcher {
             Ok(response) => self.classify_response(row, response).await,
             Err(e) => self.classify_error(row, &e),
         };
-        self.settle(
-            row,
-            &settlement,
-            AttemptKind::Deliver,
+        let attempt =
+            self.attempt_record(AttemptKind::Deliver, started_at, timer.elapsed(), outcome);
+        self.settle(row, &settlement, &attempt, lease_deadline)
+            .await
+    }
+
+    fn attempt_record(
+        &self,
+        kind: AttemptKind,
+        started_at: chrono::DateTime<chrono::Utc>,
+        duration: Duration,
+        outcome: Outcome,
+    ) -> Attempt<'_> {
+        Attempt {
+            worker: &self.settings.worker,
+            kind,
             started_at,
-            timer.elapsed(),
+            duration,
             outcome,
-        )
-        .await
+        }
     }
 
     /// Ends an attempt that did not send its delivery because too little of the lease was left:
     /// the row goes back as it was (uncertain if it may have been applied, else retryable), due
     /// at once, for an attempt with a fresh lease.
-    async fn give_back(&self, row: &Leased) -> sqlx::Result<()> {
+    async fn give_back(&self, row: &Leased, lease_deadline: Instant) -> sqlx::Result<()> {
         let state = if row.may_have_been_applied() {
             OutboxState::Uncertain
         } else {
@@ -265,20 +276,24 @@ impl Dispatcher {
             )
         };
         tracing::warn!(operation = %row.operation_key, "Too little of the lease was left to send a delivery; giving it back.");
-        self.settle(
-            row,
-            &settlement,
+        let attempt = self.attempt_record(
             AttemptKind::Deliver,
             chrono::Utc::now(),
             Duration::ZERO,
             Outcome::LeaseShort,
-        )
-        .await
+        );
+        self.settle(row, &settlement, &attempt, lease_deadline)
+            .await
     }
 
     /// Asks the downstream whether the operation exists: yes settles it as done without
     /// resending; no (404) lets the delivery go ahead; anything else leaves it uncertain.
-    async fn reconcile(&self, row: &Leased, url: &str) -> sqlx::Result<Option<()>> {
+    async fn reconcile(
+        &self,
+        row: &Leased,
+        url: &str,
+        lease_deadline: Instant,
+    ) -> sqlx::Result<Option<()>> {
         let started_at = chrono::Utc::now();
         let timer = Instant::now();
         let key = percent_encoding::utf8_percent_encode(
@@ -301,7 +316,7 @@ impl Dispatcher {
             Some(404) => return Ok(None),
             _ => {
                 let error = match &result {
-                    Err(e) => Some(format!("reconcile: {}", error_chain(e))),
+                    Err(e) => Some(format!("reconcile: {}", describe(e))),
                     Ok(r) if r.status().is_redirection() => Some(format!(
                         "reconcile: redirected to {}; redirects are not followed",
                         location(r)
@@ -321,15 +336,10 @@ impl Dispatcher {
                 )
             }
         };
-        self.settle(
-            row,
-            &settlement,
-            AttemptKind::Reconcile,
-            started_at,
-            timer.elapsed(),
-            outcome,
-        )
-        .await?;
+        let attempt =
+            self.attempt_record(AttemptKind::Reconcile, started_at, timer.elapsed(), outcome);
+        self.settle(row, &settlement, &attempt, lease_deadline)
+            .await?;
         Ok(Some(()))
     }
 
@@ -345,8 +355,7 @@ impl Dispatcher {
             .and_then(|v| v.to_str().ok())
             .and_then(parse_retry_after);
         let location = location(&response);
-        let body = response.text().await.unwrap_or_default();
-        let body: String = body.chars().take(2_000).collect();
+        let body = excerpt(response).await;
         let code = Some(i32::from(status));
         match status {
             200..=299 => (Outcome::Done, settled(OutboxState::Done, code, None)),
@@ -386,6 +395,18 @@ impl Dispatcher {
     }
 
     fn classify_error(&self, row: &Leased, e: &reqwest::Error) -> (Outcome, Settlement) {
+        // A request that could not be built (a key or header HTTP cannot carry, a URL it cannot
+        // reach) never left, and never will: a permanent failure, not an unknown outcome.
+        if e.is_builder() {
+            let error = format!(
+                "the request could not be built, so nothing was sent: {}",
+                describe(e)
+            );
+            return (
+                Outcome::Unsendable,
+                settled(OutboxState::Failed, None, Some(error)),
+            );
+        }
         // A refused connection sent nothing; anything after the request left may have been
         // applied downstream.
         let (outcome, state) = if e.is_connect() {
@@ -398,7 +419,7 @@ impl Dispatcher {
             outcome,
             Settlement {
                 next_attempt_at: Some(self.next_attempt(row, None)),
-                ..settled(state, None, Some(error_chain(e)))
+                ..settled(state, None, Some(describe(e)))
             },
         )
     }
@@ -423,28 +444,24 @@ impl Dispatcher {
             .unwrap_or(now + chrono::Duration::seconds(MAX_RETRY_AFTER.as_secs() as i64))
     }
 
+    /// Records the attempt and settles the row. A request whose answer came back is never sent
+    /// again for want of its record: a failed record is tried again while the lease lasts, and
+    /// one PostgreSQL refuses is settled without the parts it refused.
     async fn settle(
         &self,
         row: &Leased,
         settlement: &Settlement,
-        kind: AttemptKind,
-        started_at: chrono::DateTime<chrono::Utc>,
-        duration: Duration,
-        outcome: Outcome,
+        attempt: &Attempt<'_>,
+        lease_deadline: Instant,
     ) -> sqlx::Result<()> {
         self.metrics
             .attempts
-            .with_label_values(&[outcome.as_str()])
+            .with_label_values(&[attempt.outcome.as_str()])
             .inc();
-        self.metrics.latency.observe(duration.as_secs_f64());
-        let attempt = Attempt {
-            worker: &self.settings.worker,
-            kind,
-            started_at,
-            duration,
-            outcome,
-        };
-        let applied = outbox::complete(&self.pool, row, settlement, &attempt).await?;
+        self.metrics.latency.observe(attempt.duration.as_secs_f64());
+        let applied = self
+            .record(row, settlement, attempt, lease_deadline)
+            .await?;
         if !applied {
             tracing::warn!(operation = %row.operation_key, token = row.fencing_token, "The lease was taken over; this attempt's outcome changed nothing.");
         } else if settlement.state != OutboxState::Done {
@@ -454,12 +471,109 @@ impl Dispatcher {
     }
 }
 
-/// Where a redirect points, for the operator: redirects are recorded, never followed.
+impl Dispatcher {
+    /// [`outbox::complete`], tried again with backoff while the lease lasts when the database
+    /// fails; when PostgreSQL refuses the record itself (a data error), the row is settled with
+    /// plain texts, and at worst without its attempt record.
+    async fn record(
+        &self,
+        row: &Leased,
+        settlement: &Settlement,
+        attempt: &Attempt<'_>,
+        lease_deadline: Instant,
+    ) -> sqlx::Result<bool> {
+        let mut backoff = Duration::from_millis(100);
+        loop {
+            let error = match outbox::complete(&self.pool, row, settlement, attempt).await {
+                Ok(applied) => return Ok(applied),
+                Err(e) => e,
+            };
+            if crate::db::is_data_error(&error) {
+                return self.record_plainly(row, settlement, attempt, &error).await;
+            }
+            if Instant::now() + backoff >= lease_deadline {
+                return Err(error);
+            }
+            tracing::warn!(operation = %row.operation_key, error = %error, retry_in_ms = backoff.as_millis() as u64, "Could not record an attempt; trying again before the lease ends.");
+            tokio::time::sleep(backoff).await;
+            backoff = (backoff * 2).min(Duration::from_secs(5));
+        }
+    }
+
+    /// The record PostgreSQL refused, kept to what it can always store: the state, the status,
+    /// and why the rest is missing.
+    async fn record_plainly(
+        &self,
+        row: &Leased,
+        settlement: &Settlement,
+        attempt: &Attempt<'_>,
+        refusal: &sqlx::Error,
+    ) -> sqlx::Result<bool> {
+        let why = format!("the attempt's answer could not be recorded: {refusal}");
+        tracing::error!(operation = %row.operation_key, error = %refusal, "PostgreSQL refused an attempt's record; settling the operation without its answer.");
+        let plain = Settlement {
+            error: Some(why),
+            response: None,
+            ..settlement.clone()
+        };
+        match outbox::complete(&self.pool, row, &plain, attempt).await {
+            Err(e) if crate::db::is_data_error(&e) => {
+                outbox::complete_unrecorded(&self.pool, row, &plain).await
+            }
+            other => other,
+        }
+    }
+}
+
+/// The most of a downstream's answer read to keep its excerpt; the excerpt itself is at most
+/// [`outbox::RESPONSE_EXCERPT_CHARS`] characters.
+const EXCERPT_BYTES: usize = 4 * outbox::RESPONSE_EXCERPT_CHARS;
+/// The most of the rest read and thrown away so the connection can serve the next request;
+/// past it the connection is closed instead, so an answer of any size costs little memory.
+const DRAIN_BYTES: usize = 64 * 1024;
+
+/// The start of a downstream's answer, read without holding the rest in memory.
+async fn excerpt(mut response: reqwest::Response) -> String {
+    let mut body = Vec::with_capacity(1024);
+    while body.len() < EXCERPT_BYTES {
+        match response.chunk().await {
+            Ok(Some(chunk)) => {
+                let room = EXCERPT_BYTES - body.len();
+                body.extend_from_slice(&chunk[..chunk.len().min(room)]);
+            }
+            _ => break,
+        }
+    }
+    let mut drained = 0;
+    while drained < DRAIN_BYTES {
+        match response.chunk().await {
+            Ok(Some(chunk)) => drained += chunk.len(),
+            _ => break,
+        }
+    }
+    outbox::storable_text(
+        &String::from_utf8_lossy(&body),
+        outbox::RESPONSE_EXCERPT_CHARS,
+    )
+}
+
+/// Where a redirect points, for the operator: redirects are recorded, never followed. A token in
+/// it is redacted.
 fn location(response: &reqwest::Response) -> String {
     response.headers().get("location").map_or_else(
         || "(no Location)".to_owned(),
-        |v| String::from_utf8_lossy(v.as_bytes()).into_owned(),
+        |v| crate::secrets::redact_url(&String::from_utf8_lossy(v.as_bytes())),
     )
+}
+
+/// A request's error with its causes ([`error_chain`]) and its URL redacted: a target URL may
+/// carry its credential in its path or query.
+fn describe(error: &reqwest::Error) -> String {
+    let mut text = error_chain(error);
+    if let Some(url) = error.url() {
+        text = text.replace(url.as_str(), &crate::secrets::redact_url(url.as_str()));
+    }
+    crate::secrets::scrub(&text).into_owned()
 }
 
 /// Whether a request may start: it must be able to time out before the lease runs out.

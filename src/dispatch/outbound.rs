@@ -19,12 +19,14 @@ impl SigningSecret {
     /// The shortest key accepted, in bytes, as for incoming sources.
     pub const MIN_BYTES: usize = 16;
 
-    /// Reads `whsec_<base64>` (or the base64 alone).
+    /// Reads `whsec_<base64>` (or the base64 alone). The text is registered as a secret
+    /// first, so that nothing prints it, even when it is refused.
     pub fn parse(text: &str) -> anyhow::Result<Self> {
+        crate::secrets::register(text);
         let encoded = text.trim().strip_prefix("whsec_").unwrap_or(text.trim());
         let bytes = base64::engine::general_purpose::STANDARD
             .decode(encoded)
-            .context("a signing secret is base64 after whsec_")?;
+            .map_err(|_| anyhow::anyhow!("a signing secret is base64 after whsec_"))?;
         anyhow::ensure!(
             bytes.len() >= Self::MIN_BYTES,
             "the signing secret is {} bytes; at least {} are required",
@@ -77,13 +79,18 @@ impl std::str::FromStr for Header {
 
     /// `NAME=VALUE`, where `${VAR}` in the value is read from the environment, so a token need
     /// not be written on the command line: `--header 'Authorization=Bearer ${DOWNSTREAM_TOKEN}'`.
+    /// The value is registered as a secret ([`crate::secrets`]) before anything is checked, so
+    /// that no error, log or `config check` line prints it; errors never repeat the input.
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         let (name, value) = s
             .split_once('=')
             .ok_or_else(|| "expected NAME=VALUE".to_owned())?;
+        crate::secrets::register(value);
+        let name = HeaderName::try_from(name.trim()).map_err(|_| {
+            "the text before `=` is not a header name (expected NAME=VALUE)".to_owned()
+        })?;
         let value = expand_env(value).map_err(|e| format!("header {name}: {e:#}"))?;
-        let name = HeaderName::try_from(name.trim())
-            .map_err(|_| format!("{name:?} is not a header name"))?;
+        crate::secrets::register(&value);
         let reserved = [
             "content-type",
             "content-length",
@@ -98,8 +105,12 @@ impl std::str::FromStr for Header {
                 "the {name} header is set by replayproof on every request"
             ));
         }
-        let mut value = HeaderValue::try_from(value)
-            .map_err(|_| format!("the value of {name} is not a header value"))?;
+        let mut value = HeaderValue::try_from(value).map_err(|_| {
+            format!(
+                "the value of {name} is not a header value (a control character such as a \
+                 line break, perhaps at its end?)"
+            )
+        })?;
         value.set_sensitive(true);
         Ok(Self { name, value })
     }
@@ -180,17 +191,21 @@ impl Outbound {
 
 /// Checks a target or reconcile URL at start-up: http or https, with a host, so a typo fails at
 /// once instead of after every attempt. `{key}` (a reconcile template's placeholder) is allowed.
+/// The URL's credentials (a password, a token in its path or query, as incoming webhooks of
+/// Slack or Teams carry) are registered as secrets, and errors show it redacted.
 pub fn check_url(url: &str) -> Result<String, String> {
-    let parsed = reqwest::Url::parse(&url.replace("{key}", "key"))
-        .map_err(|e| format!("{url:?} is not a URL: {e}"))?;
+    crate::secrets::register_url(&url.replace("{key}", "key"));
+    let parsed =
+        reqwest::Url::parse(&url.replace("{key}", "key")).map_err(|e| format!("not a URL: {e}"))?;
+    let shown = crate::secrets::redact_url(url);
     if !matches!(parsed.scheme(), "http" | "https") {
         return Err(format!(
-            "{url:?}: the scheme must be http or https, not {}",
+            "{shown}: the scheme must be http or https, not {}",
             parsed.scheme()
         ));
     }
     if parsed.host_str().is_none_or(str::is_empty) {
-        return Err(format!("{url:?} names no host"));
+        return Err(format!("{shown} names no host"));
     }
     Ok(url.to_owned())
 }

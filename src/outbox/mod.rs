@@ -212,15 +212,84 @@ pub struct Attempt<'a> {
     pub outcome: Outcome,
 }
 
+/// The most characters of a downstream's answer kept with an operation.
+pub const RESPONSE_EXCERPT_CHARS: usize = 2_000;
+/// The most characters of an error kept with an operation or an attempt.
+pub const ERROR_CHARS: usize = 4_000;
+
+/// Text as PostgreSQL's `text` can hold it, at most `max_chars` long: a NUL (which `text`
+/// refuses) becomes U+FFFD, so that a downstream's odd answer can never make its own record
+/// fail.
+pub fn storable_text(text: &str, max_chars: usize) -> String {
+    let mut out: String = text
+        .chars()
+        .take(max_chars)
+        .map(|c| {
+            if c == '\0' {
+                char::REPLACEMENT_CHARACTER
+            } else {
+                c
+            }
+        })
+        .collect();
+    if text.chars().nth(max_chars).is_some() {
+        out.push('…');
+    }
+    out
+}
+
+impl Settlement {
+    /// The settlement with its texts made storable ([`storable_text`]).
+    fn storable(&self) -> Self {
+        Self {
+            error: self.error.as_deref().map(|e| storable_text(e, ERROR_CHARS)),
+            response: self
+                .response
+                .as_deref()
+                .map(|r| storable_text(r, RESPONSE_EXCERPT_CHARS)),
+            ..self.clone()
+        }
+    }
+}
+
 /// Records an attempt and, if the lease is still this worker's, settles the row. Returns false
-/// when the lease had been taken over: the row is left as its new owner has it.
+/// when the lease had been taken over: the row is left as its new owner has it. The texts are
+/// stored as [`storable_text`] makes them.
 pub async fn complete(
     pool: &PgPool,
     leased: &Leased,
     settlement: &Settlement,
     attempt: &Attempt<'_>,
 ) -> sqlx::Result<bool> {
+    let settlement = &settlement.storable();
     let mut tx = pool.begin().await?;
+    crate::failpoint!("outbox::complete");
+    let updated = settle_row(&mut tx, leased, settlement).await?;
+    record_attempt(&mut tx, leased, settlement, attempt, updated).await?;
+    tx.commit().await?;
+    Ok(updated)
+}
+
+/// Settles the row without recording the attempt: the last resort of a worker whose attempt
+/// record PostgreSQL refuses, so that an answered request is never sent again for want of its
+/// record. The error says what was lost.
+pub async fn complete_unrecorded(
+    pool: &PgPool,
+    leased: &Leased,
+    settlement: &Settlement,
+) -> sqlx::Result<bool> {
+    let settlement = settlement.storable();
+    let mut tx = pool.begin().await?;
+    let updated = settle_row(&mut tx, leased, &settlement).await?;
+    tx.commit().await?;
+    Ok(updated)
+}
+
+async fn settle_row(
+    conn: &mut PgConnection,
+    leased: &Leased,
+    settlement: &Settlement,
+) -> sqlx::Result<bool> {
     let updated = sqlx::query!(
         "UPDATE outbox SET state = $3, next_attempt_at = coalesce($4, next_attempt_at), \
          last_status = $5, last_error = $6, last_response = $7, lease_expires_at = NULL, \
@@ -234,11 +303,9 @@ pub async fn complete(
         settlement.error.as_deref(),
         settlement.response.as_deref(),
     )
-    .execute(&mut *tx)
+    .execute(conn)
     .await?
     .rows_affected();
-    record_attempt(&mut tx, leased, settlement, attempt, updated > 0).await?;
-    tx.commit().await?;
     Ok(updated > 0)
 }
 
@@ -333,9 +400,10 @@ pub struct OperationRow {
     pub completed_at: Option<DateTime<Utc>>,
 }
 
-/// An event's operations.
+/// An event's operations, their destinations redacted ([`crate::secrets::redact_url`]): a
+/// target URL may carry its credential.
 pub async fn of_event(pool: &PgPool, key: &str) -> sqlx::Result<Vec<OperationRow>> {
-    sqlx::query_as!(
+    let mut rows = sqlx::query_as!(
         OperationRow,
         r#"SELECT operation_key, state AS "state: OutboxState",
                   attempts || '/' || max_attempts AS "attempts!", destination, next_attempt_at,
@@ -344,7 +412,11 @@ pub async fn of_event(pool: &PgPool, key: &str) -> sqlx::Result<Vec<OperationRow
         key
     )
     .fetch_all(pool)
-    .await
+    .await?;
+    for row in &mut rows {
+        row.destination = crate::secrets::redact_url(&row.destination);
+    }
+    Ok(rows)
 }
 
 /// One recorded attempt, as the operator sees it.

@@ -116,11 +116,14 @@ pub enum Outcome {
     ReconcileUnknown,
     /// Too little of the lease was left to send; given back.
     LeaseShort,
+    /// The request could not be built (a header or URL that HTTP cannot carry): nothing was
+    /// sent, and sending again would fail the same way.
+    Unsendable,
 }
 
 impl Outcome {
     /// Every outcome.
-    pub const ALL: [Self; 9] = [
+    pub const ALL: [Self; 10] = [
         Self::Done,
         Self::Redirected,
         Self::Failed,
@@ -130,6 +133,7 @@ impl Outcome {
         Self::ReconciledDone,
         Self::ReconcileUnknown,
         Self::LeaseShort,
+        Self::Unsendable,
     ];
 
     /// The outcome as stored.
@@ -144,6 +148,7 @@ impl Outcome {
             Self::ReconciledDone => "reconciled_done",
             Self::ReconcileUnknown => "reconcile_unknown",
             Self::LeaseShort => "lease_short",
+            Self::Unsendable => "unsendable",
         }
     }
 }

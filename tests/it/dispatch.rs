@@ -533,3 +533,180 @@ async fn an_unreadable_outbox_fails_health_until_it_is_back() {
     stop.cancel();
     task.stopped().await.unwrap();
 }
+
+/// Runs a dispatcher until `key`'s operation reaches `state`, then stops it.
+async fn dispatch_until(db: &TestDb, settings: DispatchSettings, key: &str, state: &str) {
+    let dispatchers = Dispatchers::start(db, 1, |_| settings.clone());
+    wait_for(&format!("{key} to be {state}"), WAIT, || async {
+        let at: Option<String> =
+            sqlx::query_scalar("SELECT state FROM outbox WHERE event_key = $1")
+                .bind(key)
+                .fetch_optional(&db.pool)
+                .await
+                .unwrap();
+        at.as_deref() == Some(state)
+    })
+    .await;
+    dispatchers.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refusal_whose_body_holds_a_nul_is_recorded_once_and_never_resent() {
+    let (db, downstream) = (TestDb::new().await, Downstream::start().await);
+    let key = "evt-nul".to_owned();
+    let op = outbox::operation_key(&key, "deliver");
+    downstream.script(
+        &op,
+        &[Behaviour::RefuseWithBody(
+            400,
+            b"{\"error\":\"bad\0input\"}",
+        )],
+    );
+    enqueue_http(&db, &downstream, std::slice::from_ref(&key), false).await;
+    let short_lease = DispatchSettings {
+        lease: Duration::from_secs(2),
+        ..settings("w")
+    };
+    // `failed` is final: no dispatcher leases it again.
+    dispatch_until(&db, short_lease, &key, "failed").await;
+    assert_eq!(
+        downstream.requests(&op),
+        1,
+        "an answered request is never resent"
+    );
+    let (status, response): (Option<i32>, Option<String>) =
+        sqlx::query_as("SELECT last_status, last_response FROM outbox")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(status, Some(400));
+    let response = response.unwrap();
+    assert!(response.contains("bad") && response.contains("input") && !response.contains('\0'));
+    assert_eq!(db.count("SELECT count(*) FROM outbox_attempts").await, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_attempt_whose_record_postgres_refuses_still_settles_and_is_never_resent() {
+    let (db, downstream) = (TestDb::new().await, Downstream::start().await);
+    // Every attempt record is refused as a data error, whatever it holds.
+    sqlx::raw_sql(
+        "CREATE FUNCTION refuse_attempt() RETURNS trigger LANGUAGE plpgsql AS \
+         $$ BEGIN RAISE EXCEPTION 'no attempts today' USING ERRCODE = '22023'; END $$; \
+         CREATE TRIGGER refuse_attempt BEFORE INSERT ON outbox_attempts \
+         FOR EACH ROW EXECUTE FUNCTION refuse_attempt();",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let key = "evt-unrecorded".to_owned();
+    enqueue_http(&db, &downstream, std::slice::from_ref(&key), false).await;
+    let short_lease = DispatchSettings {
+        lease: Duration::from_secs(2),
+        ..settings("w")
+    };
+    dispatch_until(&db, short_lease, &key, "done").await;
+    assert_eq!(
+        downstream.requests(&outbox::operation_key(&key, "deliver")),
+        1
+    );
+    assert_eq!(db.count("SELECT count(*) FROM outbox_attempts").await, 0);
+    let error: Option<String> = sqlx::query_scalar("SELECT last_error FROM outbox")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert!(error.unwrap_or_default().contains("could not be recorded"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_attempt_record_is_tried_again_within_the_lease_not_resent() {
+    let (db, downstream) = (TestDb::new().await, Downstream::start().await);
+    // The first two attempt records fail as a connection would, then they go through.
+    sqlx::raw_sql(
+        "CREATE SEQUENCE refusals; \
+         CREATE FUNCTION refuse_twice() RETURNS trigger LANGUAGE plpgsql AS \
+         $$ BEGIN IF nextval('refusals') <= 2 THEN \
+              RAISE EXCEPTION 'busy' USING ERRCODE = '57P01'; \
+            END IF; RETURN NEW; END $$; \
+         CREATE TRIGGER refuse_twice BEFORE INSERT ON outbox_attempts \
+         FOR EACH ROW EXECUTE FUNCTION refuse_twice();",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let key = "evt-retried-record".to_owned();
+    enqueue_http(&db, &downstream, std::slice::from_ref(&key), false).await;
+    dispatch_until(&db, settings("w"), &key, "done").await;
+    assert_eq!(
+        downstream.requests(&outbox::operation_key(&key, "deliver")),
+        1
+    );
+    assert_eq!(db.count("SELECT count(*) FROM outbox_attempts").await, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_no_header_can_carry_fails_as_unsendable_and_is_never_sent() {
+    let (db, downstream) = (TestDb::new().await, Downstream::start().await);
+    let key = "evt-crlf".to_owned();
+    enqueue_http(&db, &downstream, std::slice::from_ref(&key), false).await;
+    // A row from before keys were checked, or from an effect's own operation name.
+    sqlx::query("UPDATE outbox SET operation_key = operation_key || E'\\r\\nX-Injected: 1'")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    dispatch_until(&db, settings("w"), &key, "failed").await;
+    assert!(downstream.bodies().is_empty(), "nothing was sent");
+    let (outcome, error): (String, Option<String>) =
+        sqlx::query_as("SELECT outcome, error FROM outbox_attempts")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(outcome, "unsendable");
+    assert!(error.unwrap_or_default().contains("could not be built"));
+    assert_eq!(db.count("SELECT count(*) FROM outbox_attempts").await, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_huge_answer_is_read_only_as_far_as_its_excerpt() {
+    let (db, downstream) = (TestDb::new().await, Downstream::start().await);
+    let keys: Vec<String> = (0..4).map(|i| format!("evt-huge-{i}")).collect();
+    const HUGE: usize = 200 << 20;
+    for k in &keys {
+        let op = outbox::operation_key(k, "deliver");
+        downstream.script(&op, &[Behaviour::Huge(500, HUGE)]);
+    }
+    enqueue_http(&db, &downstream, &keys, false).await;
+    // Time enough to read every answer whole, if the dispatcher tried.
+    let patient = DispatchSettings {
+        lease: Duration::from_secs(120),
+        request_timeout: Duration::from_secs(30),
+        ..settings("w")
+    };
+    let metrics = DispatchMetrics::new(&prometheus::Registry::new()).unwrap();
+    let d = Dispatcher::new(patient, db.pool.clone(), metrics).unwrap();
+    d.dispatch_once().await.unwrap();
+    assert_eq!(
+        db.count("SELECT count(*) FROM outbox WHERE state = 'retryable'")
+            .await,
+        4
+    );
+    wait_for("the huge answers to end", WAIT, || async {
+        downstream.streamed().is_some()
+    })
+    .await;
+    // Four answers of 200 MiB each: the dispatcher took its excerpt and a few kernel buffers
+    // of each, never the whole body.
+    let streamed = downstream.streamed().unwrap();
+    assert!(
+        streamed < 4 * (24 << 20),
+        "the dispatcher read {streamed} bytes"
+    );
+    let excerpts: Vec<i32> = sqlx::query_scalar("SELECT length(last_response) FROM outbox")
+        .fetch_all(&db.pool)
+        .await
+        .unwrap();
+    let most = outbox::RESPONSE_EXCERPT_CHARS as i32 + 1;
+    assert!(
+        excerpts.iter().all(|n| (2_000..=most).contains(n)),
+        "{excerpts:?}"
+    );
+}

@@ -26,6 +26,11 @@ pub enum Behaviour {
     RetryAfter(&'static str),
     /// Answers a redirect with this status to `/elsewhere`, applying nothing.
     Redirect(u16),
+    /// Answers this status with this body, applying nothing.
+    RefuseWithBody(u16, &'static [u8]),
+    /// Answers this status with a body of this many bytes, written as fast as the client
+    /// reads it, applying nothing; [`Downstream::streamed`] tells how much was taken.
+    Huge(u16, usize),
 }
 
 #[derive(Default)]
@@ -43,6 +48,9 @@ struct State {
     followed_redirects: u32,
     /// Lookups (GET) answered with a redirect to `/elsewhere`.
     redirect_lookups: bool,
+    /// Bytes of huge answers the clients took, and whether every such answer has ended.
+    streamed: usize,
+    streaming: u32,
     script: HashMap<String, VecDeque<Behaviour>>,
 }
 
@@ -119,6 +127,22 @@ impl Downstream {
         self.state.lock().unwrap().reconciles
     }
 
+    /// Bytes of huge answers written to clients, once no huge answer is still being written.
+    pub fn streamed(&self) -> Option<usize> {
+        let s = self.state.lock().unwrap();
+        (s.streaming == 0).then_some(s.streamed)
+    }
+
+    /// POSTs received for `key`, whatever was answered.
+    pub fn requests(&self, key: &str) -> usize {
+        self.state
+            .lock()
+            .unwrap()
+            .bodies
+            .get(key)
+            .map_or(0, Vec::len)
+    }
+
     async fn serve(self, mut stream: TcpStream) {
         let Some((method, path, key, body)) = read_request(&mut stream).await else {
             return;
@@ -190,6 +214,24 @@ impl Downstream {
                 let location = format!("Location: http://{}/elsewhere\r\n", self.addr);
                 let _ = respond_with(&mut stream, status, &location).await;
             }
+            Behaviour::RefuseWithBody(status, body) => {
+                self.done(&key);
+                let head = format!(
+                    "HTTP/1.1 {status} X\r\nContent-Type: text/plain\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+                    body.len()
+                );
+                let _ = stream.write_all(head.as_bytes()).await;
+                let _ = stream.write_all(body).await;
+                let _ = stream.shutdown().await;
+            }
+            Behaviour::Huge(status, size) => {
+                self.done(&key);
+                self.state.lock().unwrap().streaming += 1;
+                let written = write_huge(&mut stream, status, size).await;
+                let mut s = self.state.lock().unwrap();
+                s.streamed += written;
+                s.streaming -= 1;
+            }
             Behaviour::Hang => {
                 apply(&mut self.state.lock().unwrap());
                 // Holds the connection until the client gives up.
@@ -244,6 +286,28 @@ async fn read_request(stream: &mut TcpStream) -> Option<(String, String, Option<
         body.extend_from_slice(&chunk[..n]);
     }
     Some((method, path, key, body))
+}
+
+/// Writes a `status` answer with a body of `size` bytes in 64 KiB chunks until the client stops
+/// reading; returns the body bytes written.
+async fn write_huge(stream: &mut TcpStream, status: u16, size: usize) -> usize {
+    let head = format!(
+        "HTTP/1.1 {status} X\r\nContent-Type: text/plain\r\nContent-Length: {size}\r\nConnection: close\r\n\r\n"
+    );
+    if stream.write_all(head.as_bytes()).await.is_err() {
+        return 0;
+    }
+    let chunk = vec![b'x'; 64 * 1024];
+    let mut written = 0;
+    while written < size {
+        let n = chunk.len().min(size - written);
+        let write = stream.write_all(&chunk[..n]);
+        match tokio::time::timeout(Duration::from_secs(5), write).await {
+            Ok(Ok(())) => written += n,
+            _ => break,
+        }
+    }
+    written
 }
 
 async fn respond(stream: &mut TcpStream, status: u16) -> std::io::Result<()> {
