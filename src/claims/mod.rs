@@ -285,6 +285,27 @@ pub async fn redefer(
     Ok(())
 }
 
+/// Puts a deferred claim off after its effect failed transiently: one more attempt, due again
+/// at `due`, the error kept; it stays deferred with its reason and deadline.
+pub async fn postpone(
+    conn: &mut PgConnection,
+    key: &str,
+    due: DateTime<Utc>,
+    error: &str,
+) -> sqlx::Result<()> {
+    sqlx::query!(
+        r#"UPDATE processed_events
+           SET attempts = attempts + 1, due_at = $2, last_error = $3
+           WHERE event_key = $1 AND status = 'deferred'"#,
+        key,
+        due,
+        error,
+    )
+    .execute(conn)
+    .await?;
+    Ok(())
+}
+
 /// Takes back claims of this transaction whose effect failed and will be tried again in a later
 /// transaction: at commit the keys are unclaimed, as if never seen.
 pub async fn release(conn: &mut PgConnection, keys: &[&str]) -> sqlx::Result<()> {

@@ -11,6 +11,7 @@
 use super::{BatchError, BatchProcessor, ConsumeMetrics};
 use crate::claims;
 use crate::effect::{self, DeferPolicy, Deferred, Effect, FailureKind};
+use crate::telemetry::Health;
 use chrono::{DateTime, Utc};
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -74,8 +75,12 @@ pub enum Applied {
     Done,
     /// The effect said "not yet" again; the claim waits for its next due time.
     Deferred,
-    /// The effect failed for good, or still deferred at the deadline; the claim is `failed`.
+    /// The effect failed for good (or panicked), or still deferred at the deadline; the claim
+    /// is `failed`.
     Failed,
+    /// The effect failed transiently (a lock or statement timeout, a lost connection): the
+    /// claim stays deferred, due again after a backoff, and the round goes on.
+    Postponed,
     /// Another worker holds the claim, or it is no longer deferred and due.
     Skipped,
 }
@@ -86,6 +91,7 @@ impl Applied {
             Self::Done => "applied",
             Self::Deferred => "deferred",
             Self::Failed => "failed",
+            Self::Postponed => "postponed",
             Self::Skipped => "skipped",
         }
     }
@@ -102,6 +108,8 @@ pub struct Round {
     pub deferred: usize,
     /// Claims settled `failed`.
     pub failed: usize,
+    /// Claims whose effect failed transiently, due again after a backoff.
+    pub postponed: usize,
     /// Claims another worker held (or had settled).
     pub skipped: usize,
 }
@@ -112,10 +120,17 @@ impl Round {
             Applied::Done => self.applied += 1,
             Applied::Deferred => self.deferred += 1,
             Applied::Failed => self.failed += 1,
+            Applied::Postponed => self.postponed += 1,
             Applied::Skipped => self.skipped += 1,
         }
     }
 }
+
+/// The applier's heartbeat, as `/healthz` names it.
+const HEARTBEAT: &str = "deferred applier";
+/// Restarts of the applier within [`RESTART_WINDOW`] past which `/healthz` says it cannot run.
+const MAX_RESTARTS: usize = 5;
+const RESTART_WINDOW: Duration = Duration::from_secs(60);
 
 /// Applies a topic's due deferred claims; see the module's documentation.
 #[derive(Clone)]
@@ -123,6 +138,25 @@ pub struct DeferredApplier {
     processor: BatchProcessor,
     topic: String,
     metrics: ConsumeMetrics,
+    health: Health,
+    /// How long a round may go without a heartbeat before `/healthz` fails.
+    unhealthy_after: Duration,
+}
+
+/// Aborts the task it holds when dropped: the applier's rounds end with its supervisor.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// What one try at a due claim came to.
+enum Try {
+    Settled(Applied),
+    /// A deterministic failure with attempts left: tried again after the effect's backoff.
+    Again,
 }
 
 impl DeferredApplier {
@@ -133,20 +167,75 @@ impl DeferredApplier {
             processor,
             topic: topic.into(),
             metrics,
+            health: Health::default(),
+            unhealthy_after: super::DEFAULT_UNHEALTHY_AFTER,
         }
+    }
+
+    /// Reports to `health`: a heartbeat that goes stale when a round hangs for
+    /// `unhealthy_after`, and a problem when the applier keeps failing.
+    pub fn with_health(mut self, health: Health, unhealthy_after: Duration) -> Self {
+        self.health = health;
+        self.unhealthy_after = unhealthy_after;
+        self
     }
 
     /// Applies due claims in rounds until `stop` is cancelled, waiting
     /// [`DeferSettings::poll_interval`] when nothing is due and backing off on database errors.
-    /// A claim being applied when `stop` comes is finished first.
+    /// A claim being applied when `stop` comes is finished first. The rounds run in a task of
+    /// their own, started again (and counted) if it ever panics; an effect's panic only fails
+    /// its event.
     pub async fn run(self, stop: CancellationToken) {
+        let mut restarts: Vec<Instant> = Vec::new();
+        while !stop.is_cancelled() {
+            let mut rounds = AbortOnDrop(tokio::spawn(self.clone().rounds(stop.clone())));
+            let ended = (&mut rounds.0).await;
+            let panic = match ended {
+                Ok(()) => break,
+                Err(e) if e.is_panic() => super::panic_message(&*e.into_panic()),
+                Err(_) => break,
+            };
+            self.metrics.deferred_restarts.inc();
+            let now = Instant::now();
+            restarts.retain(|at| now.duration_since(*at) < RESTART_WINDOW);
+            restarts.push(now);
+            tracing::error!(panic, "The deferred applier panicked; starting it again.");
+            if restarts.len() > MAX_RESTARTS {
+                let problem = format!(
+                    "it panicked {} times in {} s, last: {panic}",
+                    restarts.len(),
+                    RESTART_WINDOW.as_secs()
+                );
+                self.health.report(HEARTBEAT, Some(problem));
+            }
+            // Doubled for each restart within the window, so a panic that repeats is not
+            // logged at the poll interval forever.
+            let shift = (restarts.len() - 1).min(10) as u32;
+            let wait =
+                (self.processor.defer.poll_interval * 2u32.pow(shift)).min(Duration::from_secs(30));
+            tokio::select! {
+                _ = stop.cancelled() => {}
+                _ = tokio::time::sleep(wait) => {}
+            }
+        }
+        self.health.forget(HEARTBEAT);
+    }
+
+    /// The rounds themselves, until `stop`.
+    async fn rounds(self, stop: CancellationToken) {
         let poll = self.processor.defer.poll_interval;
         let mut backoff = poll;
         let mut gauges_read: Option<Instant> = None;
         while !stop.is_cancelled() {
+            self.beat();
+            crate::failpoint!("consume::deferred_round");
             let wait = match self.apply_due(&stop).await {
                 Ok(round) => {
                     backoff = poll;
+                    if round.applied + round.deferred + round.failed > 0 {
+                        // It runs again: a problem of earlier restarts is over.
+                        self.health.report(HEARTBEAT, None);
+                    }
                     match round.due as i64 >= ROUND_LIMIT && round.skipped < round.due {
                         true => Duration::ZERO,
                         false => poll,
@@ -162,11 +251,19 @@ impl DeferredApplier {
                 self.read_gauges().await;
                 gauges_read = Some(Instant::now());
             }
+            self.beat();
             tokio::select! {
                 _ = stop.cancelled() => {}
                 _ = tokio::time::sleep(wait) => {}
             }
         }
+    }
+
+    /// A heartbeat allowed to go as long as the longest wait between rounds, plus the limit.
+    fn beat(&self) {
+        let max_age =
+            Duration::from_secs(30).max(self.processor.defer.poll_interval) + self.unhealthy_after;
+        self.health.beat(HEARTBEAT, max_age);
     }
 
     /// Sets the gauges of deferred claims from the database.
@@ -181,7 +278,8 @@ impl DeferredApplier {
     }
 
     /// One round: every claim due now (at most 100), each in its own transaction. Stops early
-    /// when `stop` is cancelled, between claims.
+    /// when `stop` is cancelled, between claims. A claim whose effect fails transiently is
+    /// postponed on its own; only a database error of the round itself ends it.
     pub async fn apply_due(&self, stop: &CancellationToken) -> Result<Round, BatchError> {
         let keys = claims::due(&self.processor.pool, &self.topic, ROUND_LIMIT).await?;
         let mut round = Round {
@@ -192,6 +290,7 @@ impl DeferredApplier {
             if stop.is_cancelled() {
                 break;
             }
+            self.beat();
             let applied = self.apply_one(&key).await?;
             self.metrics
                 .deferred_attempts
@@ -203,88 +302,165 @@ impl DeferredApplier {
     }
 
     /// Applies one due claim in its own transaction, retrying a deterministic error like the
-    /// batch does; a transient error rolls back and is returned.
+    /// batch does.
     async fn apply_one(&self, key: &str) -> Result<Applied, BatchError> {
-        let p = &self.processor;
         let mut attempt = 1;
         loop {
-            let mut tx = p.pool.begin().await?;
-            let Some(claim) = claims::lock_due(&mut tx, key).await? else {
-                return Ok(Applied::Skipped);
-            };
-            let event = match claim.event(key) {
-                Ok(event) => event,
-                Err(e) => {
-                    let error = format!("{e:#}");
-                    claims::record_attempt(&mut tx, key, Some(&error)).await?;
-                    tx.commit().await?;
-                    return Ok(Applied::Failed);
+            match self.try_once(key, attempt).await? {
+                Try::Settled(applied) => return Ok(applied),
+                Try::Again => {
+                    tokio::time::sleep(self.processor.retry.delay(attempt)).await;
+                    attempt += 1;
                 }
-            };
-            let outcome = effect::apply_in_savepoint(&mut tx, &*p.effect, &event).await?;
-            let error = match outcome {
-                Ok(()) => {
-                    claims::record_attempt(&mut tx, key, None).await?;
-                    crate::failpoint!("consume::deferred_applied_before_commit");
-                    crate::stallpoint!("consume::deferred_applied_stall_before_commit");
-                    tx.commit().await?;
-                    tracing::debug!(key, "Applied a deferred event.");
-                    return Ok(Applied::Done);
-                }
-                Err(error) => error,
-            };
-            let settled = match effect::classify(&error) {
-                FailureKind::Transient => {
-                    let _ = tx.rollback().await;
-                    return Err(BatchError::Transient(error));
-                }
-                FailureKind::Deferred => {
-                    let not_yet = error
-                        .downcast_ref::<Deferred>()
-                        .expect("classified as deferred");
-                    let now = Utc::now();
-                    match claim.deadline_at {
-                        Some(deadline) if now < deadline => {
-                            let policy = p.defer.policy(&event.source, &*p.effect);
-                            let deferrals = claim.attempts.max(0) as u32 + 1;
-                            let due = policy.due(not_yet, deferrals, now, deadline);
-                            claims::redefer(&mut tx, key, &not_yet.reason, due, None).await?;
-                            Applied::Deferred
-                        }
-                        deadline => {
-                            let deadline = deadline.map_or("-".into(), |d| d.to_rfc3339());
-                            let error = format!(
-                                "still deferred at its deadline ({deadline}): {}",
-                                not_yet.reason
-                            );
-                            tracing::warn!(key, error, "A deferred event passed its deadline.");
-                            claims::record_attempt(&mut tx, key, Some(&error)).await?;
-                            Applied::Failed
-                        }
-                    }
-                }
-                kind => {
-                    let error_text = format!("{error:#}");
-                    tracing::warn!(
-                        key,
-                        attempt,
-                        effect = p.effect.name(),
-                        error = error_text,
-                        "A deferred event's effect failed."
-                    );
-                    if kind == FailureKind::Deterministic && attempt < p.retry.attempts() {
-                        let _ = tx.rollback().await;
-                        tokio::time::sleep(p.retry.delay(attempt)).await;
-                        attempt += 1;
-                        continue;
-                    }
-                    claims::record_attempt(&mut tx, key, Some(&error_text)).await?;
-                    Applied::Failed
-                }
-            };
-            tx.commit().await?;
-            return Ok(settled);
+            }
         }
+    }
+
+    /// One transaction at a due claim: lock it, run the effect (a panic caught), settle it.
+    async fn try_once(&self, key: &str, attempt: u32) -> Result<Try, BatchError> {
+        use futures_util::FutureExt as _;
+        let p = &self.processor;
+        let mut tx = p.pool.begin().await?;
+        let Some(claim) = claims::lock_due(&mut tx, key).await? else {
+            return Ok(Try::Settled(Applied::Skipped));
+        };
+        let event = match claim.event(key) {
+            Ok(event) => event,
+            Err(e) => {
+                claims::record_attempt(&mut tx, key, Some(&format!("{e:#}"))).await?;
+                tx.commit().await?;
+                return Ok(Try::Settled(Applied::Failed));
+            }
+        };
+        let applying = effect::apply_in_savepoint(&mut tx, &*p.effect, &event);
+        let error = match std::panic::AssertUnwindSafe(applying).catch_unwind().await {
+            Ok(Ok(Ok(()))) => {
+                claims::record_attempt(&mut tx, key, None).await?;
+                crate::failpoint!("consume::deferred_applied_before_commit");
+                crate::stallpoint!("consume::deferred_applied_stall_before_commit");
+                tx.commit().await?;
+                tracing::debug!(key, "Applied a deferred event.");
+                return Ok(Try::Settled(Applied::Done));
+            }
+            Ok(Ok(Err(error))) => error,
+            Ok(Err(db)) => return Err(db.into()),
+            Err(panic) => {
+                // The transaction may be anywhere: it is dropped (rolled back) and the failure
+                // recorded in a fresh one.
+                drop(tx);
+                let panic = super::panic_message(&*panic);
+                return self.settle_panic(key, &panic).await.map(Try::Settled);
+            }
+        };
+        let kind = effect::classify(&error);
+        if kind == FailureKind::Transient {
+            let _ = tx.rollback().await;
+            return self
+                .postpone(key, &claim, &event, &error)
+                .await
+                .map(Try::Settled);
+        }
+        if kind == FailureKind::Deferred {
+            let settled = self
+                .defer_again(&mut tx, key, &claim, &event, &error)
+                .await?;
+            tx.commit().await?;
+            return Ok(Try::Settled(settled));
+        }
+        let error_text = format!("{error:#}");
+        tracing::warn!(
+            key,
+            attempt,
+            effect = p.effect.name(),
+            error = error_text,
+            "A deferred event's effect failed."
+        );
+        if kind == FailureKind::Deterministic && attempt < p.retry.attempts() {
+            let _ = tx.rollback().await;
+            return Ok(Try::Again);
+        }
+        claims::record_attempt(&mut tx, key, Some(&error_text)).await?;
+        tx.commit().await?;
+        Ok(Try::Settled(Applied::Failed))
+    }
+
+    /// The effect said "not yet" again: due again after the policy's backoff, or `failed` at
+    /// the deadline.
+    async fn defer_again(
+        &self,
+        tx: &mut sqlx::PgConnection,
+        key: &str,
+        claim: &claims::StoredClaim,
+        event: &crate::envelope::Event,
+        error: &anyhow::Error,
+    ) -> Result<Applied, BatchError> {
+        let p = &self.processor;
+        let not_yet = error
+            .downcast_ref::<Deferred>()
+            .expect("classified as deferred");
+        let now = Utc::now();
+        match claim.deadline_at {
+            Some(deadline) if now < deadline => {
+                let policy = p.defer.policy(&event.source, &*p.effect);
+                let deferrals = claim.attempts.max(0) as u32 + 1;
+                let due = policy.due(not_yet, deferrals, now, deadline);
+                claims::redefer(tx, key, &not_yet.reason, due, None).await?;
+                Ok(Applied::Deferred)
+            }
+            deadline => {
+                let deadline = deadline.map_or("-".into(), |d| d.to_rfc3339());
+                let error = format!(
+                    "still deferred at its deadline ({deadline}): {}",
+                    not_yet.reason
+                );
+                tracing::warn!(key, error, "A deferred event passed its deadline.");
+                claims::record_attempt(tx, key, Some(&error)).await?;
+                Ok(Applied::Failed)
+            }
+        }
+    }
+
+    /// A transient failure says nothing about the event: it stays deferred, due again after the
+    /// policy's backoff for its attempts so far, with the error kept for `events show`.
+    async fn postpone(
+        &self,
+        key: &str,
+        claim: &claims::StoredClaim,
+        event: &crate::envelope::Event,
+        error: &anyhow::Error,
+    ) -> Result<Applied, BatchError> {
+        let p = &self.processor;
+        let policy = p.defer.policy(&event.source, &*p.effect);
+        let tries = claim.attempts.max(0) as u32 + 1;
+        let due = crate::effect::later(Utc::now(), policy.delay(tries));
+        let error = format!("{error:#}");
+        tracing::warn!(key, error, %due, "A deferred event's effect failed transiently; it is due again later.");
+        let mut tx = p.pool.begin().await?;
+        if claims::lock_due(&mut tx, key).await?.is_none() {
+            return Ok(Applied::Skipped);
+        }
+        claims::postpone(&mut tx, key, due, &error).await?;
+        tx.commit().await?;
+        Ok(Applied::Postponed)
+    }
+
+    /// The effect panicked: the event is settled `failed` with the panic's message, as a lane
+    /// settles nothing and stops; the applier goes on with the next claim.
+    async fn settle_panic(&self, key: &str, panic: &str) -> Result<Applied, BatchError> {
+        self.metrics.deferred_panics.inc();
+        let error = format!("the effect panicked: {panic}");
+        tracing::error!(
+            key,
+            error,
+            "A deferred event's effect panicked; the event is failed."
+        );
+        let mut tx = self.processor.pool.begin().await?;
+        if claims::lock_due(&mut tx, key).await?.is_none() {
+            return Ok(Applied::Skipped);
+        }
+        claims::record_attempt(&mut tx, key, Some(&error)).await?;
+        tx.commit().await?;
+        Ok(Applied::Failed)
     }
 }
 

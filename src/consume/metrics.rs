@@ -32,6 +32,11 @@ pub struct ConsumeMetrics {
     /// Due deferred claims taken up, by outcome: applied, deferred (again), failed, skipped
     /// (another worker held it).
     pub deferred_attempts: IntCounterVec,
+    /// Effects that panicked while the deferred applier applied their event; each event is
+    /// settled `failed` with the panic's message.
+    pub deferred_panics: IntCounter,
+    /// Times the deferred applier's task panicked outside an effect and was started again.
+    pub deferred_restarts: IntCounter,
     /// The topic's deferred claims, read from the database (every member reports the same).
     pub deferred_events: IntGauge,
     /// Seconds since the oldest deferred claim of the topic was first deferred.
@@ -98,6 +103,14 @@ impl ConsumeMetrics {
                 "Due deferred events taken up, by outcome.",
                 "outcome",
             )?,
+            deferred_panics: counter(
+                "replayproof_deferred_panics_total",
+                "Effects that panicked applying a deferred event (the event is failed).",
+            )?,
+            deferred_restarts: counter(
+                "replayproof_deferred_restarts_total",
+                "Times the deferred applier panicked and was started again.",
+            )?,
             deferred_events: IntGauge::new(
                 "replayproof_deferred_events",
                 "Events of the topic whose effect deferred, waiting to be applied.",
@@ -123,6 +136,8 @@ impl ConsumeMetrics {
         registry.register(Box::new(self.lane_panics.clone()))?;
         registry.register(Box::new(self.kafka_errors.clone()))?;
         registry.register(Box::new(self.deferred_attempts.clone()))?;
+        registry.register(Box::new(self.deferred_panics.clone()))?;
+        registry.register(Box::new(self.deferred_restarts.clone()))?;
         registry.register(Box::new(self.deferred_events.clone()))?;
         registry.register(Box::new(self.deferred_oldest_age.clone()))
     }

@@ -242,7 +242,8 @@ pub fn start(
     let config = settings.client_config()?;
     let vitals = Arc::new(Vitals::new(shutdown.child_token()));
     let pool = processor.pool.clone();
-    let deferred = DeferredApplier::new(processor.clone(), &settings.topic, metrics.clone());
+    let deferred = DeferredApplier::new(processor.clone(), &settings.topic, metrics.clone())
+        .with_health(health.clone(), settings.unhealthy_after);
     let context = LaneContext::new(
         settings.clone(),
         processor,
@@ -1096,6 +1097,15 @@ fn commit_async(consumer: &BaseConsumer<LaneContext>) -> bool {
     }
 }
 
+/// What a panic said, for a log line or a failed event's error.
+pub(crate) fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic without a message".into())
+}
+
 /// The task behind a lane: batches in offset order, each applied in one transaction.
 struct LaneWorker {
     id: u64,
@@ -1175,11 +1185,7 @@ impl LaneWorker {
     /// A lane that panicked cannot go on: its batch did not commit and its offset must not move.
     /// The process stops, so the partition moves to a member that replays the batch.
     fn panicked(&self, panic: &(dyn std::any::Any + Send)) {
-        let message = panic
-            .downcast_ref::<&str>()
-            .map(|s| s.to_string())
-            .or_else(|| panic.downcast_ref::<String>().cloned())
-            .unwrap_or_else(|| "a panic without a message".into());
+        let message = panic_message(panic);
         self.metrics.lane_panics.inc();
         self.vitals.fail(format!(
             "the lane of partition {} panicked: {message}",

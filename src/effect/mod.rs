@@ -187,7 +187,7 @@ impl Deferred {
 }
 
 /// `now + wait`, saturating at the latest time there is.
-fn later(now: DateTime<Utc>, wait: Duration) -> DateTime<Utc> {
+pub(crate) fn later(now: DateTime<Utc>, wait: Duration) -> DateTime<Utc> {
     chrono::Duration::from_std(wait)
         .ok()
         .and_then(|w| now.checked_add_signed(w))

@@ -453,3 +453,146 @@ async fn one_objects_events_racing_on_two_partitions_end_in_the_newest_state() {
     assert_eq!(states.len(), 20);
     assert!(states.iter().all(|(_, s)| s == "s9"), "{states:?}");
 }
+
+/// Deferred while its gate is closed; once it is open, does what the payload's `then` says:
+/// `panic`, fail `transient`ly, or apply (a ledger row).
+struct Moody;
+
+#[async_trait]
+impl Effect for Moody {
+    fn name(&self) -> &'static str {
+        "moody"
+    }
+
+    async fn apply(&self, tx: &mut Tx<'_>, event: &Event) -> anyhow::Result<()> {
+        let payload = event.payload()?;
+        let gate = payload["gate"].as_str().unwrap_or_default().to_owned();
+        let open: bool = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM gates WHERE name = $1)")
+            .bind(&gate)
+            .fetch_one(&mut **tx)
+            .await?;
+        if !open {
+            return Err(Deferred::new(format!("gate {gate} is closed")).into());
+        }
+        match payload["then"].as_str() {
+            Some("panic") => panic!("moody panics at {}", event.key),
+            Some("transient") => Err(replayproof::effect::Transient(anyhow::anyhow!(
+                "the downstream is busy"
+            ))
+            .into()),
+            _ => Ledger.apply(tx, event).await,
+        }
+    }
+}
+
+fn moody(key: &str, gate: &str, then: &str) -> Envelope {
+    event(
+        key,
+        "test",
+        "test.event",
+        json!({ "gate": gate, "then": then }),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deferred_effect_that_panics_fails_its_event_and_the_applier_goes_on() {
+    let (kafka, db) = (TestKafka::mock(), gated_db().await);
+    let (topic, group) = (kafka.topic(1).await, unique("group"));
+    let processor = replayproof::consume::BatchProcessor {
+        pool: db.pool.clone(),
+        effect: Arc::new(Moody),
+        retry: EffectRetry::default(),
+        defer: DeferSettings {
+            default: DeferPolicy {
+                backoff: Duration::from_millis(50),
+                max_backoff: Duration::from_millis(100),
+                ..DeferPolicy::default()
+            },
+            poll_interval: Duration::from_millis(20),
+            ..DeferSettings::default()
+        },
+    };
+    let consumer =
+        InProcessConsumer::with_processor(settings(&kafka.brokers(), &topic, &group), processor);
+    let producer = producer(&kafka.brokers());
+    let record = |key: &str, gate: &str, then: &str| Record {
+        key: Some(key.as_bytes().to_vec()),
+        value: moody(key, gate, then).to_bytes(),
+        partition: None,
+    };
+    produce(
+        &producer,
+        &topic,
+        &[
+            record("evt-boom", "g", "panic"),
+            record("evt-ok", "g", "apply"),
+        ],
+    )
+    .await;
+    wait_for("both deferred", Duration::from_secs(30), || async {
+        db.count("SELECT count(*) FROM processed_events WHERE status = 'deferred'")
+            .await
+            == 2
+    })
+    .await;
+    open(&db, "g").await;
+    wait_for("the panicking event failed, the other applied", Duration::from_secs(30), || async {
+        db.ledger_counts().await.get("evt-ok") == Some(&1)
+            && db.count("SELECT count(*) FROM processed_events WHERE status = 'failed' AND last_error LIKE '%panicked: moody panics%'").await == 1
+    })
+    .await;
+    assert_eq!(consumer.metric("replayproof_deferred_panics_total"), 1.0);
+    // The applier lives on: an event deferred after the panic is applied when due.
+    produce(&producer, &topic, &[record("evt-later", "h", "apply")]).await;
+    wait_for(
+        "the later event deferred",
+        Duration::from_secs(30),
+        || async {
+            db.count("SELECT count(*) FROM processed_events WHERE status = 'deferred'")
+                .await
+                == 1
+        },
+    )
+    .await;
+    open(&db, "h").await;
+    wait_for(
+        "the later event applied",
+        Duration::from_secs(30),
+        || async { db.ledger_counts().await.get("evt-later") == Some(&1) },
+    )
+    .await;
+    consumer.stop().await;
+}
+
+#[tokio::test]
+async fn a_deferred_event_failing_transiently_is_postponed_and_the_round_goes_on() {
+    let db = gated_db().await;
+    let mut test = EffectTest::new(db.pool.clone(), Moody);
+    test.deliver(&[
+        moody("evt-busy", "g", "transient"),
+        moody("evt-ok", "g", "apply"),
+    ])
+    .await
+    .unwrap();
+    open(&db, "g").await;
+    // Whichever comes first in the round, the busy one no longer ends it.
+    let round = test.apply_deferred().await.unwrap();
+    assert_eq!((round.postponed, round.applied), (1, 1), "{round:?}");
+    assert_eq!(
+        test.status("evt-ok").await.unwrap().as_deref(),
+        Some("done")
+    );
+    assert_eq!(
+        test.status("evt-busy").await.unwrap().as_deref(),
+        Some("deferred")
+    );
+    let (due_in, error): (f64, Option<String>) = sqlx::query_as(
+        "SELECT extract(epoch FROM due_at - now())::float8, last_error FROM processed_events \
+         WHERE event_key = 'evt-busy'",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert!(due_in > 0.0, "due again later, not at once: {due_in}");
+    assert!(error.unwrap_or_default().contains("busy"));
+}

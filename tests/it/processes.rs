@@ -775,3 +775,79 @@ async fn a_deferred_event_held_by_one_consumer_is_skipped_by_another_and_applied
     let _heavy = heavy().await;
     deferred_event_applied_once_by_two_consumers(false).await;
 }
+
+#[cfg(feature = "failpoints")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deferred_applier_that_panics_is_started_again_counted_and_applies_what_is_due() {
+    let _heavy = heavy().await;
+    let (kafka, db) = (TestKafka::for_processes(), TestDb::new().await);
+    let (topic, group) = (kafka.topic(1).await, unique("group"));
+    let port = free_port();
+    let addr = format!("127.0.0.1:{port}");
+    let extra = [
+        "--effect",
+        "ledger-after",
+        "--defer-backoff",
+        "100ms",
+        "--defer-max-backoff",
+        "200ms",
+        "--defer-poll-ms",
+        "50",
+        "--metrics-addr",
+        &addr,
+    ];
+    // The applier's first round panics outside any effect.
+    let consumer = ConsumerProcess::spawn_with(
+        &kafka.brokers(),
+        &topic,
+        &group,
+        &db.url,
+        Some("consume::deferred_round=1*panic(the applier breaks)"),
+        &extra,
+    );
+    let producer = producer(&kafka.brokers());
+    let late = Record::event("evt-late", json!({"after": "evt-first"}));
+    produce(&producer, &topic, &[late]).await;
+    produce(&producer, &topic, &[Record::event("evt-first", json!({}))]).await;
+    wait_for("both events applied", WAIT, || async {
+        db.count("SELECT count(*) FROM processed_events WHERE status = 'done'")
+            .await
+            == 2
+    })
+    .await;
+    let page = http_get(port, "/metrics").await.unwrap().1;
+    assert_eq!(scraped(&page, "replayproof_deferred_restarts_total"), 1.0);
+    assert_eq!(http_get(port, "/healthz").await.unwrap().0, 200);
+    assert!(consumer.terminate(WAIT).await.success());
+    let both = HashSet::from(["evt-first".to_owned(), "evt-late".to_owned()]);
+    assert_exactly_once(&db, &both, WAIT).await;
+}
+
+#[cfg(feature = "failpoints")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deferred_applier_that_cannot_run_fails_health() {
+    let _heavy = heavy().await;
+    let (kafka, db) = (TestKafka::for_processes(), TestDb::new().await);
+    let (topic, group) = (kafka.topic(1).await, unique("group"));
+    let port = free_port();
+    let addr = format!("127.0.0.1:{port}");
+    let extra = ["--defer-poll-ms", "20", "--metrics-addr", &addr];
+    // Every round panics.
+    let consumer = ConsumerProcess::spawn_with(
+        &kafka.brokers(),
+        &topic,
+        &group,
+        &db.url,
+        Some("consume::deferred_round=panic(the applier breaks)"),
+        &extra,
+    );
+    wait_for("/healthz to name the deferred applier", WAIT, || async {
+        http_get(port, "/healthz")
+            .await
+            .is_some_and(|(status, body)| {
+                status == 503 && body.contains("deferred applier: it panicked")
+            })
+    })
+    .await;
+    assert!(consumer.terminate(WAIT).await.success());
+}
