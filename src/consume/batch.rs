@@ -86,6 +86,10 @@ pub enum BatchError {
     /// An effect failed for a reason that says nothing about its event.
     #[error("an effect failed transiently: {0:#}")]
     Transient(anyhow::Error),
+    /// One of the batch's transactions ran past its time limit and was abandoned (rolled
+    /// back). Applied in smaller parts, each transaction has less to do.
+    #[error("a transaction of the batch took longer than {} s; abandoned, it rolled back", .0.as_secs())]
+    TimedOut(Duration),
 }
 
 /// The most attempts `--effect-attempts` allows: with the capped backoff, an event's retries
@@ -174,6 +178,11 @@ impl Retrying {
     pub fn first_offset(&self) -> Option<i64> {
         self.held.first().map(|h| h.message.offset)
     }
+
+    /// What the waiting events take in memory, as the lane's budget counts messages.
+    pub fn bytes(&self) -> usize {
+        self.held.iter().map(|h| h.message.queued_bytes()).sum()
+    }
 }
 
 /// The savepoint a guarded pass applies parts of its batch after, one at a time. It is taken
@@ -228,6 +237,15 @@ impl Savepoint {
 
 /// Attempts made so far at each event of a pass, by offset; absent means none.
 type Attempts = HashMap<i64, u32>;
+
+/// How the transactions of one pass run.
+struct Run<'a> {
+    attempts: &'a Attempts,
+    /// Whether the effect runs in savepoints from the start.
+    guarded: bool,
+    /// The longest one transaction may take; None for no limit.
+    limit: Option<Duration>,
+}
 
 /// Applies batches for one consumer; cheap to clone into each partition lane.
 #[derive(Clone)]
@@ -312,6 +330,8 @@ enum RunError {
     /// An effect failed outside a savepoint: roll back and run the batch again with savepoints.
     Unguarded,
     Database(sqlx::Error),
+    /// The transaction ran past its limit: abandoned, it rolls back.
+    TimedOut(Duration),
 }
 
 impl From<RunError> for BatchError {
@@ -319,6 +339,7 @@ impl From<RunError> for BatchError {
         match e {
             RunError::Database(e) => Self::Database(e),
             RunError::Transient(e) => Self::Transient(e),
+            RunError::TimedOut(limit) => Self::TimedOut(limit),
             // `run_and_commit` always reruns these guarded; never seen here.
             RunError::Unguarded => {
                 Self::Transient(anyhow::anyhow!("an effect failed outside a savepoint"))
@@ -368,13 +389,30 @@ impl BatchProcessor {
     /// whose effect fails and that have attempts left go into `retrying`, due after a capped
     /// backoff; events out of attempts are recorded as `failed`. On an error, nothing committed
     /// (or the outcome of COMMIT is unknown) and `retrying` is unchanged: call again.
-    #[tracing::instrument(name = "batch", skip_all, fields(topic, partition, messages = messages.len()))]
     pub async fn process_pass(
         &self,
         topic: &str,
         partition: i32,
         messages: &[RawMessage],
         retrying: &mut Retrying,
+    ) -> Result<BatchReport, BatchError> {
+        self.process_pass_within(topic, partition, messages, retrying, None)
+            .await
+    }
+
+    /// [`BatchProcessor::process_pass`] with each of its transactions bounded by `limit`: one
+    /// that runs past it is abandoned (it rolls back) and the pass ends with
+    /// [`BatchError::TimedOut`], nothing of it committed unless PostgreSQL refused some rows
+    /// (then the parts before committed, and replay harmlessly). A lane applies such a batch
+    /// again in halves.
+    #[tracing::instrument(name = "batch", skip_all, fields(topic, partition, messages = messages.len()))]
+    pub async fn process_pass_within(
+        &self,
+        topic: &str,
+        partition: i32,
+        messages: &[RawMessage],
+        retrying: &mut Retrying,
+        limit: Option<Duration>,
     ) -> Result<BatchReport, BatchError> {
         let origin = Origin { topic, partition };
         let now = tokio::time::Instant::now();
@@ -386,7 +424,12 @@ impl BatchProcessor {
             .chain(messages.iter())
             .collect();
         let guarded = retrying.guarded > 0;
-        let pass = self.run_pass(origin, &part, &attempts, guarded).await?;
+        let run = Run {
+            attempts: &attempts,
+            guarded,
+            limit,
+        };
+        let pass = self.run_pass(origin, &part, &run).await?;
         retrying.guarded = match pass.report.effect_errors + pass.report.deferred {
             0 => retrying.guarded.saturating_sub(1),
             _ => GUARDED_PASSES,
@@ -423,17 +466,12 @@ impl BatchProcessor {
         &self,
         origin: Origin<'_>,
         messages: &[&RawMessage],
-        attempts: &Attempts,
-        guarded: bool,
+        run: &Run<'_>,
     ) -> Result<Pass, BatchError> {
-        match self
-            .run_and_commit(origin, messages, attempts, guarded)
-            .await
-        {
+        match self.run_and_commit(origin, messages, run).await {
             Err(RunError::Database(e)) if crate::db::is_data_error(&e) => {
                 tracing::warn!(partition = origin.partition, error = %e, "PostgreSQL refused part of a batch; splitting it to find the messages.");
-                self.split_out_refused(origin, messages, e, attempts, guarded)
-                    .await
+                self.split_out_refused(origin, messages, e, run).await
             }
             other => Ok(other?),
         }
@@ -447,15 +485,14 @@ impl BatchProcessor {
         origin: Origin<'_>,
         messages: &[&RawMessage],
         refusal: sqlx::Error,
-        attempts: &Attempts,
-        guarded: bool,
+        run: &Run<'_>,
     ) -> Result<Pass, BatchError> {
         let mut done = Pass::default();
         let mut parts = VecDeque::from([(messages, Some(refusal))]);
         while let Some((part, refusal)) = parts.pop_front() {
             let refusal = match refusal {
                 Some(e) => e,
-                None => match self.run_and_commit(origin, part, attempts, guarded).await {
+                None => match self.run_and_commit(origin, part, run).await {
                     Ok(pass) => {
                         done.merge(pass);
                         continue;
@@ -515,23 +552,39 @@ impl BatchProcessor {
         &self,
         origin: Origin<'_>,
         messages: &[&RawMessage],
-        attempts: &Attempts,
-        guarded: bool,
+        run: &Run<'_>,
     ) -> Result<Pass, RunError> {
         let plan = Plan::new(origin, messages);
-        match self.run_once(&plan, attempts, guarded).await {
+        match self.run_once(&plan, run, run.guarded).await {
             Err(RunError::Unguarded) => {
                 tracing::debug!(
                     partition = origin.partition,
                     "An effect failed; running the batch again with savepoints."
                 );
-                self.run_once(&plan, attempts, true).await
+                self.run_once(&plan, run, true).await
             }
             other => other,
         }
     }
 
+    /// One transaction, within the run's time limit: past it, the transaction is abandoned
+    /// (dropped, so it rolls back) and the run ends with [`RunError::TimedOut`].
     async fn run_once(
+        &self,
+        plan: &Plan<'_>,
+        run: &Run<'_>,
+        guarded: bool,
+    ) -> Result<Pass, RunError> {
+        let transaction = self.transaction(plan, run.attempts, guarded);
+        match run.limit {
+            None => transaction.await,
+            Some(limit) => tokio::time::timeout(limit, transaction)
+                .await
+                .unwrap_or(Err(RunError::TimedOut(limit))),
+        }
+    }
+
+    async fn transaction(
         &self,
         plan: &Plan<'_>,
         attempts: &Attempts,

@@ -310,8 +310,38 @@ struct Vitals {
     /// Per running lane (by id): its partition, and when its unfinished batch started (ms
     /// since `epoch`, 0 when it has none).
     busy: Mutex<HashMap<u64, (i32, Arc<AtomicU64>)>>,
-    /// Kafka errors: when the current streak started and when the last one came.
+    /// Kafka errors of the consumer as a whole: when the current streak started and when the
+    /// last one came.
     errors: Mutex<Option<ErrorStreak>>,
+    /// Each assigned partition's own errors and progress: a message of one partition says
+    /// nothing of another.
+    partitions: Mutex<HashMap<i32, PartitionVitals>>,
+}
+
+/// How one assigned partition is doing, as its fetches and the statistics tell.
+#[derive(Debug, Clone)]
+struct PartitionVitals {
+    /// The partition's own fetch errors, cleared by its next message.
+    errors: Option<ErrorStreak>,
+    /// When a message of the partition last reached its lane (or, before any, when it was
+    /// assigned).
+    advanced: Instant,
+    /// Messages on the broker after the last one handed over, from the statistics.
+    behind: i64,
+    /// Whether its lane holds its whole byte budget: then the partition waits for the lane, and
+    /// a lane that does not commit is reported as such.
+    lane_full: bool,
+}
+
+impl PartitionVitals {
+    fn new(now: Instant) -> Self {
+        Self {
+            errors: None,
+            advanced: now,
+            behind: 0,
+            lane_full: false,
+        }
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -319,6 +349,39 @@ struct ErrorStreak {
     since: Instant,
     last: Instant,
     error: String,
+}
+
+impl ErrorStreak {
+    /// Adds an error to the streak in `slot`, or starts one when the last error is old.
+    fn extend(slot: &mut Option<ErrorStreak>, error: String) {
+        let now = Instant::now();
+        match slot.as_mut() {
+            Some(streak) if now - streak.last < ERROR_STREAK_GAP => {
+                streak.last = now;
+                streak.error = error;
+            }
+            _ => {
+                *slot = Some(ErrorStreak {
+                    since: now,
+                    last: now,
+                    error,
+                })
+            }
+        }
+    }
+
+    /// The streak's sentence, when it still repeats and has lasted `limit`.
+    fn lasting(&self, now: Instant, limit: Duration) -> Option<String> {
+        let repeating = now.saturating_duration_since(self.last) < ERROR_STREAK_GAP;
+        let lasting = now.saturating_duration_since(self.since);
+        (repeating && lasting >= limit).then(|| {
+            format!(
+                "Kafka has reported errors for {} s without a message: {}",
+                lasting.as_secs(),
+                self.error
+            )
+        })
+    }
 }
 
 impl Vitals {
@@ -329,6 +392,7 @@ impl Vitals {
             fatal: Mutex::new(None),
             busy: Mutex::new(HashMap::new()),
             errors: Mutex::new(None),
+            partitions: Mutex::new(HashMap::new()),
         }
     }
 
@@ -349,25 +413,45 @@ impl Vitals {
     }
 
     fn kafka_error(&self, error: String) {
-        let now = Instant::now();
-        let mut errors = self.errors.lock().expect("errors lock");
-        match errors.as_mut() {
-            Some(streak) if now - streak.last < ERROR_STREAK_GAP => {
-                streak.last = now;
-                streak.error = error;
-            }
-            _ => {
-                *errors = Some(ErrorStreak {
-                    since: now,
-                    last: now,
-                    error,
-                })
-            }
-        }
+        ErrorStreak::extend(&mut self.errors.lock().expect("errors lock"), error);
     }
 
     fn kafka_message(&self) {
         *self.errors.lock().expect("errors lock") = None;
+    }
+
+    /// An error from one partition's fetches: its own streak, which only its own messages end.
+    fn partition_error(&self, partition: i32, error: String) {
+        let mut partitions = self.partitions.lock().expect("partitions lock");
+        let vitals = partitions
+            .entry(partition)
+            .or_insert_with(|| PartitionVitals::new(Instant::now()));
+        ErrorStreak::extend(&mut vitals.errors, error);
+    }
+
+    /// A message of `partition` reached its lane.
+    fn partition_advanced(&self, partition: i32) {
+        let mut partitions = self.partitions.lock().expect("partitions lock");
+        let now = Instant::now();
+        let vitals = partitions
+            .entry(partition)
+            .or_insert_with(|| PartitionVitals::new(now));
+        vitals.errors = None;
+        vitals.advanced = now;
+    }
+
+    fn assigned(&self, partition: i32) {
+        self.partitions
+            .lock()
+            .expect("partitions lock")
+            .insert(partition, PartitionVitals::new(Instant::now()));
+    }
+
+    fn revoked(&self, partition: i32) {
+        self.partitions
+            .lock()
+            .expect("partitions lock")
+            .remove(&partition);
     }
 
     /// The partition whose unfinished batch is oldest, and how long it has been going.
@@ -388,6 +472,8 @@ impl Vitals {
 struct Assessment {
     lanes: Option<String>,
     kafka: Option<String>,
+    /// Partitions stuck on their own: fetch errors, or messages waiting that never arrive.
+    partitions: Option<String>,
     fatal: Option<String>,
 }
 
@@ -412,18 +498,43 @@ fn assess(
             verdict.lanes = Some(said);
         }
     }
-    if let Some(streak) = errors {
-        let repeating = now.saturating_duration_since(streak.last) < ERROR_STREAK_GAP;
-        let lasting = now.saturating_duration_since(streak.since);
-        if repeating && lasting >= settings.unhealthy_after {
-            verdict.kafka = Some(format!(
-                "Kafka has reported errors for {} s without a message: {}",
-                lasting.as_secs(),
-                streak.error
-            ));
-        }
-    }
+    verdict.kafka = errors.and_then(|streak| streak.lasting(now, settings.unhealthy_after));
     verdict
+}
+
+/// Judges each partition on its own: one whose fetches keep failing, or that is behind and has
+/// handed over nothing for the limit while its lane had room. A message of another partition
+/// clears neither.
+fn assess_partitions(
+    partitions: &HashMap<i32, PartitionVitals>,
+    now: Instant,
+    limit: Duration,
+) -> Option<String> {
+    let mut stuck: Vec<(i32, String)> = partitions
+        .iter()
+        .filter_map(|(&partition, v)| {
+            if let Some(said) = v.errors.as_ref().and_then(|e| e.lasting(now, limit)) {
+                return Some((partition, format!("partition {partition}: {said}")));
+            }
+            let quiet = now.saturating_duration_since(v.advanced);
+            (v.behind > 0 && !v.lane_full && quiet >= limit).then(|| {
+                let said = format!(
+                    "partition {partition} is {} messages behind and has received none for {} s",
+                    v.behind,
+                    quiet.as_secs()
+                );
+                (partition, said)
+            })
+        })
+        .collect();
+    stuck.sort();
+    (!stuck.is_empty()).then(|| {
+        stuck
+            .into_iter()
+            .map(|(_, said)| said)
+            .collect::<Vec<_>>()
+            .join("; ")
+    })
 }
 
 /// Every second: reports stalled lanes and repeating Kafka errors to `/healthz`, and stops the
@@ -439,6 +550,11 @@ async fn watch(vitals: Arc<Vitals>, health: Health, settings: ConsumerSettings) 
         );
         health.report("lanes", verdict.lanes);
         health.report("kafka", verdict.kafka);
+        let partitions = vitals.partitions.lock().expect("partitions lock").clone();
+        health.report(
+            "partitions",
+            assess_partitions(&partitions, Instant::now(), settings.unhealthy_after),
+        );
         if let Some(reason) = verdict.fatal {
             vitals.fail(reason);
         }
@@ -497,6 +613,7 @@ fn poll_until(consumer: &BaseConsumer<LaneContext>, shutdown: &CancellationToken
             // A message fetched before its partition's queue was split off.
             Some(Ok(message)) => {
                 ctx.vitals.kafka_message();
+                ctx.vitals.partition_advanced(message.partition());
                 ctx.route(message.partition(), RawMessage::from(&message))
             }
             Some(Err(e)) => ctx.kafka_error(&e),
@@ -621,11 +738,21 @@ struct Lane {
     task: Option<tokio::task::JoinHandle<()>>,
     /// Bytes of the messages sent to the lane and not yet taken into a batch.
     queued_bytes: Arc<AtomicUsize>,
+    /// Bytes of the events whose effect failed and that wait in the lane for another attempt:
+    /// they count in the lane's budget too.
+    held_bytes: Arc<AtomicUsize>,
     /// The next offset expected; a message below it means the partition's offsets went back.
     next_offset: i64,
 }
 
 impl Lane {
+    /// What the lane holds beyond its batch in flight: queued messages and held retries.
+    fn holds(&self) -> usize {
+        self.queued_bytes
+            .load(Ordering::Relaxed)
+            .saturating_add(self.held_bytes.load(Ordering::Relaxed))
+    }
+
     /// Queues a message for the lane. True when its offset is below the next one expected: a
     /// truncated or recreated topic, or an offset reset. Those may be new messages at reused
     /// offsets, and the claims make any replay among them harmless, so they are queued too.
@@ -671,9 +798,16 @@ impl ClientContext for LaneContext {
             return;
         };
         let feeds = self.feeds.lock().expect("feeds lock");
+        let lanes = self.lanes.lock().expect("lanes lock");
+        let mut vitals = self.vitals.partitions.lock().expect("partitions lock");
+        let budget = self.settings.max_lane_bytes.max(1);
         for (partition, stats) in &topic.partitions {
             if !feeds.contains_key(partition) {
                 continue;
+            }
+            if let Some(v) = vitals.get_mut(partition) {
+                v.behind = not_handed_over(stats);
+                v.lane_full = lanes.get(partition).is_some_and(|l| l.holds() >= budget);
             }
             // Before this group stored or committed anything, everything from the log's start
             // is still to apply (a new group reads from the earliest offset).
@@ -698,6 +832,23 @@ impl ClientContext for LaneContext {
                     .set(lag);
             }
         }
+    }
+}
+
+/// Messages the broker reported for a partition after the last one librdkafka handed to the
+/// poll loop (or, before any, after the committed offset or the log's start).
+fn not_handed_over(stats: &rdkafka::statistics::Partition) -> i64 {
+    let end = if stats.ls_offset >= 0 {
+        stats.ls_offset
+    } else {
+        stats.hi_offset
+    };
+    let next = [stats.app_offset, stats.committed_offset, stats.lo_offset]
+        .into_iter()
+        .find(|o| *o >= 0);
+    match next {
+        Some(next) if end >= 0 => (end - next).max(0),
+        _ => 0,
     }
 }
 
@@ -727,6 +878,7 @@ impl ConsumerContext for LaneContext {
             // so a dashboard does not show a stale number next to the new owner's.
             for e in tpl.elements_for_topic(&self.settings.topic) {
                 self.metrics.forget_partition(e.partition());
+                self.vitals.revoked(e.partition());
             }
             return;
         }
@@ -749,6 +901,7 @@ impl ConsumerContext for LaneContext {
                 );
             }
             feeds.insert(e.partition(), feed);
+            self.vitals.assigned(e.partition());
         }
         self.metrics.assigned_partitions.set(feeds.len() as i64);
     }
@@ -813,12 +966,24 @@ impl LaneContext {
 
     /// Counts and logs an error Kafka reported; a streak of them shows in `/healthz`.
     fn kafka_error(&self, error: &KafkaError) {
+        self.count_error(error);
+        tracing::warn!(error = %error, "Kafka reported an error.");
+        self.vitals.kafka_error(error.to_string());
+    }
+
+    /// Like [`LaneContext::kafka_error`], for an error of one partition's fetches: its streak is
+    /// the partition's own.
+    fn partition_error(&self, partition: i32, error: &KafkaError) {
+        self.count_error(error);
+        tracing::warn!(partition, error = %error, "Kafka reported an error fetching a partition.");
+        self.vitals.partition_error(partition, error.to_string());
+    }
+
+    fn count_error(&self, error: &KafkaError) {
         let code = error
             .rdkafka_error_code()
             .map_or_else(|| "other".to_owned(), |c| format!("{c:?}"));
         self.metrics.kafka_errors.with_label_values(&[&code]).inc();
-        tracing::warn!(error = %error, "Kafka reported an error.");
-        self.vitals.kafka_error(error.to_string());
     }
 
     /// Moves messages from each partition's queue to its lane while the lane holds less than
@@ -831,9 +996,7 @@ impl LaneContext {
         for (&partition, feed) in feeds.iter() {
             let Some(feed) = feed else { continue };
             loop {
-                let full = lanes
-                    .get(&partition)
-                    .is_some_and(|l| l.queued_bytes.load(Ordering::Relaxed) >= budget);
+                let full = lanes.get(&partition).is_some_and(|l| l.holds() >= budget);
                 if full {
                     break;
                 }
@@ -841,11 +1004,12 @@ impl LaneContext {
                     None => break,
                     Some(Ok(message)) => {
                         self.vitals.kafka_message();
+                        self.vitals.partition_advanced(partition);
                         self.route_to(&mut lanes, partition, message);
                         moved = true;
                     }
                     Some(Err(e)) => {
-                        self.kafka_error(&e);
+                        self.partition_error(partition, &e);
                         break;
                     }
                 }
@@ -880,6 +1044,7 @@ impl LaneContext {
         let (messages, rx) = mpsc::unbounded_channel();
         let stop = CancellationToken::new();
         let queued_bytes = Arc::new(AtomicUsize::new(0));
+        let held_bytes = Arc::new(AtomicUsize::new(0));
         let busy_since = Arc::new(AtomicU64::new(0));
         self.vitals
             .busy
@@ -899,6 +1064,7 @@ impl LaneContext {
             metrics: self.metrics.clone(),
             stop: stop.clone(),
             queued_bytes: queued_bytes.clone(),
+            held_bytes: held_bytes.clone(),
             completions: self.completions_tx.clone(),
             busy_since,
             vitals: self.vitals.clone(),
@@ -910,6 +1076,7 @@ impl LaneContext {
             stop,
             task: Some(self.runtime.spawn(worker.run(rx))),
             queued_bytes,
+            held_bytes,
             next_offset: first_offset,
         }
     }
@@ -1121,6 +1288,8 @@ struct LaneWorker {
     metrics: ConsumeMetrics,
     stop: CancellationToken,
     queued_bytes: Arc<AtomicUsize>,
+    /// What the lane's held retries take ([`Retrying::bytes`]), for the poll loop's budget.
+    held_bytes: Arc<AtomicUsize>,
     completions: std_mpsc::Sender<Completion>,
     /// When the batch in hand started (ms since the vitals' epoch), 0 when there is none.
     busy_since: Arc<AtomicU64>,
@@ -1227,32 +1396,53 @@ impl LaneWorker {
     }
 
     /// Applies a batch, retrying database errors with backoff until it commits (true) or the
-    /// lane is stopped (false, nothing committed).
+    /// lane is stopped (false; what committed is reported, the rest replays). Each transaction is
+    /// bounded by the batch timeout on its own; a part whose transaction ran past it is split in
+    /// halves, applied in offset order, so a slow batch commits part by part instead of timing
+    /// out whole forever.
     async fn apply(&self, batch: &[RawMessage], progress: &mut Progress) -> bool {
         let started = Instant::now();
         self.busy_since
             .store(self.vitals.now_ms(), Ordering::Relaxed);
+        // Parts still to commit, the next one last.
+        let mut parts = vec![batch];
         let mut backoff = Duration::from_millis(100);
-        loop {
-            let attempt = self.processor.process_pass(
+        while let Some(part) = parts.pop() {
+            let attempt = self.processor.process_pass_within(
                 &self.topic,
                 self.partition,
-                batch,
+                part,
                 &mut progress.retrying,
+                Some(self.batch_timeout),
             );
-            let result = match tokio::time::timeout(self.batch_timeout, attempt).await {
-                Ok(result) => result.map_err(anyhow::Error::from),
-                Err(_) => Err(anyhow::anyhow!(
-                    "the batch took longer than {} s; abandoned, its transaction rolls back",
-                    self.batch_timeout.as_secs()
-                )),
-            };
+            let result = attempt.await;
+            self.held_bytes
+                .store(progress.retrying.bytes(), Ordering::Relaxed);
             match result {
                 Ok(report) => {
                     crate::failpoint!("consume::after_commit");
-                    self.busy_since.store(0, Ordering::Relaxed);
-                    self.report(batch, progress.advance(batch), &report, started);
-                    return true;
+                    let now = if parts.is_empty() {
+                        0
+                    } else {
+                        self.vitals.now_ms()
+                    };
+                    self.busy_since.store(now, Ordering::Relaxed);
+                    self.report(part, progress.advance(part), &report, started);
+                    backoff = Duration::from_millis(100);
+                    continue;
+                }
+                Err(BatchError::TimedOut(limit)) if part.len() > 1 => {
+                    self.metrics.batch_retries.inc();
+                    tracing::warn!(
+                        partition = self.partition,
+                        messages = part.len(),
+                        limit_secs = limit.as_secs(),
+                        "A batch's transaction ran past the batch timeout and was rolled back; \
+                         applying it in halves."
+                    );
+                    let (left, right) = part.split_at(part.len() / 2);
+                    parts.extend([right, left]);
+                    continue;
                 }
                 Err(e) => {
                     self.metrics.batch_retries.inc();
@@ -1262,16 +1452,17 @@ impl LaneWorker {
                         retry_in_ms = backoff.as_millis() as u64,
                         "A batch did not commit; retrying it."
                     );
-                    let jitter =
-                        Duration::from_millis(fastrand::u64(0..=backoff.as_millis() as u64 / 4));
-                    tokio::select! {
-                        _ = self.stop.cancelled() => return false,
-                        _ = tokio::time::sleep(backoff + jitter) => {}
-                    }
-                    backoff = (backoff * 2).min(self.max_retry_backoff);
+                    parts.push(part);
                 }
             }
+            let jitter = Duration::from_millis(fastrand::u64(0..=backoff.as_millis() as u64 / 4));
+            tokio::select! {
+                _ = self.stop.cancelled() => return false,
+                _ = tokio::time::sleep(backoff + jitter) => {}
+            }
+            backoff = (backoff * 2).min(self.max_retry_backoff);
         }
+        true
     }
 
     fn report(
@@ -1345,6 +1536,7 @@ mod tests {
             stop: CancellationToken::new(),
             task: None,
             queued_bytes: Arc::new(AtomicUsize::new(0)),
+            held_bytes: Arc::new(AtomicUsize::new(0)),
             next_offset: 0,
         };
         let message = |offset| RawMessage {
@@ -1382,6 +1574,58 @@ mod tests {
         assert_eq!(stuck.fatal, None);
         let stalled = assess(Some((3, Duration::from_secs(300))), None, now, &limits());
         assert!(stalled.fatal.is_some() && stalled.lanes.is_some());
+    }
+
+    #[test]
+    fn each_partition_is_judged_on_its_own() {
+        let now = Instant::now();
+        let limit = Duration::from_secs(60);
+        let ago = |secs| now - Duration::from_secs(secs);
+        let flowing = PartitionVitals {
+            advanced: now,
+            behind: 10,
+            ..PartitionVitals::new(now)
+        };
+        let failing = PartitionVitals {
+            errors: Some(ErrorStreak {
+                since: ago(90),
+                last: ago(1),
+                error: "Broker: Corrupt message".into(),
+            }),
+            advanced: ago(90),
+            ..PartitionVitals::new(now)
+        };
+        let starved = PartitionVitals {
+            advanced: ago(61),
+            behind: 7,
+            ..PartitionVitals::new(now)
+        };
+        let waiting_for_its_lane = PartitionVitals {
+            lane_full: true,
+            ..starved.clone()
+        };
+        let caught_up = PartitionVitals {
+            advanced: ago(3600),
+            ..PartitionVitals::new(now)
+        };
+        let all = HashMap::from([
+            (0, flowing),
+            (1, failing),
+            (2, starved),
+            (3, waiting_for_its_lane),
+            (4, caught_up),
+        ]);
+        let said = assess_partitions(&all, now, limit).unwrap();
+        assert!(
+            said.contains("partition 1: Kafka has reported errors for 90 s"),
+            "{said}"
+        );
+        assert!(said.contains("partition 2 is 7 messages behind"), "{said}");
+        for quiet in ["partition 0", "partition 3", "partition 4"] {
+            assert!(!said.contains(quiet), "{said}");
+        }
+        let healthy = HashMap::from([(0, all[&0].clone()), (4, all[&4].clone())]);
+        assert_eq!(assess_partitions(&healthy, now, limit), None);
     }
 
     #[test]

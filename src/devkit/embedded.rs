@@ -235,8 +235,14 @@ pub struct EmbeddedKafka {
 impl EmbeddedKafka {
     /// Starts a one-broker cluster whose consumer groups rebalance without the initial delay.
     pub fn start() -> anyhow::Result<Self> {
+        Self::start_with_brokers(1)
+    }
+
+    /// Like [`EmbeddedKafka::start`], with `brokers` brokers (ids 1 to `brokers`), so that
+    /// partitions can be led by different brokers and one of them can fail alone.
+    pub fn start_with_brokers(brokers: u32) -> anyhow::Result<Self> {
         let owner: BaseProducer = ClientConfig::new()
-            .set("test.mock.num.brokers", "1")
+            .set("test.mock.num.brokers", brokers.max(1).to_string())
             .set("log_level", "3")
             .create()
             .context("starting the mock Kafka cluster")?;
@@ -286,6 +292,45 @@ impl EmbeddedKafka {
         errors: &[rdkafka::types::RDKafkaRespErr],
     ) {
         self.cluster().request_errors(api_key, errors);
+    }
+
+    /// Makes `partition` of `topic` led by broker `broker`.
+    pub fn set_partition_leader(
+        &self,
+        topic: &str,
+        partition: i32,
+        broker: i32,
+    ) -> anyhow::Result<()> {
+        self.cluster()
+            .partition_leader(topic, partition, Some(broker))
+            .with_context(|| format!("moving {topic} [{partition}] to broker {broker}"))
+    }
+
+    /// Makes the next `count` Fetch requests to broker `broker` fail with `error` for every
+    /// partition they ask for: one broker's partitions fail while the others' go on.
+    pub fn fail_fetches_from(
+        &self,
+        broker: i32,
+        count: usize,
+        error: rdkafka::types::RDKafkaRespErr,
+    ) {
+        let fetch = rdkafka::types::RDKafkaApiKey::Fetch as i16;
+        // SAFETY: the handle's mock cluster lives as long as `owner`; each call pushes one
+        // (error, round-trip time) pair, passed as C ints as the variadic function reads them.
+        unsafe {
+            let cluster =
+                rdkafka::bindings::rd_kafka_handle_mock_cluster(self.owner.client().native_ptr());
+            for _ in 0..count {
+                rdkafka::bindings::rd_kafka_mock_broker_push_request_error_rtts(
+                    cluster,
+                    broker,
+                    fetch,
+                    1,
+                    error as std::ffi::c_int,
+                    0 as std::ffi::c_int,
+                );
+            }
+        }
     }
 
     /// Lets requests of this kind through again.

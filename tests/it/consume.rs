@@ -633,3 +633,253 @@ async fn lag_keeps_growing_from_the_statistics_while_a_partition_is_stuck() {
     .await;
     consumer.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_spelling_that_skips_the_backlog_is_refused_and_earliest_applies_it() {
+    let (kafka, db) = (TestKafka::mock(), TestDb::new().await);
+    let topic = kafka.topic(1).await;
+    let records: Vec<Record> = (0..20)
+        .map(|i| Record::event(&format!("evt-{i}"), json!(i)))
+        .collect();
+    produce(&producer(&kafka.brokers()), &topic, &records).await;
+    for (key, value) in [
+        ("topic.auto.offset.reset", "latest"),
+        ("auto.offset.reset", "largest"),
+        ("topic.auto.offset.reset", "end"),
+        ("enable.auto.commit", "true"),
+        ("enable.auto.offset.store", "true"),
+        ("isolation.level", "read_uncommitted"),
+        ("topic.offset.store.method", "file"),
+    ] {
+        let mut s = settings(&kafka.brokers(), &topic, &unique("group"));
+        s.kafka_options.push((key.into(), value.into()));
+        let ended = InProcessConsumer::start(s, db.pool.clone())
+            .ended(WAIT)
+            .await;
+        let error = format!("{:#}", ended.expect_err("refused at start"));
+        assert!(error.contains("refused"), "{key}={value}: {error}");
+    }
+    assert_eq!(db.count("SELECT count(*) FROM processed_events").await, 0);
+    // A fresh group given the value replayproof keeps reads the whole backlog.
+    let group = unique("group");
+    let mut s = settings(&kafka.brokers(), &topic, &group);
+    s.kafka_options
+        .push(("topic.auto.offset.reset".into(), "earliest".into()));
+    let consumer = InProcessConsumer::start(s, db.pool.clone());
+    let expected: HashSet<String> = (0..20).map(|i| format!("evt-{i}")).collect();
+    assert_exactly_once(&db, &expected, WAIT).await;
+    wait_committed(&kafka, &group, &topic, &[20]).await;
+    consumer.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_payload_nested_200000_levels_deep_is_dead_lettered_and_the_partition_goes_on() {
+    let (kafka, db) = (TestKafka::mock(), TestDb::new().await);
+    let (topic, group) = (kafka.topic(1).await, unique("group"));
+    let consumer =
+        InProcessConsumer::start(settings(&kafka.brokers(), &topic, &group), db.pool.clone());
+    // Written straight to the topic, as any producer could.
+    let deep = format!(
+        r#"{{"key":"evt-deep","source":"test","payload":{}1{}}}"#,
+        "[".repeat(200_000),
+        "]".repeat(200_000)
+    );
+    let records = [
+        Record::event("evt-before", json!(1)),
+        Record {
+            key: Some(b"evt-deep".to_vec()),
+            value: deep.into_bytes(),
+            partition: None,
+        },
+        Record::event("evt-after", json!(2)),
+    ];
+    produce(&producer(&kafka.brokers()), &topic, &records).await;
+    wait_committed(&kafka, &group, &topic, &[3]).await;
+    let counts = db.ledger_counts().await;
+    assert_eq!((counts["evt-before"], counts["evt-after"]), (1, 1));
+    let reason: String = sqlx::query_scalar("SELECT reason FROM dead_letters")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert!(reason.contains("levels deep"), "{reason}");
+    consumer.stop().await;
+}
+
+/// The ledger effect, 10 ms an event, refusing one event for good.
+struct Slow {
+    refused: &'static str,
+}
+
+#[async_trait::async_trait]
+impl replayproof::effect::Effect for Slow {
+    fn name(&self) -> &'static str {
+        "slow"
+    }
+
+    async fn apply(
+        &self,
+        tx: &mut replayproof::effect::Tx<'_>,
+        event: &replayproof::envelope::Event,
+    ) -> anyhow::Result<()> {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        if event.key.as_str() == self.refused {
+            anyhow::bail!("the downstream refuses {}", self.refused);
+        }
+        replayproof::effect::Ledger.apply(tx, event).await
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_batch_with_one_failing_event_commits_within_its_timeout() {
+    let (kafka, db) = (TestKafka::mock(), TestDb::new().await);
+    let (topic, group) = (kafka.topic(1).await, unique("group"));
+    let records: Vec<Record> = (0..200)
+        .map(|i| Record::event(&format!("evt-{i:03}"), json!(i)))
+        .collect();
+    produce(&producer(&kafka.brokers()), &topic, &records).await;
+    // 200 events of 10 ms: 2 s unguarded until the last one fails, about 2.7 s more guarded
+    // with the search for it. Each transaction fits in 3 s; the two together do not.
+    let s = ConsumerSettings {
+        batch_size: 200,
+        linger: Duration::from_millis(500),
+        batch_timeout: Duration::from_secs(3),
+        ..settings(&kafka.brokers(), &topic, &group)
+    };
+    let slow = std::sync::Arc::new(Slow { refused: "evt-199" });
+    let consumer = InProcessConsumer::with_effect(s, db.pool.clone(), slow);
+    wait_committed(&kafka, &group, &topic, &[200]).await;
+    assert_eq!(db.count("SELECT count(*) FROM ledger").await, 199);
+    let failed = db
+        .count("SELECT count(*) FROM processed_events WHERE status = 'failed' AND event_key = 'evt-199'")
+        .await;
+    assert_eq!(failed, 1);
+    consumer.stop().await;
+}
+
+/// Fails every event (deterministically), remembering every key it was asked to apply.
+#[derive(Default)]
+struct FailsAll {
+    seen: std::sync::Mutex<HashSet<String>>,
+}
+
+#[async_trait::async_trait]
+impl replayproof::effect::Effect for FailsAll {
+    fn name(&self) -> &'static str {
+        "fails-all"
+    }
+
+    async fn apply(
+        &self,
+        _: &mut replayproof::effect::Tx<'_>,
+        event: &replayproof::envelope::Event,
+    ) -> anyhow::Result<()> {
+        self.seen.lock().unwrap().insert(event.key.to_string());
+        anyhow::bail!("always refused")
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn events_waiting_for_an_effect_retry_count_in_the_lane_budget() {
+    let (kafka, db) = (TestKafka::mock(), TestDb::new().await);
+    let (topic, group) = (kafka.topic(1).await, unique("group"));
+    let padding = "x".repeat(1_000);
+    let records: Vec<Record> = (0..2_000)
+        .map(|i| Record::event(&format!("evt-{i:04}"), json!({ "pad": padding })))
+        .collect();
+    produce(&producer(&kafka.brokers()), &topic, &records).await;
+    // Room for about fifteen messages; the first retry is due only after 2 s.
+    let s = ConsumerSettings {
+        max_lane_bytes: 16 * 1024,
+        ..settings(&kafka.brokers(), &topic, &group)
+    };
+    let effect = std::sync::Arc::new(FailsAll::default());
+    let processor = replayproof::consume::BatchProcessor {
+        defer: Default::default(),
+        pool: db.pool.clone(),
+        effect: effect.clone(),
+        retry: replayproof::consume::EffectRetry {
+            attempts: 10,
+            backoff: Duration::from_secs(2),
+        },
+    };
+    let consumer = InProcessConsumer::with_processor(s, processor);
+    wait_for("the first events tried", WAIT, || async {
+        !effect.seen.lock().unwrap().is_empty()
+    })
+    .await;
+    // Held retries fill the budget: the lane takes no more messages until they settle (18 s
+    // from now), where it used to take every message it could read meanwhile.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let seen = effect.seen.lock().unwrap().len();
+    assert!(
+        seen <= 64,
+        "{seen} events were taken in while the first ones waited"
+    );
+    assert_eq!(db.count("SELECT count(*) FROM processed_events").await, 0);
+    consumer.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partition_failing_its_fetches_is_unhealthy_while_another_flows() {
+    let kafka = replayproof::devkit::embedded::EmbeddedKafka::start_with_brokers(2).unwrap();
+    let db = TestDb::new().await;
+    let (topic, group) = (unique("webhooks"), unique("group"));
+    kafka.create_topic(&topic, 2).unwrap();
+    kafka.set_partition_leader(&topic, 0, 1).unwrap();
+    kafka.set_partition_leader(&topic, 1, 2).unwrap();
+    let brokers = kafka.bootstrap_servers();
+    let s = ConsumerSettings {
+        unhealthy_after: Duration::from_secs(2),
+        ..settings(&brokers, &topic, &group)
+    };
+    let processor = replayproof::consume::BatchProcessor {
+        defer: Default::default(),
+        pool: db.pool.clone(),
+        effect: std::sync::Arc::new(replayproof::effect::Ledger),
+        retry: replayproof::consume::EffectRetry::default(),
+    };
+    let metrics = replayproof::consume::ConsumeMetrics::new(&prometheus::Registry::new()).unwrap();
+    let health = replayproof::telemetry::Health::default();
+    let stop = tokio_util::sync::CancellationToken::new();
+    let running =
+        replayproof::consume::start(s, processor, metrics, health.clone(), stop.clone()).unwrap();
+    let producer = producer(&brokers);
+    produce(
+        &producer,
+        &topic,
+        &[Record::event("evt-p1", json!(1)).on(1)],
+    )
+    .await;
+    wait_for("the first events applied", WAIT, || async {
+        db.count("SELECT count(*) FROM ledger").await == 1
+    })
+    .await;
+    // Broker 2's fetches fail from now on: partition 1 is stuck, while partition 0 keeps
+    // delivering messages, each of which used to clear the consumer's one error streak.
+    kafka.fail_fetches_from(
+        2,
+        2_000,
+        rdkafka::types::RDKafkaRespErr::RD_KAFKA_RESP_ERR_INVALID_MSG,
+    );
+    let mut n = 0;
+    wait_for("/healthz to name partition 1", WAIT, || {
+        n += 1;
+        let (producer, topic, health) = (&producer, &topic, &health);
+        async move {
+            let record = Record::event(&format!("evt-p0-{n}"), json!(n)).on(0);
+            produce(producer, topic, &[record]).await;
+            health
+                .problems()
+                .iter()
+                .any(|p| p.starts_with("partitions: partition 1: Kafka has reported errors"))
+        }
+    })
+    .await;
+    assert!(
+        !health.problems().iter().any(|p| p.contains("partition 0")),
+        "{:?}",
+        health.problems()
+    );
+    stop.cancel();
+    running.stopped().await.unwrap();
+}
