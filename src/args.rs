@@ -9,6 +9,31 @@ pub const fn millis(duration: Duration) -> u64 {
     duration.as_millis() as u64
 }
 
+/// The longest wait, timeout or interval any duration flag accepts: a week. Nothing replayproof
+/// waits for is longer, and a bound keeps a typo (or `u64::MAX`) from overflowing the clock
+/// arithmetic it feeds: such a value is refused with the range, at start.
+pub const MAX_WAIT: Duration = Duration::from_secs(7 * 24 * 3600);
+
+/// A `--…-ms` flag: milliseconds from `min` up to [`MAX_WAIT`].
+pub fn ms(min: u64) -> clap::builder::RangedU64ValueParser<u64> {
+    clap::value_parser!(u64).range(min..=millis(MAX_WAIT))
+}
+
+/// A `--…-secs` flag: seconds from `min` up to [`MAX_WAIT`].
+pub fn secs(min: u64) -> clap::builder::RangedU64ValueParser<u64> {
+    clap::value_parser!(u64).range(min..=MAX_WAIT.as_secs())
+}
+
+/// One of PostgreSQL's session timeouts in milliseconds: 0 (off) up to the largest it holds.
+pub fn pg_ms() -> clap::builder::RangedU64ValueParser<u64> {
+    clap::value_parser!(u64).range(0..=i32::MAX as u64)
+}
+
+/// An age to filter by, in seconds: up to a hundred years.
+pub fn age_secs() -> clap::builder::RangedU64ValueParser<u64> {
+    clap::value_parser!(u64).range(0..=100 * 365 * 24 * 3600)
+}
+
 /// Where PostgreSQL is, which schema holds replayproof's tables, and the time limits every
 /// session runs under.
 #[derive(Debug, Clone, Args)]
@@ -30,17 +55,17 @@ pub struct SessionArgs {
     pub schema: Schema,
 
     /// PostgreSQL's statement_timeout for every session, in milliseconds.
-    #[arg(long, env = "REPLAYPROOF_STATEMENT_TIMEOUT_MS", default_value_t = millis(db::DEFAULT_STATEMENT_TIMEOUT))]
+    #[arg(long, env = "REPLAYPROOF_STATEMENT_TIMEOUT_MS", value_parser = pg_ms(), default_value_t = millis(db::DEFAULT_STATEMENT_TIMEOUT))]
     pub statement_timeout_ms: u64,
 
     /// PostgreSQL's lock_timeout for every session, in milliseconds: how long a claim waits for
     /// another transaction holding the same key.
-    #[arg(long, env = "REPLAYPROOF_LOCK_TIMEOUT_MS", default_value_t = millis(db::DEFAULT_LOCK_TIMEOUT))]
+    #[arg(long, env = "REPLAYPROOF_LOCK_TIMEOUT_MS", value_parser = pg_ms(), default_value_t = millis(db::DEFAULT_LOCK_TIMEOUT))]
     pub lock_timeout_ms: u64,
 
     /// PostgreSQL's idle_in_transaction_session_timeout, in milliseconds: a paused or cut-off
     /// process's open transaction (and the claims it holds) ends after this.
-    #[arg(long, env = "REPLAYPROOF_IDLE_IN_TRANSACTION_TIMEOUT_MS", default_value_t = millis(db::DEFAULT_IDLE_IN_TRANSACTION_TIMEOUT))]
+    #[arg(long, env = "REPLAYPROOF_IDLE_IN_TRANSACTION_TIMEOUT_MS", value_parser = pg_ms(), default_value_t = millis(db::DEFAULT_IDLE_IN_TRANSACTION_TIMEOUT))]
     pub idle_in_transaction_timeout_ms: u64,
 }
 
@@ -96,10 +121,17 @@ pub struct KafkaOptions {
 }
 
 /// Parses one `KEY=VALUE`.
+/// A property whose key names a secret (`sasl.password`) has its value registered, so no log
+/// or error prints it; text without `=` is refused without being echoed, as it may be one.
 pub fn parse_key_value(s: &str) -> Result<(String, String), String> {
     match s.split_once('=') {
-        Some((k, v)) if !k.is_empty() => Ok((k.to_owned(), v.to_owned())),
-        _ => Err(format!("expected KEY=VALUE, got {s:?}")),
+        Some((k, v)) if !k.trim().is_empty() => {
+            if crate::secrets::is_secret_property(k) {
+                crate::secrets::register(v);
+            }
+            Ok((k.to_owned(), v.to_owned()))
+        }
+        _ => Err("expected KEY=VALUE".to_owned()),
     }
 }
 

@@ -107,11 +107,21 @@ impl Cli {
     pub fn run(self) -> std::process::ExitCode {
         use clap::CommandFactory as _;
         let argv = std::env::args_os().collect();
-        match crate::config::layer(&Args::command(), argv, &crate::config::ProcessEnv) {
-            Ok(argv) => main_with(self, Args::parse_from(argv)),
+        let argv = match crate::config::layer(&Args::command(), argv, &crate::config::ProcessEnv) {
+            Ok(argv) => argv,
             Err(e) => {
-                eprintln!("replayproof: {e:#}");
-                std::process::ExitCode::from(2)
+                eprintln!("replayproof: {}", crate::secrets::scrub(&format!("{e:#}")));
+                return std::process::ExitCode::from(2);
+            }
+        };
+        match Args::try_parse_from(argv) {
+            Ok(args) => main_with(self, args),
+            // Help and the version go to stdout, as clap prints them.
+            Err(e) if !e.use_stderr() => e.exit(),
+            Err(e) => {
+                // clap echoes a refused value verbatim, and a refused value may be a secret.
+                eprint!("{}", crate::config::render_clap_error(&e));
+                std::process::ExitCode::from(e.exit_code().clamp(0, 255) as u8)
             }
         }
     }
@@ -137,7 +147,7 @@ impl Cli {
                     args.config.as_deref(),
                     &crate::config::ProcessEnv,
                 )?;
-                print!("{}", report.text);
+                print!("{}", crate::secrets::scrub(&report.text));
                 anyhow::ensure!(
                     report.problems == 0,
                     "the configuration has {} problem(s)",
@@ -186,5 +196,73 @@ fn main_with(cli: Cli, args: Args) -> std::process::ExitCode {
             tracing::error!(error = format!("{e:#}"), "replayproof stopped on an error.");
             std::process::ExitCode::FAILURE
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory as _;
+
+    /// Every flag of every command, with the command's path.
+    fn flags() -> Vec<(Vec<String>, clap::Arg)> {
+        let mut out = Vec::new();
+        let mut stack = vec![(Vec::new(), Args::command())];
+        while let Some((path, cmd)) = stack.pop() {
+            for arg in cmd.get_arguments() {
+                out.push((path.clone(), arg.clone()));
+            }
+            for sub in cmd.get_subcommands() {
+                let mut p = path.clone();
+                p.push(sub.get_name().to_owned());
+                stack.push((p, sub.clone()));
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn every_duration_flag_refuses_an_absurd_value_with_a_clear_error() {
+        let humantime = ["defer-backoff", "defer-max-backoff", "defer-deadline"];
+        let mut checked = 0;
+        for (path, arg) in flags() {
+            let Some(long) = arg.get_long() else { continue };
+            let absurd = if humantime.contains(&long) {
+                "1000000000h"
+            } else if long.ends_with("-ms") || long.ends_with("-secs") {
+                "18446744073709551615"
+            } else {
+                continue;
+            };
+            let mut argv = vec!["replayproof".to_owned()];
+            argv.extend(path.iter().cloned());
+            argv.extend([format!("--{long}"), absurd.to_owned()]);
+            let error = Args::command()
+                .try_get_matches_from(&argv)
+                .expect_err("refused");
+            assert_eq!(
+                error.kind(),
+                clap::error::ErrorKind::ValueValidation,
+                "{argv:?}: {error}"
+            );
+            checked += 1;
+        }
+        assert!(checked >= 25, "only {checked} duration flags found");
+    }
+
+    #[test]
+    fn a_refused_value_of_a_secret_flag_is_never_echoed() {
+        let secret = "postgres://u:hunter2-secret@db/x?sslmode=nonsense";
+        let error = Args::command()
+            .try_get_matches_from(["replayproof", "migrate", "--database-url", secret])
+            .expect_err("refused");
+        let text = crate::config::render_clap_error(&error);
+        assert!(text.contains("--database-url"), "{text}");
+        assert!(!text.contains("hunter2-secret"), "{text}");
+        // Other flags still show the value they refused, which helps find the typo.
+        let error = Args::command()
+            .try_get_matches_from(["replayproof", "dispatch", "--lease-secs", "soon"])
+            .expect_err("refused");
+        assert!(crate::config::render_clap_error(&error).contains("soon"));
     }
 }

@@ -269,55 +269,37 @@ pub fn kafka_env_properties(env: &dyn Env) -> Vec<(String, String, String)> {
     props
 }
 
-/// Whether a librdkafka property holds a secret: passwords, secrets, private keys, JAAS-like
-/// configs.
-pub fn is_secret_property(key: &str) -> bool {
-    let key = key.to_ascii_lowercase();
-    [
-        "password",
-        "secret",
-        "key.pem",
-        "oauthbearer.config",
-        "token",
-    ]
-    .iter()
-    .any(|s| key.contains(s))
-}
+pub use crate::secrets::{is_secret_property, redact_url, redacted};
 
-/// `value` when `key` names no secret, otherwise a placeholder.
-pub fn redacted(key: &str, value: &str) -> String {
-    if is_secret_property(key) {
-        "<redacted>".into()
-    } else {
-        value.into()
-    }
-}
+/// Flags whose values may carry a secret: a refused value of one is never echoed.
+const SECRET_FLAGS: &[&str] = &[
+    "--database-url",
+    "--header",
+    "--signing-secret",
+    "--kafka-option",
+    "--target-url",
+    "--reconcile-url",
+];
 
-/// A PostgreSQL URL with its password (and any `password=` parameter) replaced.
-pub fn redact_url(url: &str) -> String {
-    match reqwest::Url::parse(url) {
-        Ok(mut parsed) => {
-            if parsed.password().is_some() {
-                let _ = parsed.set_password(Some("redacted"));
-            }
-            let pairs: Vec<(String, String)> = parsed
-                .query_pairs()
-                .map(|(k, v)| {
-                    let v = if is_secret_property(&k) {
-                        "redacted".into()
-                    } else {
-                        v.into_owned()
-                    };
-                    (k.into_owned(), v)
-                })
-                .collect();
-            if !pairs.is_empty() {
-                parsed.query_pairs_mut().clear().extend_pairs(pairs);
-            }
-            parsed.to_string()
+/// A clap error as it may be printed. clap quotes the value it refused, and a value given to a
+/// flag that carries secrets (a database URL with a password, a header with a token) must not
+/// be printed: it is replaced, and every registered secret is scrubbed from the rest.
+pub fn render_clap_error(error: &clap::Error) -> String {
+    use clap::error::{ContextKind, ContextValue};
+    let mut text = error.render().to_string();
+    let arg = match error.get(ContextKind::InvalidArg) {
+        Some(ContextValue::String(arg)) => arg.as_str(),
+        _ => "",
+    };
+    let secret_flag = SECRET_FLAGS.iter().any(|f| arg.starts_with(f))
+        || is_secret_property(arg)
+        || arg.contains("key");
+    if let Some(ContextValue::String(value)) = error.get(ContextKind::InvalidValue) {
+        if secret_flag && !value.is_empty() {
+            text = text.replace(value.as_str(), crate::secrets::REDACTED);
         }
-        Err(_) => "<redacted: not a URL>".into(),
     }
+    crate::secrets::scrub(&text).into_owned()
 }
 
 // ---------------------------------------------------------------------------------- layering
@@ -676,7 +658,9 @@ fn literal(text: &str) -> String {
 /// header values and signing secret.
 fn redact_setting(section: &str, key: &str, value: &str) -> String {
     match (section, key) {
-        ("database", "url") => redact_url(value),
+        ("database", "url") | ("consume", "target_url") | ("consume", "reconcile_url") => {
+            redact_url(value)
+        }
         ("dispatch", "header") | ("dispatch", "headers") => "<redacted>".into(),
         _ => redacted(key, value),
     }
@@ -758,6 +742,19 @@ pub fn check(root: &Command, path: Option<&Path>, env: &dyn Env) -> anyhow::Resu
             }
         }
     }
+    let database_url = env.var("DATABASE_URL").or_else(|| {
+        file.as_ref()?
+            .section("database")
+            .get("url")?
+            .as_str()
+            .map(str::to_owned)
+    });
+    if let Some(warning) = database_url
+        .as_deref()
+        .and_then(crate::db::unverified_tls_of)
+    {
+        writeln!(text, "\nwarning: [database] url: {warning}")?;
+    }
     writeln!(
         text,
         "\n# Commands, started from the file and the environment alone:"
@@ -789,7 +786,10 @@ pub fn check(root: &Command, path: Option<&Path>, env: &dyn Env) -> anyhow::Resu
                 }
                 _ => {
                     problems += 1;
-                    let first = e.to_string();
+                    let first = match e.downcast_ref::<clap::Error>() {
+                        Some(c) => render_clap_error(c),
+                        None => crate::secrets::scrub(&format!("{e:#}")).into_owned(),
+                    };
                     let first = first
                         .lines()
                         .next()

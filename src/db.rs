@@ -24,9 +24,17 @@ impl DatabaseUrl {
 impl FromStr for DatabaseUrl {
     type Err = anyhow::Error;
 
+    /// Registers the URL's password as a secret ([`crate::secrets`]) first, so that nothing
+    /// prints it, and says why a URL is refused without repeating it.
     fn from_str(s: &str) -> anyhow::Result<Self> {
-        PgConnectOptions::from_str(s).context("DATABASE_URL is not a PostgreSQL URL")?;
-        Ok(Self(s.to_owned()))
+        crate::secrets::register_url(s);
+        match PgConnectOptions::from_str(s) {
+            Ok(_) => Ok(Self(s.to_owned())),
+            Err(e) => {
+                let why = crate::secrets::scrub(&e.to_string()).replace(s, "the URL");
+                anyhow::bail!("not a PostgreSQL URL: {why}")
+            }
+        }
     }
 }
 
@@ -117,7 +125,11 @@ pub fn pool_in(
     limits: Limits,
     schema: &Schema,
 ) -> anyhow::Result<PgPool> {
-    let options = PgConnectOptions::from_str(url.expose())?
+    let options = PgConnectOptions::from_str(url.expose())?;
+    if let Some(warning) = unverified_tls(&options) {
+        tracing::warn!(warning, "The database connection is not verified.");
+    }
+    let options = options
         .application_name("replayproof")
         .options(limits.settings())
         .options([("search_path", schema.search_path())]);
@@ -128,6 +140,44 @@ pub fn pool_in(
         .test_before_acquire(false)
         .acquire_timeout(Duration::from_secs(5))
         .connect_lazy_with(options))
+}
+
+/// Why the connection to a database on another host can be read or taken over on the way,
+/// if it can: without `sslmode=verify-full` (or `verify-ca`) no certificate is checked, and
+/// PostgreSQL's default `prefer` silently falls back to plaintext. None for a local database
+/// (a Unix socket, localhost, a loopback address) and for a verified one.
+pub fn unverified_tls(options: &PgConnectOptions) -> Option<String> {
+    use sqlx::postgres::PgSslMode;
+    let host = options.get_host();
+    let local = options.get_socket().is_some()
+        || host.starts_with('/')
+        || host.eq_ignore_ascii_case("localhost")
+        || host
+            .trim_matches(['[', ']'])
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback());
+    let mode = match options.get_ssl_mode() {
+        PgSslMode::VerifyFull | PgSslMode::VerifyCa => return None,
+        _ if local => return None,
+        PgSslMode::Disable => "disable",
+        PgSslMode::Allow => "allow",
+        PgSslMode::Prefer => "prefer",
+        PgSslMode::Require => "require",
+    };
+    let fallback = match mode {
+        "allow" | "prefer" => ", and falls back to plaintext when TLS is not offered",
+        "disable" => ", and sends everything in plaintext",
+        _ => "",
+    };
+    Some(format!(
+        "the database at {host} is reached with sslmode={mode}, which checks no certificate{fallback}; \
+         add sslmode=verify-full (and sslrootcert=… for a private CA) to the URL"
+    ))
+}
+
+/// [`unverified_tls`] of a URL; None when it does not parse.
+pub fn unverified_tls_of(url: &str) -> Option<String> {
+    unverified_tls(&PgConnectOptions::from_str(url).ok()?)
 }
 
 /// The schema that holds replayproof's tables and migrations' bookkeeping (`--schema`).
@@ -250,5 +300,51 @@ pub fn is_data_error(error: &sqlx::Error) -> bool {
             .code()
             .is_some_and(|code| matches!(code.get(..2), Some("22" | "23"))),
         _ => false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_an_unverified_connection_to_another_host_is_warned_about() {
+        let warned = |url: &str| unverified_tls_of(url);
+        for url in [
+            "postgres://u@db.example.com/x",
+            "postgres://u@db.example.com/x?sslmode=prefer",
+            "postgres://u@10.0.0.5:5432/x?sslmode=require",
+            "postgres://u@db.example.com/x?sslmode=disable",
+        ] {
+            let warning = warned(url).unwrap_or_default();
+            assert!(warning.contains("verify-full"), "{url}: {warning}");
+        }
+        assert!(warned("postgres://u@db.example.com/x")
+            .unwrap()
+            .contains("falls back to plaintext"));
+        for url in [
+            "postgres://u@db.example.com/x?sslmode=verify-full",
+            "postgres://u@db.example.com/x?sslmode=verify-ca",
+            "postgres://u@localhost/x",
+            "postgres://u@127.0.0.1:5433/x",
+            "postgres://u@[::1]/x",
+            "postgres://u@%2Fvar%2Frun%2Fpostgresql/x",
+        ] {
+            assert_eq!(warned(url), None, "{url}");
+        }
+    }
+
+    #[test]
+    fn a_refused_url_says_why_without_its_password() {
+        let error = "postgres://app:pa55-w0rd-secret@db/x?sslmode=verfy-full"
+            .parse::<DatabaseUrl>()
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            error.contains("sslmode") || error.contains("verfy"),
+            "{error}"
+        );
+        assert!(!error.contains("pa55-w0rd-secret"), "{error}");
     }
 }

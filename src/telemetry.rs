@@ -31,7 +31,8 @@ pub fn init_logging_with(default: &str, format: LogFormat) {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr);
+        // Every line passes through the scrubber: a registered secret never reaches the log.
+        .with_writer(crate::secrets::scrubbing_stderr);
     let _ = match format {
         LogFormat::Json => builder.json().try_init(),
         LogFormat::Text => builder

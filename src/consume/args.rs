@@ -65,7 +65,7 @@ pub struct ConsumeArgs {
     pub batch_size: u32,
 
     /// How long to wait for more messages once a batch has its first one, in milliseconds.
-    #[arg(long, env = "REPLAYPROOF_LINGER_MS", default_value_t = millis(DEFAULT_LINGER))]
+    #[arg(long, env = "REPLAYPROOF_LINGER_MS", default_value_t = millis(DEFAULT_LINGER), value_parser = crate::args::ms(0))]
     pub linger_ms: u64,
 
     /// Bytes of messages queued for one partition's lane beyond its batch in flight; past it,
@@ -75,7 +75,7 @@ pub struct ConsumeArgs {
     pub max_lane_bytes: usize,
 
     /// How often committed batches' offsets are committed to Kafka, in milliseconds.
-    #[arg(long, env = "REPLAYPROOF_COMMIT_INTERVAL_MS", default_value_t = millis(DEFAULT_COMMIT_INTERVAL))]
+    #[arg(long, env = "REPLAYPROOF_COMMIT_INTERVAL_MS", default_value_t = millis(DEFAULT_COMMIT_INTERVAL), value_parser = crate::args::ms(1))]
     pub commit_interval_ms: u64,
 
     /// Attempts of a failing effect before its event is recorded as failed, each in a new
@@ -109,31 +109,31 @@ pub struct ConsumeArgs {
     pub defer_sources: Vec<String>,
 
     /// How often due deferred events are looked for, in milliseconds.
-    #[arg(long, env = "REPLAYPROOF_DEFER_POLL_MS", default_value_t = millis(super::DEFAULT_DEFER_POLL), value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(long, env = "REPLAYPROOF_DEFER_POLL_MS", default_value_t = millis(super::DEFAULT_DEFER_POLL), value_parser = crate::args::ms(1))]
     pub defer_poll_ms: u64,
 
     /// The longest pause between retries of a batch that failed on a database error, in
     /// milliseconds.
-    #[arg(long, env = "REPLAYPROOF_MAX_RETRY_BACKOFF_MS", default_value_t = millis(DEFAULT_MAX_RETRY_BACKOFF))]
+    #[arg(long, env = "REPLAYPROOF_MAX_RETRY_BACKOFF_MS", default_value_t = millis(DEFAULT_MAX_RETRY_BACKOFF), value_parser = crate::args::ms(1))]
     pub max_retry_backoff_ms: u64,
 
     /// On SIGTERM, SIGINT or a revoke: how long batches in flight may take to finish, in seconds.
-    #[arg(long, env = "REPLAYPROOF_SHUTDOWN_GRACE_SECS", default_value_t = DEFAULT_SHUTDOWN_GRACE.as_secs())]
+    #[arg(long, env = "REPLAYPROOF_SHUTDOWN_GRACE_SECS", default_value_t = DEFAULT_SHUTDOWN_GRACE.as_secs(), value_parser = crate::args::secs(0))]
     pub shutdown_grace_secs: u64,
 
     /// The longest one attempt at a batch may take before it is abandoned (rolled back) and
     /// retried, in seconds.
-    #[arg(long, env = "REPLAYPROOF_BATCH_TIMEOUT_SECS", default_value_t = DEFAULT_BATCH_TIMEOUT.as_secs(), value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(long, env = "REPLAYPROOF_BATCH_TIMEOUT_SECS", default_value_t = DEFAULT_BATCH_TIMEOUT.as_secs(), value_parser = crate::args::secs(1))]
     pub batch_timeout_secs: u64,
 
     /// /healthz fails once a partition has not committed its batch for this long, or Kafka has
     /// reported errors this long without a message, in seconds.
-    #[arg(long, env = "REPLAYPROOF_UNHEALTHY_AFTER_SECS", default_value_t = DEFAULT_UNHEALTHY_AFTER.as_secs(), value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(long, env = "REPLAYPROOF_UNHEALTHY_AFTER_SECS", default_value_t = DEFAULT_UNHEALTHY_AFTER.as_secs(), value_parser = crate::args::secs(1))]
     pub unhealthy_after_secs: u64,
 
     /// The process exits non-zero once a partition has not committed its batch for this long,
     /// so the group hands its partitions to another member, in seconds.
-    #[arg(long, env = "REPLAYPROOF_STALL_EXIT_SECS", default_value_t = DEFAULT_STALL_EXIT.as_secs(), value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(long, env = "REPLAYPROOF_STALL_EXIT_SECS", default_value_t = DEFAULT_STALL_EXIT.as_secs(), value_parser = crate::args::secs(1))]
     pub stall_exit_secs: u64,
 
     /// Connections in the PostgreSQL pool; each partition's batch uses one.
@@ -168,10 +168,20 @@ pub struct HttpEffectArgs {
 }
 
 /// A duration with its unit: 500ms, 30s, 10m, 24h, 3d.
+/// At most [`MAX_DEFER_DURATION`]: longer is refused at start, not overflowed later.
 pub fn parse_duration(text: &str) -> Result<Duration, String> {
-    humantime::parse_duration(text)
-        .map_err(|e| format!("{text:?} is not a duration ({e}); for example 30s, 10m or 24h"))
+    let d = humantime::parse_duration(text)
+        .map_err(|e| format!("{text:?} is not a duration ({e}); for example 30s, 10m or 24h"))?;
+    if d > MAX_DEFER_DURATION {
+        return Err(format!(
+            "{text:?} is longer than a year, the most a deferral may last"
+        ));
+    }
+    Ok(d)
 }
+
+/// The longest deadline or backoff of a deferral: a year, longer than any sender redelivers.
+pub const MAX_DEFER_DURATION: Duration = Duration::from_secs(366 * 24 * 3600);
 
 /// The policy of `--defer-source SOURCE=DEADLINE[,BACKOFF[,MAX_BACKOFF]]`; what is not given
 /// comes from `defaults`.

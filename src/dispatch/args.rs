@@ -23,23 +23,23 @@ pub struct DispatchArgs {
 
     /// How long a lease lasts, in seconds: longer than the slowest realistic request, shorter
     /// than anyone's patience with an operation whose worker died.
-    #[arg(long, env = "REPLAYPROOF_LEASE_SECS", default_value_t = DEFAULT_LEASE.as_secs(), value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(long, env = "REPLAYPROOF_LEASE_SECS", default_value_t = DEFAULT_LEASE.as_secs(), value_parser = crate::args::secs(1))]
     pub lease_secs: u64,
 
     /// The timeout of one request, in milliseconds; must be well under the lease.
-    #[arg(long, env = "REPLAYPROOF_REQUEST_TIMEOUT_MS", default_value_t = millis(DEFAULT_REQUEST_TIMEOUT))]
+    #[arg(long, env = "REPLAYPROOF_REQUEST_TIMEOUT_MS", default_value_t = millis(DEFAULT_REQUEST_TIMEOUT), value_parser = crate::args::ms(1))]
     pub request_timeout_ms: u64,
 
     /// The first retry's delay in milliseconds; doubled for each further attempt, with jitter.
-    #[arg(long, env = "REPLAYPROOF_BACKOFF_MS", default_value_t = millis(DEFAULT_BACKOFF))]
+    #[arg(long, env = "REPLAYPROOF_BACKOFF_MS", default_value_t = millis(DEFAULT_BACKOFF), value_parser = crate::args::ms(0))]
     pub backoff_ms: u64,
 
     /// The longest delay between attempts, in milliseconds.
-    #[arg(long, env = "REPLAYPROOF_MAX_BACKOFF_MS", default_value_t = millis(DEFAULT_MAX_BACKOFF))]
+    #[arg(long, env = "REPLAYPROOF_MAX_BACKOFF_MS", default_value_t = millis(DEFAULT_MAX_BACKOFF), value_parser = crate::args::ms(1))]
     pub max_backoff_ms: u64,
 
     /// How often to look for due operations when none were due, in milliseconds.
-    #[arg(long, env = "REPLAYPROOF_POLL_MS", default_value_t = millis(DEFAULT_POLL))]
+    #[arg(long, env = "REPLAYPROOF_POLL_MS", default_value_t = millis(DEFAULT_POLL), value_parser = crate::args::ms(1))]
     pub poll_ms: u64,
 
     /// Where to serve Prometheus /metrics and /healthz.

@@ -35,7 +35,7 @@ pub struct IngestArgs {
 
     /// How long a sender has to deliver its whole body before the answer is 408, in
     /// milliseconds.
-    #[arg(long, env = "REPLAYPROOF_BODY_TIMEOUT_MS", default_value_t = millis(DEFAULT_BODY_TIMEOUT), value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(long, env = "REPLAYPROOF_BODY_TIMEOUT_MS", default_value_t = millis(DEFAULT_BODY_TIMEOUT), value_parser = crate::args::ms(1))]
     pub body_timeout_ms: u64,
 
     /// Kafka bootstrap servers, comma-separated host:port.
@@ -53,7 +53,7 @@ pub struct IngestArgs {
     /// How long the broker has to acknowledge a record before the answer is 503, in
     /// milliseconds. Keep it well under the senders' own timeouts (GitHub waits 10 s).
     /// [default: 5000]
-    #[arg(long, env = "REPLAYPROOF_PRODUCE_TIMEOUT_MS")]
+    #[arg(long, env = "REPLAYPROOF_PRODUCE_TIMEOUT_MS", value_parser = crate::args::ms(1))]
     pub produce_timeout_ms: Option<u64>,
 
     #[command(flatten)]
@@ -86,7 +86,10 @@ impl IngestArgs {
             settings.max_body_bytes = n;
         }
         if let Some(ms) = self.produce_timeout_ms.or(file.produce_timeout_ms) {
-            anyhow::ensure!(ms > 0, "produce_timeout_ms must be positive");
+            anyhow::ensure!(
+                ms > 0 && ms <= crate::args::millis(crate::args::MAX_WAIT),
+                "produce_timeout_ms must be between 1 ms and a week"
+            );
             settings.produce_timeout = Duration::from_millis(ms);
         }
         Ok(settings)

@@ -197,6 +197,7 @@ impl SourceConfig {
     /// A key under [`MIN_SECRET_BYTES`] is refused: `whsec_` alone would be an empty HMAC key,
     /// and a short one can be guessed.
     fn secret(&self, value: &str) -> anyhow::Result<Secret> {
+        crate::secrets::register(value);
         let bytes = if self.kind == Kind::StandardWebhooks {
             let encoded = value.strip_prefix("whsec_").unwrap_or(value);
             base64::engine::general_purpose::STANDARD

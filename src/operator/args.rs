@@ -59,7 +59,7 @@ pub enum EventsCommand {
         #[arg(long)]
         source: Option<String>,
         /// Only events claimed at least this many seconds ago.
-        #[arg(long)]
+        #[arg(long, value_parser = crate::args::age_secs())]
         older_than_secs: Option<u64>,
         #[arg(long, default_value_t = DEFAULT_LIST_LIMIT)]
         limit: i64,

@@ -18,6 +18,7 @@ mod operator;
 mod processes;
 mod production;
 mod schema;
+mod secrets;
 mod signatures;
 mod status;
 mod telemetry;
