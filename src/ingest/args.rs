@@ -1,7 +1,10 @@
 //! `replayproof ingest`'s flags: each overrides the sources file's setting of the same name.
 
 use super::config::FileConfig;
-use super::{IngestSettings, DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_IN_FLIGHT};
+use super::{
+    IngestSettings, DEFAULT_BODY_TIMEOUT, DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_MAX_IN_FLIGHT,
+};
 use crate::args::{millis, KafkaOptions};
 use crate::kafka::DEFAULT_TOPIC;
 use anyhow::Context as _;
@@ -25,7 +28,8 @@ pub struct IngestArgs {
     #[arg(long, env = "REPLAYPROOF_METRICS_ADDR", default_value = DEFAULT_METRICS_ADDR)]
     pub metrics_addr: SocketAddr,
 
-    /// Webhook requests handled at once; more get 503 with Retry-After.
+    /// Verified webhooks being written to Kafka at once; more get 503 with Retry-After. A
+    /// request takes a place only once its body has arrived and its signature checked out.
     #[arg(long, env = "REPLAYPROOF_MAX_IN_FLIGHT", default_value_t = DEFAULT_MAX_IN_FLIGHT, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=1_000_000))]
     pub max_in_flight: usize,
 
@@ -37,6 +41,12 @@ pub struct IngestArgs {
     /// milliseconds.
     #[arg(long, env = "REPLAYPROOF_BODY_TIMEOUT_MS", default_value_t = millis(DEFAULT_BODY_TIMEOUT), value_parser = crate::args::ms(1))]
     pub body_timeout_ms: u64,
+
+    /// How long a connection has to send a request's headers, from when it opens or from its
+    /// previous answer, in milliseconds: half-sent requests and idle keep-alive connections
+    /// are closed after it, so they cannot hold --max-connections places.
+    #[arg(long, env = "REPLAYPROOF_HEADER_TIMEOUT_MS", default_value_t = millis(DEFAULT_HEADER_TIMEOUT), value_parser = crate::args::ms(1))]
+    pub header_timeout_ms: u64,
 
     /// Kafka bootstrap servers, comma-separated host:port.
     #[arg(long, env = "REPLAYPROOF_BROKERS")]
@@ -78,6 +88,7 @@ impl IngestArgs {
         settings.max_in_flight = self.max_in_flight;
         settings.max_connections = self.max_connections;
         settings.body_timeout = Duration::from_millis(self.body_timeout_ms);
+        settings.header_timeout = Duration::from_millis(self.header_timeout_ms);
         if let Some(n) = self.max_body_bytes.or(file.max_body_bytes) {
             anyhow::ensure!(
                 n > 0 && n <= 16 * 1024 * 1024,

@@ -54,13 +54,20 @@ pub struct IngestSettings {
     pub retry_after_secs: u64,
     /// Where `/metrics` is served; never on the public webhook port. None: not served.
     pub metrics_listen: Option<SocketAddr>,
-    /// Webhook requests handled at once; more get 503 with `Retry-After` at once, so an
-    /// overload costs neither unbounded memory nor the broker's time.
+    /// Verified webhooks being written to Kafka at once; more get 503 with `Retry-After` at
+    /// once, so an overload costs neither unbounded memory nor the broker's time. Taken only
+    /// after the body arrived and its signature checked out: a slow or unsigned sender never
+    /// holds one.
     pub max_in_flight: usize,
-    /// Open connections at once; past it, new connections wait in the kernel's backlog.
+    /// Open connections at once; past it, new connections wait in the kernel's backlog. With
+    /// the body limit, this bounds the memory of bodies being read.
     pub max_connections: usize,
     /// How long a sender has to deliver its whole body; a slower one gets 408.
     pub body_timeout: Duration,
+    /// How long a connection has to send a request's headers, counted from when it opened or
+    /// from the previous answer: a half-sent request, and a keep-alive connection idle that
+    /// long, are closed, so they cannot hold connection places.
+    pub header_timeout: Duration,
 }
 
 /// Requests being written to Kafka at once before ingest answers 503 (`--max-in-flight`).
@@ -69,6 +76,9 @@ pub const DEFAULT_MAX_IN_FLIGHT: usize = 1024;
 pub const DEFAULT_MAX_CONNECTIONS: usize = 4096;
 /// A body still arriving after this long gets 408 (`--body-timeout-ms`).
 pub const DEFAULT_BODY_TIMEOUT: Duration = Duration::from_secs(30);
+/// A connection that has not sent a request's headers this long after it opened, or after its
+/// last answer, is closed (`--header-timeout-ms`).
+pub const DEFAULT_HEADER_TIMEOUT: Duration = Duration::from_secs(10);
 
 impl IngestSettings {
     pub fn new(listen: SocketAddr, brokers: &str, topic: &str) -> Self {
@@ -84,7 +94,15 @@ impl IngestSettings {
             max_in_flight: DEFAULT_MAX_IN_FLIGHT,
             max_connections: DEFAULT_MAX_CONNECTIONS,
             body_timeout: DEFAULT_BODY_TIMEOUT,
+            header_timeout: DEFAULT_HEADER_TIMEOUT,
         }
+    }
+
+    /// The longest a stop waits for connections: a body still arriving, then the broker's
+    /// acknowledgement. Past it, what is left is closed; a request cut off then was never
+    /// answered 2xx, and its sender retries.
+    fn drain_limit(&self) -> Duration {
+        self.body_timeout + self.produce_timeout + Duration::from_secs(1)
     }
 
     /// The most bytes one envelope may take: the body, JSON-escaped at worst, and the rest.
@@ -156,7 +174,6 @@ pub async fn start(
     let addr = listener.local_addr()?;
     let metrics = IngestMetrics::new(&registry)?;
     let metrics_addr = serve_metrics(settings.metrics_listen, registry, &shutdown).await?;
-    let listener = LimitedListener::new(listener, settings.max_connections);
     let state = Arc::new(AppState {
         metrics,
         sources,
@@ -170,11 +187,13 @@ pub async fn start(
     names.sort();
     tracing::info!(%addr, sources = ?names, topic = %state.settings.topic, "Accepting webhooks at /webhooks/{{source}}.");
     let app = router(state.clone());
+    let limits = ConnectionLimits {
+        max_connections: state.settings.max_connections,
+        header_timeout: state.settings.header_timeout,
+        drain_limit: state.settings.drain_limit(),
+    };
     let task = crate::shutdown::Running::spawn(async move {
-        axum::serve(listener, app)
-            .with_graceful_shutdown(shutdown.cancelled_owned())
-            .await
-            .context("serving HTTP")?;
+        serve(listener, app, limits, shutdown).await;
         let producer = state.producer.clone();
         tokio::task::spawn_blocking(move || producer.flush(Duration::from_secs(10)))
             .await?
@@ -189,8 +208,6 @@ pub async fn start(
     })
 }
 
-/// A TCP listener that holds at most `max` connections open: past it, `accept` waits for one
-/// to close, and new connections queue in the kernel's backlog instead of in memory.
 /// Serves `/metrics` on its own listener, when one is configured; returns its address.
 async fn serve_metrics(
     at: Option<SocketAddr>,
@@ -206,84 +223,77 @@ async fn serve_metrics(
     Ok(Some(addr))
 }
 
-struct LimitedListener {
-    inner: tokio::net::TcpListener,
-    open: Arc<tokio::sync::Semaphore>,
+/// What bounds the ingress's connections.
+#[derive(Debug, Clone, Copy)]
+struct ConnectionLimits {
+    /// Open at once; past it, new connections wait in the kernel's backlog.
+    max_connections: usize,
+    /// hyper's header-read timeout: a request's headers must arrive this soon after the
+    /// connection opened or answered, so a half-sent request or an idle connection is closed.
+    header_timeout: Duration,
+    /// How long a stop waits for the connections still open.
+    drain_limit: Duration,
 }
 
-impl LimitedListener {
-    fn new(inner: tokio::net::TcpListener, max: usize) -> Self {
-        Self {
-            inner,
-            open: Arc::new(tokio::sync::Semaphore::new(max.max(1))),
-        }
-    }
-}
-
-/// A connection that gives its place back when it closes.
-struct Limited {
-    stream: tokio::net::TcpStream,
-    _place: tokio::sync::OwnedSemaphorePermit,
-}
-
-impl axum::serve::Listener for LimitedListener {
-    type Io = Limited;
-    type Addr = SocketAddr;
-
-    async fn accept(&mut self) -> (Self::Io, Self::Addr) {
-        let place = self
-            .open
-            .clone()
-            .acquire_owned()
-            .await
-            .expect("the semaphore is never closed");
-        let (stream, addr) = axum::serve::Listener::accept(&mut self.inner).await;
-        (
-            Limited {
-                stream,
-                _place: place,
+/// Serves `app` on `listener` until `shutdown`, with at most `max_connections` open, each
+/// under the header-read timeout. On shutdown: no more accepts, idle connections closed at
+/// once, requests in flight answered, and whatever is still open after the drain limit closed.
+/// (axum's own `serve` gives hyper no timer, so it cannot time out a connection that sends
+/// nothing.)
+async fn serve(
+    listener: tokio::net::TcpListener,
+    app: Router,
+    limits: ConnectionLimits,
+    shutdown: CancellationToken,
+) {
+    use hyper_util::rt::{TokioIo, TokioTimer};
+    let places = Arc::new(tokio::sync::Semaphore::new(limits.max_connections.max(1)));
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    let mut http = hyper::server::conn::http1::Builder::new();
+    http.timer(TokioTimer::new())
+        .header_read_timeout(limits.header_timeout);
+    let service = hyper_util::service::TowerToHyperService::new(app);
+    let mut connections = tokio::task::JoinSet::new();
+    loop {
+        let place = tokio::select! {
+            biased;
+            _ = shutdown.cancelled() => break,
+            place = places.clone().acquire_owned() => place.expect("the semaphore is never closed"),
+        };
+        let stream = tokio::select! {
+            biased;
+            _ = shutdown.cancelled() => break,
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => stream,
+                Err(e) => {
+                    // Out of file descriptors, say: wait a little rather than spin.
+                    tracing::warn!(error = %e, "Could not accept a connection.");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
             },
-            addr,
-        )
+        };
+        let _ = stream.set_nodelay(true);
+        let connection =
+            graceful.watch(http.serve_connection(TokioIo::new(stream), service.clone()));
+        connections.spawn(async move {
+            let _ = connection.await;
+            drop(place);
+        });
+        while connections.try_join_next().is_some() {}
     }
-
-    fn local_addr(&self) -> std::io::Result<Self::Addr> {
-        self.inner.local_addr()
+    drop(listener);
+    if tokio::time::timeout(limits.drain_limit, graceful.shutdown())
+        .await
+        .is_err()
+    {
+        tracing::warn!(
+            open = connections.len(),
+            limit_secs = limits.drain_limit.as_secs(),
+            "Connections were still open at the drain limit; closing them."
+        );
     }
-}
-
-impl tokio::io::AsyncRead for Limited {
-    fn poll_read(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-        buf: &mut tokio::io::ReadBuf<'_>,
-    ) -> std::task::Poll<std::io::Result<()>> {
-        std::pin::Pin::new(&mut self.stream).poll_read(cx, buf)
-    }
-}
-
-impl tokio::io::AsyncWrite for Limited {
-    fn poll_write(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-        buf: &[u8],
-    ) -> std::task::Poll<std::io::Result<usize>> {
-        std::pin::Pin::new(&mut self.stream).poll_write(cx, buf)
-    }
-
-    fn poll_flush(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<std::io::Result<()>> {
-        std::pin::Pin::new(&mut self.stream).poll_flush(cx)
-    }
-
-    fn poll_shutdown(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<std::io::Result<()>> {
-        std::pin::Pin::new(&mut self.stream).poll_shutdown(cx)
-    }
+    connections.abort_all();
 }
 
 fn router(state: Arc<AppState>) -> Router {
@@ -401,6 +411,8 @@ fn retry_later(mut response: Response, secs: u64) -> Response {
     response
 }
 
+/// Reads the body (under its own timeout and limit), verifies it, and only then takes an
+/// in-flight permit for the produce: unauthenticated or slow senders never hold one.
 async fn webhook(
     State(state): State<Arc<AppState>>,
     Path(name): Path<String>,
@@ -408,11 +420,9 @@ async fn webhook(
 ) -> Response {
     let source = state.sources.get(&name);
     let label = source.map_or("unknown", |s| s.name.as_str());
-    let permit = state.in_flight.clone().try_acquire_owned();
-    let outcome = match (source, permit) {
-        (None, _) => Outcome::NotFound,
-        (Some(_), Err(_)) => Outcome::Overloaded(state.settings.retry_after_secs),
-        (Some(source), Ok(_permit)) => accept(&state, source, request).await,
+    let outcome = match source {
+        None => Outcome::NotFound,
+        Some(source) => accept(&state, source, request).await,
     };
     state
         .metrics
@@ -423,13 +433,26 @@ async fn webhook(
 }
 
 async fn accept(state: &AppState, source: &Source, request: Request) -> Outcome {
+    let envelope = match verify(state, source, request).await {
+        Ok(envelope) => envelope,
+        Err(outcome) => return outcome,
+    };
+    let Ok(_permit) = state.in_flight.clone().try_acquire_owned() else {
+        return Outcome::Overloaded(state.settings.retry_after_secs);
+    };
+    produce(state, envelope).await
+}
+
+/// The request's envelope, or the answer that refuses it: the body read under its timeout and
+/// limit, the signature verified, the key derived and checked.
+async fn verify(state: &AppState, source: &Source, request: Request) -> Result<Envelope, Outcome> {
     let (parts, body) = request.into_parts();
     let reading = read_body(body, &parts.headers, state.settings.max_body_bytes);
     let Ok(body) = tokio::time::timeout(state.settings.body_timeout, reading).await else {
-        return Outcome::TimedOut;
+        return Err(Outcome::TimedOut);
     };
     let Some(body) = body else {
-        return Outcome::TooLarge;
+        return Err(Outcome::TooLarge);
     };
     let req = signature::Request {
         headers: &parts.headers,
@@ -441,18 +464,18 @@ async fn accept(state: &AppState, source: &Source, request: Request) -> Outcome 
         .verify(&source.secrets, source.tolerance_secs, &req)
     {
         Ok(Verified::Event(identity)) => identity,
-        Ok(Verified::Challenge(c)) => return Outcome::Challenge(c),
+        Ok(Verified::Challenge(c)) => return Err(Outcome::Challenge(c)),
         Err(Rejection::Unauthorized(why)) => {
             tracing::info!(source = %source.name, why, "Refused a webhook: unauthorized.");
-            return Outcome::Unauthorized;
+            return Err(Outcome::Unauthorized);
         }
-        Err(Rejection::BadRequest(why)) => return Outcome::BadRequest(why),
+        Err(Rejection::BadRequest(why)) => return Err(Outcome::BadRequest(why)),
     };
     let key = format!("{}:{}", source.name, identity.id);
     if key.len() > MAX_KEY_BYTES {
-        return Outcome::BadRequest(format!(
+        return Err(Outcome::BadRequest(format!(
             "the event id makes a key over {MAX_KEY_BYTES} bytes"
-        ));
+        )));
     }
     let envelope = Envelope {
         key,
@@ -468,10 +491,10 @@ async fn accept(state: &AppState, source: &Source, request: Request) -> Outcome 
             .collect(),
         replay_window_secs: source.replay_window_secs,
     };
-    if let Err(unstorable) = envelope.check_storable() {
-        return Outcome::BadRequest(unstorable.to_string());
-    }
-    produce(state, envelope).await
+    envelope
+        .check_storable()
+        .map_err(|unstorable| Outcome::BadRequest(unstorable.to_string()))?;
+    Ok(envelope)
 }
 
 /// Reads the body, refusing (None) as soon as it is over `limit`: a declared length over the

@@ -475,7 +475,49 @@ async fn metrics_are_served_on_their_own_listener_not_the_webhook_port() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn overload_gets_503_at_once_and_a_stalled_body_gets_408() {
+async fn overload_gets_503_at_once_while_a_produce_holds_the_only_place() {
+    let TestKafka::Mock(kafka) = TestKafka::mock() else {
+        unreachable!()
+    };
+    let topic = unique("webhooks");
+    kafka.create_topic(&topic, 1).unwrap();
+    let ingress = Ingress::start(&kafka.bootstrap_servers(), &topic, |s| {
+        s.max_in_flight = 1;
+        s.produce_timeout = Duration::from_secs(3);
+    })
+    .await;
+    assert_eq!(ingress.github("before", b"{}").await.status(), 200);
+    // With the broker gone, a verified webhook waits for its acknowledgement in the only place.
+    kafka.set_broker_up(false).unwrap();
+    let waiting = {
+        let (http, base) = (ingress.http.clone(), ingress.base.clone());
+        let sig = format!("sha256={}", hmac_hex("secret-of-GITHUB", &[b"{}"]));
+        tokio::spawn(async move {
+            http.post(format!("{base}/webhooks/github"))
+                .header("x-hub-signature-256", sig)
+                .header("x-github-delivery", "waiting")
+                .body("{}")
+                .send()
+                .await
+                .unwrap()
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let started = std::time::Instant::now();
+    let shed = ingress.github("shed", b"{}").await;
+    assert_eq!(shed.status(), 503);
+    assert_eq!(shed.headers()["retry-after"], "5");
+    assert!(
+        started.elapsed() < Duration::from_secs(1),
+        "answered at once"
+    );
+    assert_eq!(waiting.await.unwrap().status(), 503, "not acknowledged");
+    kafka.set_broker_up(true).unwrap();
+    ingress.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_body_gets_408_and_holds_no_place_meanwhile() {
     let kafka = TestKafka::mock();
     let topic = kafka.topic(1).await;
     let ingress = Ingress::start(&kafka.brokers(), &topic, |s| {
@@ -483,7 +525,7 @@ async fn overload_gets_503_at_once_and_a_stalled_body_gets_408() {
         s.body_timeout = Duration::from_millis(1500);
     })
     .await;
-    // A sender that starts its body and never finishes it holds the only place.
+    // A sender that starts its body and never finishes it.
     let stalled_body = futures_util::stream::iter([Ok::<_, std::io::Error>(b"{\"id\":".to_vec())])
         .chain(futures_util::stream::pending());
     let stalled = ingress
@@ -494,19 +536,149 @@ async fn overload_gets_503_at_once_and_a_stalled_body_gets_408() {
         .send();
     let stalled = tokio::spawn(stalled);
     tokio::time::sleep(Duration::from_millis(300)).await;
-    let started = std::time::Instant::now();
-    let shed = ingress.github("shed", b"{}").await;
-    assert_eq!(shed.status(), 503);
-    assert_eq!(shed.headers()["retry-after"], "5");
-    assert!(
-        started.elapsed() < Duration::from_secs(1),
-        "answered at once"
-    );
+    assert_eq!(ingress.github("meanwhile", b"{}").await.status(), 200);
     let stalled = stalled.await.unwrap().unwrap();
     assert_eq!(stalled.status(), 408);
-    // The place is free again.
-    assert_eq!(ingress.github("after", b"{}").await.status(), 200);
     ingress.stop().await;
+}
+
+/// Opens a connection and sends `head` (perhaps not all of a request), then keeps it open.
+async fn connection_sending(addr: &str, head: &[u8]) -> tokio::net::TcpStream {
+    use tokio::io::AsyncWriteExt as _;
+    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    stream.write_all(head).await.unwrap();
+    stream
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_unsigned_senders_never_starve_signed_ones() {
+    use tokio::io::AsyncWriteExt as _;
+    let kafka = TestKafka::mock();
+    let topic = kafka.topic(1).await;
+    let ingress = Ingress::start(&kafka.brokers(), &topic, |s| {
+        s.max_in_flight = 2;
+        s.max_connections = 8;
+        s.body_timeout = Duration::from_secs(30);
+    })
+    .await;
+    let addr = ingress.base.trim_start_matches("http://").to_owned();
+    // Six senders, more than the places for produces, each trickling an unsigned body a byte
+    // at a time, well within the body timeout.
+    let head = b"POST /webhooks/github HTTP/1.1\r\nHost: x\r\nX-GitHub-Delivery: slow\r\nContent-Length: 64\r\n\r\n";
+    let mut slow = Vec::new();
+    for _ in 0..6 {
+        slow.push(connection_sending(&addr, head).await);
+    }
+    let trickle = tokio::spawn(async move {
+        for _ in 0..50 {
+            for s in &mut slow {
+                let _ = s.write_all(b" ").await;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        slow
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    for i in 0..10 {
+        let status = ingress.github(&format!("signed-{i}"), b"{}").await.status();
+        assert_eq!(status, 200, "signed delivery {i}");
+    }
+    drop(trickle.await.unwrap());
+    ingress.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_connections_at_the_limit_are_closed_and_health_still_answers() {
+    let kafka = TestKafka::mock();
+    let topic = kafka.topic(1).await;
+    let ingress = Ingress::start(&kafka.brokers(), &topic, |s| {
+        s.max_connections = 3;
+        s.header_timeout = Duration::from_millis(500);
+    })
+    .await;
+    let addr = ingress.base.trim_start_matches("http://").to_owned();
+    // Three connections that never send a byte, and one whose headers never end.
+    let mut idle = Vec::new();
+    for _ in 0..2 {
+        idle.push(connection_sending(&addr, b"").await);
+    }
+    idle.push(connection_sending(&addr, b"POST /webhooks/github HTTP/1.1\r\nHost: x\r\n").await);
+    let asked = reqwest::Client::new()
+        .get(format!("{}/healthz", ingress.base))
+        .timeout(Duration::from_secs(10))
+        .send()
+        .await;
+    assert_eq!(asked.expect("answered").status(), 200);
+    // The idle ones were closed by the ingress.
+    for mut stream in idle {
+        use tokio::io::AsyncReadExt as _;
+        let mut buf = [0u8; 256];
+        let read = tokio::time::timeout(Duration::from_secs(5), stream.read(&mut buf)).await;
+        assert!(
+            matches!(read, Ok(Ok(_)) | Ok(Err(_))),
+            "closed, not held open"
+        );
+    }
+    ingress.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_half_sent_request_cannot_hold_a_stop() {
+    let kafka = TestKafka::mock();
+    let topic = kafka.topic(1).await;
+    let mut ingress = Ingress::start(&kafka.brokers(), &topic, |s| {
+        s.header_timeout = Duration::from_secs(1);
+        s.body_timeout = Duration::from_secs(2);
+        s.produce_timeout = Duration::from_secs(1);
+    })
+    .await;
+    let addr = ingress.base.trim_start_matches("http://").to_owned();
+    let _half = connection_sending(&addr, b"POST /webhooks/github HTTP/1.1\r\nHost: x\r\n").await;
+    let _idle = connection_sending(&addr, b"").await;
+    let head = b"POST /webhooks/github HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{";
+    let _half_body = connection_sending(&addr, head).await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    ingress.shutdown.cancel();
+    let running = ingress.running.take().unwrap();
+    // The drain limit is 2 s + 1 s + 1 s; the producer's flush comes after.
+    let stopped = tokio::time::timeout(Duration::from_secs(15), running.stopped()).await;
+    stopped.expect("the stop is bounded").unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_event_id_with_a_line_break_gets_400_and_produces_nothing() {
+    let kafka = TestKafka::mock();
+    let brokers = kafka.brokers();
+    let topic = kafka.topic(1).await;
+    let ingress = Ingress::start(&brokers, &topic, |_| {}).await;
+    let body = br#"{"id":"evt_1\r\nX-Injected: 1","type":"invoice.paid"}"#;
+    let refused = ingress.stripe("secret-of-STRIPE", now(), body).await;
+    assert_eq!(refused.status(), 400);
+    let reason = refused.text().await.unwrap();
+    assert!(reason.contains("control character"), "{reason}");
+    assert!(ingress.stop_and_read(&brokers, &topic).await.is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_nested_200000_levels_deep_is_refused_or_kept_as_text_never_a_crash() {
+    let kafka = TestKafka::mock();
+    let brokers = kafka.brokers();
+    let topic = kafka.topic(1).await;
+    let ingress = Ingress::start(&brokers, &topic, |s| s.max_body_bytes = 1 << 20).await;
+    let body = format!("{}{}", "[".repeat(200_000), "]".repeat(200_000));
+    // Stripe's key is in the body, which cannot be read: 400.
+    let refused = ingress
+        .stripe("secret-of-STRIPE", now(), body.as_bytes())
+        .await;
+    assert_eq!(refused.status(), 400);
+    // GitHub's key is a header: a body that is not readable JSON travels as text, flat.
+    assert_eq!(ingress.github("deep", body.as_bytes()).await.status(), 200);
+    let recs = ingress.stop_and_read(&brokers, &topic).await;
+    assert_eq!(recs.len(), 1);
+    assert!(
+        recs[0].1["payload"].is_string(),
+        "kept as text, nested nowhere"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
