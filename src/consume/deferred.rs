@@ -435,13 +435,8 @@ impl DeferredApplier {
         let due = crate::effect::later(Utc::now(), policy.delay(tries));
         let error = format!("{error:#}");
         tracing::warn!(key, error, %due, "A deferred event's effect failed transiently; it is due again later.");
-        let mut tx = p.pool.begin().await?;
-        if claims::lock_due(&mut tx, key).await?.is_none() {
-            return Ok(Applied::Skipped);
-        }
-        claims::postpone(&mut tx, key, due, &error).await?;
-        tx.commit().await?;
-        Ok(Applied::Postponed)
+        self.settle_alone(key, Settle::Postpone { due, error: &error })
+            .await
     }
 
     /// The effect panicked: the event is settled `failed` with the panic's message, as a lane
@@ -454,14 +449,37 @@ impl DeferredApplier {
             error,
             "A deferred event's effect panicked; the event is failed."
         );
+        self.settle_alone(key, Settle::Fail { error: &error }).await
+    }
+
+    /// Settles a claim whose effect's transaction was rolled back, in a transaction of its own
+    /// that locks the claim again: Skipped when another worker took it meanwhile.
+    async fn settle_alone(&self, key: &str, settle: Settle<'_>) -> Result<Applied, BatchError> {
         let mut tx = self.processor.pool.begin().await?;
         if claims::lock_due(&mut tx, key).await?.is_none() {
             return Ok(Applied::Skipped);
         }
-        claims::record_attempt(&mut tx, key, Some(&error)).await?;
+        let applied = match settle {
+            Settle::Postpone { due, error } => {
+                claims::postpone(&mut tx, key, due, error).await?;
+                Applied::Postponed
+            }
+            Settle::Fail { error } => {
+                claims::record_attempt(&mut tx, key, Some(error)).await?;
+                Applied::Failed
+            }
+        };
         tx.commit().await?;
-        Ok(Applied::Failed)
+        Ok(applied)
     }
+}
+
+/// How [`DeferredApplier::settle_alone`] settles a claim.
+enum Settle<'a> {
+    /// Still deferred, due again at `due`, with the error kept.
+    Postpone { due: DateTime<Utc>, error: &'a str },
+    /// `failed` with the error.
+    Fail { error: &'a str },
 }
 
 #[cfg(test)]

@@ -216,13 +216,12 @@ async fn an_operator_lists_retries_and_resolves_deferred_events() {
     assert_eq!(audited, 3);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_consumer_applies_its_deferred_events_when_due_and_reports_them() {
-    let (kafka, db) = (TestKafka::mock(), gated_db().await);
-    let (topic, group) = (kafka.topic(1).await, unique("group"));
-    let processor = replayproof::consume::BatchProcessor {
+/// A processor for `effect` whose deferred events are due again within 100 ms, looked for
+/// every 20 ms.
+fn quickly_deferring(db: &TestDb, effect: Arc<dyn Effect>) -> replayproof::consume::BatchProcessor {
+    replayproof::consume::BatchProcessor {
         pool: db.pool.clone(),
-        effect: Arc::new(Gated),
+        effect,
         retry: EffectRetry::default(),
         defer: DeferSettings {
             default: DeferPolicy {
@@ -233,7 +232,14 @@ async fn a_consumer_applies_its_deferred_events_when_due_and_reports_them() {
             poll_interval: Duration::from_millis(20),
             ..DeferSettings::default()
         },
-    };
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumer_applies_its_deferred_events_when_due_and_reports_them() {
+    let (kafka, db) = (TestKafka::mock(), gated_db().await);
+    let (topic, group) = (kafka.topic(1).await, unique("group"));
+    let processor = quickly_deferring(&db, Arc::new(Gated));
     let consumer =
         InProcessConsumer::with_processor(settings(&kafka.brokers(), &topic, &group), processor);
     let records = [
@@ -498,20 +504,7 @@ fn moody(key: &str, gate: &str, then: &str) -> Envelope {
 async fn a_deferred_effect_that_panics_fails_its_event_and_the_applier_goes_on() {
     let (kafka, db) = (TestKafka::mock(), gated_db().await);
     let (topic, group) = (kafka.topic(1).await, unique("group"));
-    let processor = replayproof::consume::BatchProcessor {
-        pool: db.pool.clone(),
-        effect: Arc::new(Moody),
-        retry: EffectRetry::default(),
-        defer: DeferSettings {
-            default: DeferPolicy {
-                backoff: Duration::from_millis(50),
-                max_backoff: Duration::from_millis(100),
-                ..DeferPolicy::default()
-            },
-            poll_interval: Duration::from_millis(20),
-            ..DeferSettings::default()
-        },
-    };
+    let processor = quickly_deferring(&db, Arc::new(Moody));
     let consumer =
         InProcessConsumer::with_processor(settings(&kafka.brokers(), &topic, &group), processor);
     let producer = producer(&kafka.brokers());

@@ -668,6 +668,24 @@ async fn a_rolling_restart_of_three_static_cooperative_consumers_loses_and_doubl
     }
 }
 
+/// `consume`'s arguments for the `ledger-after` effect, its deferred events due again within
+/// 200 ms and looked for every 50 ms, with metrics at `metrics_addr`.
+#[cfg(feature = "failpoints")]
+fn ledger_after_quickly(metrics_addr: &str) -> [&str; 10] {
+    [
+        "--effect",
+        "ledger-after",
+        "--defer-backoff",
+        "100ms",
+        "--defer-max-backoff",
+        "200ms",
+        "--defer-poll-ms",
+        "50",
+        "--metrics-addr",
+        metrics_addr,
+    ]
+}
+
 /// A deferred event whose effect one consumer has applied but not yet committed, while a second
 /// consumer's background task finds it due: the second skips it (the first holds its claim);
 /// then the first is killed (`kill`) or commits. Either way the event is applied once: by the
@@ -677,18 +695,7 @@ async fn deferred_event_applied_once_by_two_consumers(kill: bool) {
     let (kafka, db) = (TestKafka::for_processes(), TestDb::new().await);
     let (topic, group) = (kafka.topic(1).await, unique("group"));
     let consumer = |failpoints: Option<&str>, port: &str| {
-        let extra = [
-            "--effect",
-            "ledger-after",
-            "--defer-backoff",
-            "100ms",
-            "--defer-max-backoff",
-            "200ms",
-            "--defer-poll-ms",
-            "50",
-            "--metrics-addr",
-            port,
-        ];
+        let extra = ledger_after_quickly(port);
         ConsumerProcess::spawn_with(
             &kafka.brokers(),
             &topic,
@@ -784,18 +791,7 @@ async fn a_deferred_applier_that_panics_is_started_again_counted_and_applies_wha
     let (topic, group) = (kafka.topic(1).await, unique("group"));
     let port = free_port();
     let addr = format!("127.0.0.1:{port}");
-    let extra = [
-        "--effect",
-        "ledger-after",
-        "--defer-backoff",
-        "100ms",
-        "--defer-max-backoff",
-        "200ms",
-        "--defer-poll-ms",
-        "50",
-        "--metrics-addr",
-        &addr,
-    ];
+    let extra = ledger_after_quickly(&addr);
     // The applier's first round panics outside any effect.
     let consumer = ConsumerProcess::spawn_with(
         &kafka.brokers(),
