@@ -110,6 +110,28 @@ fn a_malformed_signing_secret_or_header_never_prints_itself() {
         assert_nowhere("Not*Base64*But-Secret-Enough", &[&text]);
         assert_nowhere(header_token, &[&text]);
     }
+    // The same values from the configuration file, in `config check`.
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("replayproof.toml");
+    for dispatch in [
+        format!("signing_secret = \"{signing}\""),
+        format!("headers = {{ Authorization = \"Bearer {header_token}\\n\" }}"),
+    ] {
+        std::fs::write(
+            &file,
+            format!("[database]\nurl = \"{db_url}\"\n[dispatch]\n{dispatch}\n"),
+        )
+        .unwrap();
+        let check = replayproof()
+            .args(["config", "check", "--config"])
+            .arg(&file)
+            .output()
+            .unwrap();
+        let text = printed(&check);
+        assert!(text.contains("dispatch: problem"), "{text}");
+        assert_nowhere("Not*Base64*But-Secret-Enough", &[&text]);
+        assert_nowhere(header_token, &[&text]);
+    }
 }
 
 /// A Slack-like incoming webhook: the token is the last path segment; the query holds another.
