@@ -345,9 +345,10 @@ impl DeferredApplier {
             Ok(Ok(Err(error))) => error,
             Ok(Err(db)) => return Err(db.into()),
             Err(panic) => {
-                // The transaction may be anywhere: it is dropped (rolled back) and the failure
-                // recorded in a fresh one.
-                drop(tx);
+                // Rolled back before the failure is recorded in a fresh transaction: a dropped
+                // one only queues its rollback, and its row lock would make the fresh one skip
+                // the claim, to be applied (and panic) again next round.
+                let _ = tx.rollback().await;
                 let panic = super::panic_message(&*panic);
                 return self.settle_panic(key, &panic).await.map(Try::Settled);
             }
