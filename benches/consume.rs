@@ -35,11 +35,9 @@
 use rdkafka::consumer::{BaseConsumer, Consumer, StreamConsumer};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::Message;
-use replayproof::consume::{
-    BatchProcessor, ConsumeMetrics, DeferredApplier, EffectRetry, RawMessage, Retrying,
-};
+use replayproof::consume::{BatchProcessor, ConsumeMetrics, DeferredApplier, RawMessage, Retrying};
 use replayproof::devkit::embedded::{EmbeddedKafka, EmbeddedPostgres};
-use replayproof::effect::{Deferred, Effect, Ledger, Tx};
+use replayproof::effect::{Deferred, Effect, EffectError, Ledger, Tx};
 use replayproof::envelope::{Envelope, Event};
 use sqlx::PgPool;
 use std::collections::{BTreeMap, HashMap};
@@ -389,17 +387,17 @@ impl Effect for FailingLedger {
         "failing-ledger"
     }
 
-    async fn apply(&self, tx: &mut Tx<'_>, event: &Event) -> anyhow::Result<()> {
+    async fn apply(&self, tx: &mut Tx<'_>, event: &Event) -> Result<(), EffectError> {
         self.apply_batch(tx, &[event]).await
     }
 
-    async fn apply_batch(&self, tx: &mut Tx<'_>, events: &[&Event]) -> anyhow::Result<()> {
+    async fn apply_batch(&self, tx: &mut Tx<'_>, events: &[&Event]) -> Result<(), EffectError> {
         Ledger.apply_batch(tx, events).await?;
         match events
             .iter()
             .find(|e| fxhash(e.key.as_str()).is_multiple_of(self.one_in))
         {
-            Some(e) => anyhow::bail!("the effect refuses {}", e.key),
+            Some(e) => Err(anyhow::anyhow!("the effect refuses {}", e.key).into()),
             None => Ok(()),
         }
     }
@@ -417,11 +415,11 @@ impl Effect for DeferringLedger {
         "deferring-ledger"
     }
 
-    async fn apply(&self, tx: &mut Tx<'_>, event: &Event) -> anyhow::Result<()> {
+    async fn apply(&self, tx: &mut Tx<'_>, event: &Event) -> Result<(), EffectError> {
         self.apply_batch(tx, &[event]).await
     }
 
-    async fn apply_batch(&self, tx: &mut Tx<'_>, events: &[&Event]) -> anyhow::Result<()> {
+    async fn apply_batch(&self, tx: &mut Tx<'_>, events: &[&Event]) -> Result<(), EffectError> {
         let waiting = !self.ready.load(Ordering::Relaxed)
             && events
                 .iter()
@@ -453,12 +451,7 @@ async fn stage_h(url: &str, w: &Workload) -> (Duration, Duration, usize) {
         .execute(&pool)
         .await
         .unwrap();
-    let processor = BatchProcessor {
-        pool: pool.clone(),
-        effect,
-        retry: EffectRetry::default(),
-        defer: Default::default(),
-    };
+    let processor = BatchProcessor::new(pool.clone(), effect);
     let metrics = ConsumeMetrics::new(&prometheus::Registry::new()).unwrap();
     let applier = DeferredApplier::new(processor, "bench", metrics);
     let stop = tokio_util::sync::CancellationToken::new();
@@ -483,12 +476,7 @@ async fn stage_h(url: &str, w: &Workload) -> (Duration, Duration, usize) {
 /// Drives the batch processor as the lanes do; returns the time until every batch committed
 /// (events waiting for a retry then are settled afterwards, off the clock).
 async fn stage_b(url: &str, w: &Workload, effect: Arc<dyn Effect>) -> Duration {
-    let processor = BatchProcessor {
-        defer: Default::default(),
-        pool: pool(url, PARTITIONS as u32 + 1).await,
-        effect,
-        retry: EffectRetry::default(),
-    };
+    let processor = BatchProcessor::new(pool(url, PARTITIONS as u32 + 1).await, effect);
     let cpu = cpu_ms();
     let started = Instant::now();
     let lanes: Vec<_> = w

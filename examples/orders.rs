@@ -8,7 +8,7 @@
 //! - the order does not exist yet: [`Deferred`], "not yet". The claim waits as `deferred` with
 //!   the payload and the consumer applies it again when due (backoff with a cap), until the
 //!   order exists or the deadline passes, when it is settled `failed` for an operator;
-//! - anything else can never succeed and is refused as [`Permanent`], settled `failed` with a
+//! - anything else can never succeed and is refused as [`EffectError::Permanent`], settled `failed` with a
 //!   reason an operator can act on: an amount that does not match, an order already paid by
 //!   another payment (a double charge to refund), a payment that names no order.
 //!
@@ -25,7 +25,7 @@
 
 use anyhow::Context as _;
 use async_trait::async_trait;
-use replayproof::effect::{Deferred, Effect, Permanent, Tx};
+use replayproof::effect::{Deferred, Effect, EffectError, Tx};
 use replayproof::envelope::Event;
 
 /// The table this effect owns, created by `migrate`.
@@ -49,12 +49,12 @@ struct Payment {
 
 impl Payment {
     /// The payment in `event`'s payload; a payload without one can never apply.
-    fn of(event: &Event) -> Result<Self, Permanent> {
+    fn of(event: &Event) -> Result<Self, EffectError> {
         let field = |name: &str| {
-            event.payload().map_err(|e| Permanent(e.into()))?[name]
+            event.payload()?[name]
                 .as_i64()
                 .with_context(|| format!("the payment event has no integer {name}"))
-                .map_err(Permanent)
+                .map_err(EffectError::Permanent)
         };
         Ok(Self {
             order_id: field("order_id")?,
@@ -69,7 +69,7 @@ impl Effect for MarkOrderPaid {
         "orders"
     }
 
-    async fn apply(&self, tx: &mut Tx<'_>, event: &Event) -> anyhow::Result<()> {
+    async fn apply(&self, tx: &mut Tx<'_>, event: &Event) -> Result<(), EffectError> {
         let payment = Payment::of(event)?;
         let order_id = payment.order_id;
         // Locked, so a concurrent payment for the same order waits and then sees this one.
@@ -83,18 +83,16 @@ impl Effect for MarkOrderPaid {
             return Err(Deferred::new(format!("order {order_id} does not exist yet")).into());
         };
         if payment.amount != amount {
-            return Err(Permanent(anyhow::anyhow!(
+            return Err(EffectError::permanent(anyhow::anyhow!(
                 "the payment of {} does not match order {order_id}'s amount of {amount}",
                 payment.amount
-            ))
-            .into());
+            )));
         }
         if status != "pending" {
             let by = paid_by.as_deref().unwrap_or("an unknown event");
-            return Err(Permanent(anyhow::anyhow!(
+            return Err(EffectError::permanent(anyhow::anyhow!(
                 "order {order_id} was already paid by {by}: this second payment needs a refund"
-            ))
-            .into());
+            )));
         }
         sqlx::query(
             "UPDATE orders SET status = 'paid', provider_event_id = $2, paid_at = now() \

@@ -31,6 +31,8 @@ pub struct Args {
 
 pub use crate::telemetry::LogFormat;
 
+/// Parsed once per process, so the size of its largest variant costs nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Apply the database migrations and exit.
@@ -142,7 +144,7 @@ impl Cli {
             Command::Status(args) => args.run().await,
             Command::Config(ConfigCommand::Check) => {
                 use clap::CommandFactory as _;
-                let report = crate::config::check(
+                let report = crate::config_check::check(
                     &Args::command(),
                     args.config.as_deref(),
                     &crate::config::ProcessEnv,

@@ -292,6 +292,11 @@ pub fn is_transient(error: &sqlx::Error) -> bool {
     }
 }
 
+/// The database error anywhere in `error`'s chain of causes, if there is one.
+pub fn database_error(error: &anyhow::Error) -> Option<&sqlx::Error> {
+    error.chain().find_map(|e| e.downcast_ref::<sqlx::Error>())
+}
+
 /// Whether a database error is about the data itself (SQLSTATE classes 22 and 23): the same
 /// rows will be refused every time.
 pub fn is_data_error(error: &sqlx::Error) -> bool {

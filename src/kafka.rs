@@ -89,9 +89,8 @@ impl Guard {
 
 /// What `role`'s client must keep, whatever the options say.
 fn guards(role: Role, brokers: &str, group: Option<&str>) -> Vec<Guard> {
-    use Scope::{Global, Topic};
     let mut guards = vec![Guard::new(
-        Global,
+        Scope::Global,
         "bootstrap.servers",
         brokers,
         "the brokers are named once",
@@ -99,64 +98,69 @@ fn guards(role: Role, brokers: &str, group: Option<&str>) -> Vec<Guard> {
     .instead("use --brokers (or [kafka] brokers)")];
     if let Some(group) = group {
         guards.push(
-            Guard::new(Global, "group.id", group, "the group is named once")
+            Guard::new(Scope::Global, "group.id", group, "the group is named once")
                 .instead("use --group (or [kafka] group)"),
         );
     }
     match role {
-        Role::Consumer => guards.extend([
-            Guard::new(
-                Global,
-                "enable.auto.commit",
-                "false",
-                "offsets are committed only after the batch's transaction commits",
-            ),
-            Guard::new(
-                Global,
-                "enable.auto.offset.store",
-                "false",
-                "offsets are stored only after the batch's transaction commits",
-            ),
-            Guard::new(
-                Topic,
-                "auto.offset.reset",
-                "earliest",
-                "a new group reads the topic from its start, so nothing is skipped",
-            ),
-            Guard::new(
-                Global,
-                "isolation.level",
-                "read_committed",
-                "only committed records are read: an aborted record was never acknowledged",
-            ),
-            Guard::default(
-                Global,
-                "offset.store.method",
-                "offsets are committed to the group on the broker",
-            ),
-            Guard::default(
-                Topic,
-                "offset.store.method",
-                "offsets are committed to the group on the broker",
-            ),
-        ]),
-        Role::Producer => guards.extend([
-            Guard::new(
-                Topic,
-                "request.required.acks",
-                "all",
-                "a 2xx is answered only after every in-sync replica has the record (acks=all)",
-            ),
-            Guard::new(
-                Global,
-                "enable.idempotence",
-                "true",
-                "a producer retry never writes a record twice or out of order",
-            ),
-        ]),
+        Role::Consumer => guards.extend(consumer_guards()),
+        Role::Producer => guards.extend(producer_guards()),
         Role::Reader => {}
     }
     guards
+}
+
+/// What keeps a consumer's offsets behind its transactions.
+fn consumer_guards() -> [Guard; 6] {
+    use Scope::{Global, Topic};
+    let broker = "offsets are committed to the group on the broker";
+    [
+        Guard::new(
+            Global,
+            "enable.auto.commit",
+            "false",
+            "offsets are committed only after the batch's transaction commits",
+        ),
+        Guard::new(
+            Global,
+            "enable.auto.offset.store",
+            "false",
+            "offsets are stored only after the batch's transaction commits",
+        ),
+        Guard::new(
+            Topic,
+            "auto.offset.reset",
+            "earliest",
+            "a new group reads the topic from its start, so nothing is skipped",
+        ),
+        Guard::new(
+            Global,
+            "isolation.level",
+            "read_committed",
+            "only committed records are read: an aborted record was never acknowledged",
+        ),
+        Guard::default(Global, "offset.store.method", broker),
+        Guard::default(Topic, "offset.store.method", broker),
+    ]
+}
+
+/// What makes a producer's acknowledgement mean the record is durable, once.
+fn producer_guards() -> [Guard; 2] {
+    use Scope::{Global, Topic};
+    [
+        Guard::new(
+            Topic,
+            "request.required.acks",
+            "all",
+            "a 2xx is answered only after every in-sync replica has the record (acks=all)",
+        ),
+        Guard::new(
+            Global,
+            "enable.idempotence",
+            "true",
+            "a producer retry never writes a record twice or out of order",
+        ),
+    ]
 }
 
 /// A client config for `role`: replayproof's `tuning` defaults, then the user's `options` (each

@@ -16,6 +16,8 @@ pub mod claims;
 pub mod cli;
 #[cfg(feature = "cli")]
 pub mod config;
+#[cfg(feature = "cli")]
+pub mod config_check;
 pub mod consume;
 pub mod db;
 #[cfg(feature = "devkit")]

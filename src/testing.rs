@@ -126,15 +126,10 @@ impl EffectTest {
     /// [`EffectTest::new`] for an effect already shared.
     pub fn with_effect(pool: PgPool, effect: Arc<dyn Effect>) -> Self {
         Self {
-            processor: BatchProcessor {
-                pool: pool.clone(),
-                effect,
-                retry: EffectRetry {
-                    backoff: std::time::Duration::from_millis(1),
-                    ..EffectRetry::default()
-                },
-                defer: DeferSettings::default(),
-            },
+            processor: BatchProcessor::new(pool.clone(), effect).with_retry(EffectRetry {
+                backoff: std::time::Duration::from_millis(1),
+                ..EffectRetry::default()
+            }),
             pool,
             next_offset: 0,
         }

@@ -8,6 +8,7 @@
 pub mod conflicts;
 pub mod dead_letters;
 
+use crate::effect::DeferPolicy;
 use crate::envelope::Event;
 use chrono::{DateTime, Utc};
 use serde::Serialize;
@@ -69,6 +70,8 @@ pub struct Failure<'a> {
     pub event: &'a Event,
     pub attempts: i32,
     pub error: String,
+    /// The deferral policy in force for the event, kept for an operator's retry.
+    pub policy: DeferPolicy,
 }
 
 /// Claims the keys of `events` in one statement, each row written once with its final status
@@ -148,17 +151,21 @@ pub async fn fail(
         .iter()
         .map(|f| f.event.payload_json.get())
         .collect();
+    let policies = policies(failures.iter().map(|f| &f.policy));
     sqlx::query!(
         r#"UPDATE processed_events AS p
            SET status = 'failed', attempts = u.attempts, last_error = u.err,
-               payload = u.payload::jsonb, completed_at = NULL, effect_spec = $5::jsonb
-           FROM unnest($1::text[], $2::int4[], $3::text[], $4::text[]) AS u(k, attempts, err, payload)
+               payload = u.payload::jsonb, completed_at = NULL, effect_spec = $5::jsonb,
+               defer_policy = u.policy::jsonb
+           FROM unnest($1::text[], $2::int4[], $3::text[], $4::text[], $6::text[])
+               AS u(k, attempts, err, payload, policy)
            WHERE p.event_key = u.k"#,
         &keys as _,
         &attempts,
         &errors as _,
         &payloads as _,
         effect_spec,
+        &policies,
     )
     .execute(conn)
     .await?;
@@ -173,6 +180,15 @@ pub struct Deferral<'a> {
     pub due: DateTime<Utc>,
     /// After this the event is settled `failed` rather than deferred again.
     pub deadline: DateTime<Utc>,
+    /// The deferral policy in force for the event, kept for every later attempt.
+    pub policy: DeferPolicy,
+}
+
+/// Deferral policies as the JSON text stored in `defer_policy`.
+fn policies<'p>(policies: impl Iterator<Item = &'p DeferPolicy>) -> Vec<String> {
+    policies
+        .map(|p| serde_json::to_string(p).expect("a policy serialises"))
+        .collect()
 }
 
 /// Marks claims of this transaction whose effect deferred as `deferred`, with the payload, the
@@ -191,13 +207,15 @@ pub async fn defer(
         .collect();
     let due: Vec<DateTime<Utc>> = deferrals.iter().map(|d| d.due).collect();
     let deadlines: Vec<DateTime<Utc>> = deferrals.iter().map(|d| d.deadline).collect();
+    let policies = policies(deferrals.iter().map(|d| &d.policy));
     sqlx::query!(
         r#"UPDATE processed_events AS p
            SET status = 'deferred', deferred_reason = u.reason, payload = u.payload::jsonb,
                due_at = u.due, deadline_at = u.deadline, completed_at = NULL,
-               effect_spec = $6::jsonb
-           FROM unnest($1::text[], $2::text[], $3::text[], $4::timestamptz[], $5::timestamptz[])
-               AS u(k, reason, payload, due, deadline)
+               effect_spec = $6::jsonb, defer_policy = u.policy::jsonb
+           FROM unnest($1::text[], $2::text[], $3::text[], $4::timestamptz[], $5::timestamptz[],
+                       $7::text[])
+               AS u(k, reason, payload, due, deadline, policy)
            WHERE p.event_key = u.k"#,
         &keys as _,
         &reasons as _,
@@ -205,6 +223,7 @@ pub async fn defer(
         &due,
         &deadlines,
         effect_spec,
+        &policies,
     )
     .execute(conn)
     .await?;
@@ -251,7 +270,7 @@ pub async fn lock_due(conn: &mut PgConnection, key: &str) -> sqlx::Result<Option
     sqlx::query_as!(
         StoredClaim,
         r#"SELECT source, event_type, received_at, payload, payload_sha256,
-                  status AS "status: ClaimStatus", effect_spec, attempts, deadline_at
+                  status AS "status: ClaimStatus", effect_spec, attempts, deadline_at, defer_policy
            FROM processed_events
            WHERE event_key = $1 AND status = 'deferred' AND due_at <= now()
            FOR UPDATE SKIP LOCKED"#,
@@ -262,23 +281,27 @@ pub async fn lock_due(conn: &mut PgConnection, key: &str) -> sqlx::Result<Option
 }
 
 /// Defers a claim again (or, from `failed`, for the first time): one more attempt, the new due
-/// time and reason. `deadline` None keeps the one it has.
+/// time, deadline and reason. The policy is stored when the claim has none yet.
 pub async fn redefer(
     conn: &mut PgConnection,
     key: &str,
     reason: &str,
     due: DateTime<Utc>,
-    deadline: Option<DateTime<Utc>>,
+    deadline: DateTime<Utc>,
+    policy: &DeferPolicy,
 ) -> sqlx::Result<()> {
+    let policy = serde_json::to_string(policy).expect("a policy serialises");
     sqlx::query!(
         r#"UPDATE processed_events
            SET status = 'deferred', attempts = attempts + 1, deferred_reason = $2, due_at = $3,
-               deadline_at = coalesce($4, deadline_at), completed_at = NULL
+               deadline_at = $4, completed_at = NULL,
+               defer_policy = coalesce(defer_policy, $5::text::jsonb)
            WHERE event_key = $1"#,
         key,
         reason,
         due,
         deadline,
+        policy,
     )
     .execute(conn)
     .await?;
@@ -372,9 +395,17 @@ pub struct StoredClaim {
     pub attempts: i32,
     /// A deferred claim's deadline.
     pub deadline_at: Option<DateTime<Utc>>,
+    /// The deferral policy stored when the claim was first deferred or failed.
+    pub defer_policy: Option<serde_json::Value>,
 }
 
 impl StoredClaim {
+    /// The deferral policy stored on the claim; None on a claim settled before policies were
+    /// stored.
+    pub fn defer_policy(&self) -> Option<DeferPolicy> {
+        serde_json::from_value(self.defer_policy.clone()?).ok()
+    }
+
     /// The event the claim was made for, as stored.
     pub fn event(&self, key: &str) -> anyhow::Result<Event> {
         use anyhow::Context as _;
@@ -401,7 +432,7 @@ pub async fn lock(conn: &mut PgConnection, key: &str) -> sqlx::Result<Option<Sto
     sqlx::query_as!(
         StoredClaim,
         r#"SELECT source, event_type, received_at, payload, payload_sha256,
-                  status AS "status: ClaimStatus", effect_spec, attempts, deadline_at
+                  status AS "status: ClaimStatus", effect_spec, attempts, deadline_at, defer_policy
            FROM processed_events WHERE event_key = $1 FOR UPDATE"#,
         key
     )

@@ -5,6 +5,7 @@ use crate::args::{millis, DatabaseArgs, KafkaArgs, ToArgs};
 use crate::effect::{DeferPolicy, HttpOutbox, Registry};
 use clap::Args;
 use std::net::SocketAddr;
+use std::time::Duration;
 
 /// Where the consumer serves `/metrics` and `/healthz` (`--metrics-addr`).
 pub const DEFAULT_METRICS_ADDR: &str = "127.0.0.1:9464";
@@ -285,16 +286,17 @@ impl ConsumeArgs {
         if self.migrate {
             crate::db::migrate(&pool).await?;
         }
-        let processor = BatchProcessor {
+        let processor = BatchProcessor::new(
             pool,
-            effect: registry.build(&self.effects, self.http.outbox().as_ref())?,
-            retry: EffectRetry {
-                attempts: self.effect_attempts,
-                ..EffectRetry::default()
-            },
-            defer: self.defer_settings()?,
-        };
-        start(self.settings(), processor, metrics, health, shutdown)?
+            registry.build(&self.effects, self.http.outbox().as_ref())?,
+        )
+        .with_retry(EffectRetry {
+            attempts: self.effect_attempts,
+            ..EffectRetry::default()
+        })
+        .with_defer(self.defer_settings()?);
+        Consumer::build(self.settings(), processor, metrics, health)?
+            .run_until_stopped(shutdown)
             .stopped()
             .await
     }

@@ -1,5 +1,6 @@
 //! Deferred events: an effect said "not yet" ([`Deferred`]), so the event's claim was committed
-//! as `deferred` with its payload, a due time and a deadline, and the partition moved on.
+//! as `deferred` with its payload, a due time, a deadline and the deferral policy in force, and
+//! the partition moved on.
 //!
 //! Every consumer runs a [`DeferredApplier`] beside its lanes. It applies its topic's due
 //! claims one at a time, each in its own transaction: the claim is locked with
@@ -8,65 +9,22 @@
 //! skipped; a worker killed mid-way leaves no trace (its transaction aborts and releases the
 //! lock), so each deferred event is applied once, whichever member of the group gets to it.
 
+use super::internal_events::{
+    DeferredApplierRestarted, DeferredEffectPanicked, DeferredTaken, Emit,
+};
+use super::settle::{self, Next, Policy, Standing};
 use super::{BatchError, BatchProcessor, ConsumeMetrics};
-use crate::claims;
-use crate::effect::{self, DeferPolicy, Deferred, Effect, FailureKind};
+use crate::claims::{self, StoredClaim};
+use crate::effect::{self, EffectError};
 use crate::telemetry::Health;
 use chrono::{DateTime, Utc};
-use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
 
-/// How often the applier looks for due claims (`DeferSettings::poll_interval`).
-pub const DEFAULT_DEFER_POLL: Duration = Duration::from_secs(1);
 /// Due claims taken in one round; the next round starts at once while claims are due.
 const ROUND_LIMIT: i64 = 100;
 /// How often the deferred gauges are read from the database.
 const GAUGE_INTERVAL: Duration = Duration::from_secs(5);
-
-/// How long deferred events wait, by source and by effect.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct DeferSettings {
-    /// For events whose source has no policy of its own and whose effect names none
-    /// (`--defer-backoff`, `--defer-max-backoff`, `--defer-deadline`).
-    pub default: DeferPolicy,
-    /// Per source (`--defer-source`); wins over the effect's own policy.
-    pub sources: BTreeMap<String, DeferPolicy>,
-    /// How often the applier looks for due claims.
-    pub poll_interval: Duration,
-}
-
-impl Default for DeferSettings {
-    fn default() -> Self {
-        Self {
-            default: DeferPolicy::default(),
-            sources: BTreeMap::new(),
-            poll_interval: DEFAULT_DEFER_POLL,
-        }
-    }
-}
-
-impl DeferSettings {
-    /// The policy for an event from `source` deferred by `effect`: the source's, else the
-    /// effect's ([`Effect::defer_policy`]), else the default.
-    pub fn policy(&self, source: &str, effect: &dyn Effect) -> DeferPolicy {
-        self.sources
-            .get(source)
-            .copied()
-            .or_else(|| effect.defer_policy())
-            .unwrap_or(self.default)
-    }
-}
-
-/// The due time and deadline of an event deferred for the first time.
-pub(crate) fn first_due(
-    not_yet: &Deferred,
-    policy: &DeferPolicy,
-) -> (DateTime<Utc>, DateTime<Utc>) {
-    let now = Utc::now();
-    let deadline = policy.deadline_from(now);
-    (policy.due(not_yet, 1, now, deadline), deadline)
-}
 
 /// What the applier did with one due claim.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -86,7 +44,7 @@ pub enum Applied {
 }
 
 impl Applied {
-    fn as_str(self) -> &'static str {
+    pub(super) fn as_str(self) -> &'static str {
         match self {
             Self::Done => "applied",
             Self::Deferred => "deferred",
@@ -155,8 +113,18 @@ impl Drop for AbortOnDrop {
 /// What one try at a due claim came to.
 enum Try {
     Settled(Applied),
-    /// A deterministic failure with attempts left: tried again after the effect's backoff.
-    Again,
+    /// A deterministic failure with attempts left: tried again after `after`.
+    Again {
+        after: Duration,
+    },
+}
+
+/// A due claim's effect's answer, and the rules it was judged by.
+struct Answer<'a> {
+    key: &'a str,
+    attempt: u32,
+    error: Option<EffectError>,
+    policy: Policy,
 }
 
 impl DeferredApplier {
@@ -181,7 +149,7 @@ impl DeferredApplier {
     }
 
     /// Applies due claims in rounds until `stop` is cancelled, waiting
-    /// [`DeferSettings::poll_interval`] when nothing is due and backing off on database errors.
+    /// [`super::DeferSettings::poll_interval`] when nothing is due and backing off on database errors.
     /// A claim being applied when `stop` comes is finished first. The rounds run in a task of
     /// their own, started again (and counted) if it ever panics; an effect's panic only fails
     /// its event.
@@ -195,11 +163,10 @@ impl DeferredApplier {
                 Err(e) if e.is_panic() => super::panic_message(&*e.into_panic()),
                 Err(_) => break,
             };
-            self.metrics.deferred_restarts.inc();
+            DeferredApplierRestarted { panic: &panic }.emit(&self.metrics);
             let now = Instant::now();
             restarts.retain(|at| now.duration_since(*at) < RESTART_WINDOW);
             restarts.push(now);
-            tracing::error!(panic, "The deferred applier panicked; starting it again.");
             if restarts.len() > MAX_RESTARTS {
                 let problem = format!(
                     "it panicked {} times in {} s, last: {panic}",
@@ -270,8 +237,8 @@ impl DeferredApplier {
     async fn read_gauges(&self) {
         match claims::deferred_overview(&self.processor.pool, Some(&self.topic)).await {
             Ok((count, oldest, _)) => {
-                self.metrics.deferred_events.set(count);
-                self.metrics.deferred_oldest_age.set(oldest);
+                self.metrics.deferred.events.set(count);
+                self.metrics.deferred.oldest_age.set(oldest);
             }
             Err(e) => tracing::debug!(error = %e, "Could not read the deferred gauges."),
         }
@@ -292,10 +259,7 @@ impl DeferredApplier {
             }
             self.beat();
             let applied = self.apply_one(&key).await?;
-            self.metrics
-                .deferred_attempts
-                .with_label_values(&[applied.as_str()])
-                .inc();
+            DeferredTaken(applied).emit(&self.metrics);
             round.count(applied);
         }
         Ok(round)
@@ -308,15 +272,16 @@ impl DeferredApplier {
         loop {
             match self.try_once(key, attempt).await? {
                 Try::Settled(applied) => return Ok(applied),
-                Try::Again => {
-                    tokio::time::sleep(self.processor.retry.delay(attempt)).await;
+                Try::Again { after } => {
+                    tokio::time::sleep(after).await;
                     attempt += 1;
                 }
             }
         }
     }
 
-    /// One transaction at a due claim: lock it, run the effect (a panic caught), settle it.
+    /// One transaction at a due claim: lock it, run the effect (a panic caught), settle it by
+    /// the one rule.
     async fn try_once(&self, key: &str, attempt: u32) -> Result<Try, BatchError> {
         use futures_util::FutureExt as _;
         let p = &self.processor;
@@ -333,16 +298,8 @@ impl DeferredApplier {
             }
         };
         let applying = effect::apply_in_savepoint(&mut tx, &*p.effect, &event);
-        let error = match std::panic::AssertUnwindSafe(applying).catch_unwind().await {
-            Ok(Ok(Ok(()))) => {
-                claims::record_attempt(&mut tx, key, None).await?;
-                crate::failpoint!("consume::deferred_applied_before_commit");
-                crate::stallpoint!("consume::deferred_applied_stall_before_commit");
-                tx.commit().await?;
-                tracing::debug!(key, "Applied a deferred event.");
-                return Ok(Try::Settled(Applied::Done));
-            }
-            Ok(Ok(Err(error))) => error,
+        let outcome = match std::panic::AssertUnwindSafe(applying).catch_unwind().await {
+            Ok(Ok(outcome)) => outcome,
             Ok(Err(db)) => return Err(db.into()),
             Err(panic) => {
                 // Rolled back before the failure is recorded in a fresh transaction: a dropped
@@ -353,103 +310,104 @@ impl DeferredApplier {
                 return self.settle_panic(key, &panic).await.map(Try::Settled);
             }
         };
-        let kind = effect::classify(&error);
-        if kind == FailureKind::Transient {
-            let _ = tx.rollback().await;
-            return self
-                .postpone(key, &claim, &event, &error)
-                .await
-                .map(Try::Settled);
+        let policy = self.policy_for(&claim, &event.source);
+        let next = settle::next(
+            outcome.as_ref().copied(),
+            Standing::stored(&claim, attempt),
+            &policy,
+            Utc::now(),
+        );
+        let answer = Answer {
+            key,
+            attempt,
+            error: outcome.err(),
+            policy,
+        };
+        self.carry_out(tx, answer, next).await
+    }
+
+    /// The rules in force for a stored claim: the deferral policy stored on it (else the one
+    /// configured now), and the processor's retries.
+    fn policy_for(&self, claim: &StoredClaim, source: &str) -> Policy {
+        let p = &self.processor;
+        Policy {
+            defer: settle::policy_in_force(claim, || p.defer.policy(source, &*p.effect)),
+            retry: p.retry,
         }
-        if kind == FailureKind::Deferred {
-            let settled = self
-                .defer_again(&mut tx, key, &claim, &event, &error)
-                .await?;
-            tx.commit().await?;
-            return Ok(Try::Settled(settled));
-        }
-        let error_text = format!("{error:#}");
+    }
+
+    /// Does what the rule said, in the claim's transaction (or, for a postponement, in a fresh
+    /// one after this one rolled back).
+    async fn carry_out(
+        &self,
+        mut tx: sqlx::Transaction<'static, sqlx::Postgres>,
+        answer: Answer<'_>,
+        next: Next,
+    ) -> Result<Try, BatchError> {
+        let Answer {
+            key,
+            attempt,
+            error,
+            policy,
+        } = answer;
+        let applied = match next {
+            Next::Applied => {
+                claims::record_attempt(&mut tx, key, None).await?;
+                crate::failpoint!("consume::deferred_applied_before_commit");
+                crate::stallpoint!("consume::deferred_applied_stall_before_commit");
+                tracing::debug!(key, "Applied a deferred event.");
+                Applied::Done
+            }
+            Next::Defer {
+                reason,
+                due,
+                deadline,
+            } => {
+                claims::redefer(&mut tx, key, &reason, due, deadline, &policy.defer).await?;
+                Applied::Deferred
+            }
+            Next::Postpone { due, error } => {
+                let _ = tx.rollback().await;
+                tracing::warn!(key, error, %due, "A deferred event's effect failed transiently; it is due again later.");
+                let settle = Settle::Postpone { due, error: &error };
+                return self.settle_alone(key, settle).await.map(Try::Settled);
+            }
+            Next::Retry { after, error } => {
+                self.log_failure(key, attempt, &error);
+                let _ = tx.rollback().await;
+                return Ok(Try::Again { after });
+            }
+            Next::Failed { error: reason } => {
+                match &error {
+                    Some(EffectError::NotYet(_)) => {
+                        tracing::warn!(key, error = reason, "A deferred event passed its deadline.")
+                    }
+                    _ => self.log_failure(key, attempt, &reason),
+                }
+                claims::record_attempt(&mut tx, key, Some(&reason)).await?;
+                Applied::Failed
+            }
+        };
+        tx.commit().await?;
+        Ok(Try::Settled(applied))
+    }
+
+    fn log_failure(&self, key: &str, attempt: u32, error: &str) {
+        let effect = self.processor.effect.name();
         tracing::warn!(
             key,
             attempt,
-            effect = p.effect.name(),
-            error = error_text,
+            effect,
+            error,
             "A deferred event's effect failed."
         );
-        if kind == FailureKind::Deterministic && attempt < p.retry.attempts() {
-            let _ = tx.rollback().await;
-            return Ok(Try::Again);
-        }
-        claims::record_attempt(&mut tx, key, Some(&error_text)).await?;
-        tx.commit().await?;
-        Ok(Try::Settled(Applied::Failed))
-    }
-
-    /// The effect said "not yet" again: due again after the policy's backoff, or `failed` at
-    /// the deadline.
-    async fn defer_again(
-        &self,
-        tx: &mut sqlx::PgConnection,
-        key: &str,
-        claim: &claims::StoredClaim,
-        event: &crate::envelope::Event,
-        error: &anyhow::Error,
-    ) -> Result<Applied, BatchError> {
-        let p = &self.processor;
-        let not_yet = error
-            .downcast_ref::<Deferred>()
-            .expect("classified as deferred");
-        let now = Utc::now();
-        match claim.deadline_at {
-            Some(deadline) if now < deadline => {
-                let policy = p.defer.policy(&event.source, &*p.effect);
-                let deferrals = claim.attempts.max(0) as u32 + 1;
-                let due = policy.due(not_yet, deferrals, now, deadline);
-                claims::redefer(tx, key, &not_yet.reason, due, None).await?;
-                Ok(Applied::Deferred)
-            }
-            deadline => {
-                let deadline = deadline.map_or("-".into(), |d| d.to_rfc3339());
-                let error = format!(
-                    "still deferred at its deadline ({deadline}): {}",
-                    not_yet.reason
-                );
-                tracing::warn!(key, error, "A deferred event passed its deadline.");
-                claims::record_attempt(tx, key, Some(&error)).await?;
-                Ok(Applied::Failed)
-            }
-        }
-    }
-
-    /// A transient failure says nothing about the event: it stays deferred, due again after the
-    /// policy's backoff for its attempts so far, with the error kept for `events show`.
-    async fn postpone(
-        &self,
-        key: &str,
-        claim: &claims::StoredClaim,
-        event: &crate::envelope::Event,
-        error: &anyhow::Error,
-    ) -> Result<Applied, BatchError> {
-        let p = &self.processor;
-        let policy = p.defer.policy(&event.source, &*p.effect);
-        let tries = claim.attempts.max(0) as u32 + 1;
-        let due = crate::effect::later(Utc::now(), policy.delay(tries));
-        let error = format!("{error:#}");
-        tracing::warn!(key, error, %due, "A deferred event's effect failed transiently; it is due again later.");
-        self.settle_alone(key, Settle::Postpone { due, error: &error })
-            .await
     }
 
     /// The effect panicked: the event is settled `failed` with the panic's message, as a lane
     /// settles nothing and stops; the applier goes on with the next claim.
     async fn settle_panic(&self, key: &str, panic: &str) -> Result<Applied, BatchError> {
-        self.metrics.deferred_panics.inc();
         let error = format!("the effect panicked: {panic}");
-        tracing::error!(
-            key,
-            error,
-            "A deferred event's effect panicked; the event is failed."
-        );
+        DeferredEffectPanicked { key, error: &error }.emit(&self.metrics);
         self.settle_alone(key, Settle::Fail { error: &error }).await
     }
 
@@ -481,79 +439,4 @@ enum Settle<'a> {
     Postpone { due: DateTime<Utc>, error: &'a str },
     /// `failed` with the error.
     Fail { error: &'a str },
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_first_due_time_is_the_backoff_or_the_effects_time_never_past_the_deadline() {
-        let policy = DeferPolicy {
-            backoff: Duration::from_secs(10),
-            max_backoff: Duration::from_secs(60),
-            deadline: Duration::from_secs(3600),
-        };
-        let before = Utc::now();
-        let (due, deadline) = first_due(&Deferred::new("x"), &policy);
-        let secs = chrono::Duration::seconds;
-        assert!(due >= before + secs(10));
-        assert!(due <= Utc::now() + secs(10));
-        assert!(deadline >= before + secs(3600));
-        let far = Deferred::new("x").after(Duration::from_secs(7200));
-        let (due, deadline) = first_due(&far, &policy);
-        assert_eq!(due, deadline, "never later than the deadline");
-        let past = Deferred::new("x").until(before - chrono::Duration::seconds(5));
-        assert!(first_due(&past, &policy).0 >= before, "never in the past");
-    }
-
-    #[test]
-    fn the_backoff_doubles_up_to_its_cap() {
-        let policy = DeferPolicy {
-            backoff: Duration::from_secs(10),
-            max_backoff: Duration::from_secs(60),
-            deadline: Duration::from_secs(3600),
-        };
-        let waits: Vec<u64> = (1..=6).map(|n| policy.delay(n).as_secs()).collect();
-        assert_eq!(waits, [10, 20, 40, 60, 60, 60]);
-        assert_eq!(policy.delay(100).as_secs(), 60);
-    }
-
-    #[test]
-    fn a_sources_policy_wins_over_the_effects_which_wins_over_the_default() {
-        struct Patient;
-        #[async_trait::async_trait]
-        impl Effect for Patient {
-            fn name(&self) -> &'static str {
-                "patient"
-            }
-            async fn apply(
-                &self,
-                _: &mut effect::Tx<'_>,
-                _: &crate::envelope::Event,
-            ) -> anyhow::Result<()> {
-                Ok(())
-            }
-            fn defer_policy(&self) -> Option<DeferPolicy> {
-                Some(DeferPolicy {
-                    deadline: Duration::from_secs(7),
-                    ..DeferPolicy::default()
-                })
-            }
-        }
-        let stripe = DeferPolicy {
-            deadline: Duration::from_secs(3 * 86400),
-            ..DeferPolicy::default()
-        };
-        let settings = DeferSettings {
-            sources: BTreeMap::from([("stripe".to_owned(), stripe)]),
-            ..DeferSettings::default()
-        };
-        assert_eq!(settings.policy("stripe", &Patient), stripe);
-        assert_eq!(settings.policy("github", &Patient).deadline.as_secs(), 7);
-        assert_eq!(
-            settings.policy("github", &crate::effect::Ledger),
-            DeferPolicy::default()
-        );
-    }
 }

@@ -29,117 +29,142 @@ pub struct ConsumeMetrics {
     pub lane_panics: IntCounter,
     /// Errors Kafka reported while consuming, by librdkafka's error code.
     pub kafka_errors: IntCounterVec,
-    /// Due deferred claims taken up, by outcome: applied, deferred (again), failed, skipped
-    /// (another worker held it).
-    pub deferred_attempts: IntCounterVec,
+    /// The deferred applier's metrics.
+    pub deferred: DeferredMetrics,
+}
+
+/// The deferred applier's metrics.
+#[derive(Clone)]
+pub struct DeferredMetrics {
+    /// Due deferred claims taken up, by outcome: applied, deferred (again), failed, postponed,
+    /// skipped (another worker held it).
+    pub attempts: IntCounterVec,
     /// Effects that panicked while the deferred applier applied their event; each event is
     /// settled `failed` with the panic's message.
-    pub deferred_panics: IntCounter,
+    pub panics: IntCounter,
     /// Times the deferred applier's task panicked outside an effect and was started again.
-    pub deferred_restarts: IntCounter,
+    pub restarts: IntCounter,
     /// The topic's deferred claims, read from the database (every member reports the same).
-    pub deferred_events: IntGauge,
+    pub events: IntGauge,
     /// Seconds since the oldest deferred claim of the topic was first deferred.
-    pub deferred_oldest_age: Gauge,
+    pub oldest_age: Gauge,
+}
+
+/// Creates metrics and registers each in the registry as it is made.
+struct Maker<'r>(&'r Registry);
+
+impl Maker<'_> {
+    fn keep<M: prometheus::core::Collector + Clone + 'static>(
+        &self,
+        made: prometheus::Result<M>,
+    ) -> prometheus::Result<M> {
+        let metric = made?;
+        self.0.register(Box::new(metric.clone()))?;
+        Ok(metric)
+    }
+
+    fn counter(&self, name: &str, help: &str) -> prometheus::Result<IntCounter> {
+        self.keep(IntCounter::new(name, help))
+    }
+
+    fn by(&self, name: &str, help: &str, label: &str) -> prometheus::Result<IntCounterVec> {
+        self.keep(IntCounterVec::new(Opts::new(name, help), &[label]))
+    }
+
+    fn per_partition(&self, name: &str, help: &str) -> prometheus::Result<IntGaugeVec> {
+        self.keep(IntGaugeVec::new(Opts::new(name, help), &["partition"]))
+    }
+
+    fn histogram(
+        &self,
+        name: &str,
+        help: &str,
+        start: f64,
+        n: usize,
+    ) -> prometheus::Result<Histogram> {
+        let buckets = prometheus::exponential_buckets(start, 2.0, n)?;
+        self.keep(Histogram::with_opts(
+            HistogramOpts::new(name, help).buckets(buckets),
+        ))
+    }
+}
+
+impl DeferredMetrics {
+    fn new(m: &Maker<'_>) -> prometheus::Result<Self> {
+        Ok(Self {
+            attempts: m.by(
+                "replayproof_deferred_attempts_total",
+                "Due deferred events taken up, by outcome.",
+                "outcome",
+            )?,
+            panics: m.counter(
+                "replayproof_deferred_panics_total",
+                "Effects that panicked applying a deferred event (the event is failed).",
+            )?,
+            restarts: m.counter(
+                "replayproof_deferred_restarts_total",
+                "Times the deferred applier panicked and was started again.",
+            )?,
+            events: m.keep(IntGauge::new(
+                "replayproof_deferred_events",
+                "Events of the topic whose effect deferred, waiting to be applied.",
+            ))?,
+            oldest_age: m.keep(Gauge::new(
+                "replayproof_deferred_oldest_age_seconds",
+                "Age of the oldest deferred event of the topic, from its first deferral.",
+            ))?,
+        })
+    }
 }
 
 impl ConsumeMetrics {
     /// The metrics, registered in `registry`.
     pub fn new(registry: &Registry) -> prometheus::Result<Self> {
-        let counter = |name: &str, help: &str| IntCounter::new(name, help);
-        let by = |name: &str, help: &str, label: &str| {
-            IntCounterVec::new(Opts::new(name, help), &[label])
-        };
-        let per_partition =
-            |name: &str, help: &str| IntGaugeVec::new(Opts::new(name, help), &["partition"]);
-        let histogram = |name: &str, help: &str, start: f64, count: usize| {
-            let buckets = prometheus::exponential_buckets(start, 2.0, count)?;
-            Histogram::with_opts(HistogramOpts::new(name, help).buckets(buckets))
-        };
-        let m = Self {
-            events: by(
+        let m = Maker(registry);
+        Ok(Self {
+            events: m.by(
                 "replayproof_consume_events_total",
                 "Events consumed, by outcome.",
                 "outcome",
             )?,
-            effect_failures: counter(
+            effect_failures: m.counter(
                 "replayproof_effect_failures_total",
                 "Effect attempts that failed.",
             )?,
-            batch_retries: counter(
+            batch_retries: m.counter(
                 "replayproof_batch_retries_total",
                 "Batches retried after a database error.",
             )?,
-            batch_size: histogram("replayproof_batch_size", "Messages per batch.", 1.0, 12)?,
-            batch_seconds: histogram(
+            batch_size: m.histogram("replayproof_batch_size", "Messages per batch.", 1.0, 12)?,
+            batch_seconds: m.histogram(
                 "replayproof_batch_duration_seconds",
                 "Time from the start of a batch to its commit.",
                 0.0005,
                 16,
             )?,
-            committed_offset: per_partition(
+            committed_offset: m.per_partition(
                 "replayproof_committed_offset",
                 "The next offset to read, as last committed to Kafka.",
             )?,
-            assigned_partitions: IntGauge::new(
+            assigned_partitions: m.keep(IntGauge::new(
                 "replayproof_assigned_partitions",
                 "Partitions assigned to this consumer.",
-            )?,
-            consumer_lag: per_partition(
+            ))?,
+            consumer_lag: m.per_partition(
                 "replayproof_consumer_lag",
                 "Messages in the partition after the last applied batch.",
             )?,
-            lane_panics: counter(
+            lane_panics: m.counter(
                 "replayproof_lane_panics_total",
                 "Partition lanes that panicked.",
             )?,
-            kafka_errors: by(
+            kafka_errors: m.by(
                 "replayproof_kafka_consume_errors_total",
                 "Errors Kafka reported while consuming, by error code.",
                 "code",
             )?,
-            deferred_attempts: by(
-                "replayproof_deferred_attempts_total",
-                "Due deferred events taken up, by outcome.",
-                "outcome",
-            )?,
-            deferred_panics: counter(
-                "replayproof_deferred_panics_total",
-                "Effects that panicked applying a deferred event (the event is failed).",
-            )?,
-            deferred_restarts: counter(
-                "replayproof_deferred_restarts_total",
-                "Times the deferred applier panicked and was started again.",
-            )?,
-            deferred_events: IntGauge::new(
-                "replayproof_deferred_events",
-                "Events of the topic whose effect deferred, waiting to be applied.",
-            )?,
-            deferred_oldest_age: Gauge::new(
-                "replayproof_deferred_oldest_age_seconds",
-                "Age of the oldest deferred event of the topic, from its first deferral.",
-            )?,
-        };
-        m.register(registry)?;
-        Ok(m)
-    }
-
-    fn register(&self, registry: &Registry) -> prometheus::Result<()> {
-        registry.register(Box::new(self.events.clone()))?;
-        registry.register(Box::new(self.effect_failures.clone()))?;
-        registry.register(Box::new(self.batch_retries.clone()))?;
-        registry.register(Box::new(self.batch_size.clone()))?;
-        registry.register(Box::new(self.batch_seconds.clone()))?;
-        registry.register(Box::new(self.committed_offset.clone()))?;
-        registry.register(Box::new(self.assigned_partitions.clone()))?;
-        registry.register(Box::new(self.consumer_lag.clone()))?;
-        registry.register(Box::new(self.lane_panics.clone()))?;
-        registry.register(Box::new(self.kafka_errors.clone()))?;
-        registry.register(Box::new(self.deferred_attempts.clone()))?;
-        registry.register(Box::new(self.deferred_panics.clone()))?;
-        registry.register(Box::new(self.deferred_restarts.clone()))?;
-        registry.register(Box::new(self.deferred_events.clone()))?;
-        registry.register(Box::new(self.deferred_oldest_age.clone()))
+            deferred: DeferredMetrics::new(&m)?,
+        })
     }
 
     /// Removes a revoked partition's series.

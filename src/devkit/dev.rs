@@ -2,7 +2,7 @@
 //! embedded broker and database unless real ones are configured.
 
 use super::stack::Stack;
-use crate::consume::{self, BatchProcessor, ConsumeMetrics, ConsumerSettings, EffectRetry};
+use crate::consume::{self, BatchProcessor, ConsumeMetrics, ConsumerSettings};
 use crate::db::DatabaseUrl;
 use crate::dispatch::{DispatchMetrics, DispatchSettings, Dispatcher};
 use crate::effect::{HttpOutbox, Registry};
@@ -103,18 +103,17 @@ fn start_consumer(
         reconcile_url: None,
         max_attempts: crate::consume::args::DEFAULT_MAX_ATTEMPTS,
     });
-    let processor = BatchProcessor {
-        defer: Default::default(),
-        pool: stack.pool.clone(),
-        effect: registry.build(&effects, http.as_ref())?,
-        retry: EffectRetry::default(),
-    };
+    let processor =
+        BatchProcessor::new(stack.pool.clone(), registry.build(&effects, http.as_ref())?);
     let settings = ConsumerSettings {
         kafka_options: vec![("session.timeout.ms".into(), "6000".into())],
         ..ConsumerSettings::new(&stack.brokers, &stack.topic, "replayproof-dev")
     };
     let metrics = ConsumeMetrics::new(&prometheus::Registry::new())?;
-    consume::start(settings, processor, metrics, Health::default(), stop)
+    Ok(
+        consume::Consumer::build(settings, processor, metrics, Health::default())?
+            .run_until_stopped(stop),
+    )
 }
 
 fn start_dispatcher(stack: &Stack, stop: CancellationToken) -> anyhow::Result<Running> {
@@ -123,7 +122,13 @@ fn start_dispatcher(stack: &Stack, stop: CancellationToken) -> anyhow::Result<Ru
         poll_interval: Duration::from_millis(200),
         ..DispatchSettings::new("dev")
     };
-    Ok(Dispatcher::new(settings, stack.pool.clone(), metrics)?.start(stop))
+    Ok(Dispatcher::build(
+        settings,
+        stack.pool.clone(),
+        metrics,
+        crate::telemetry::Health::default(),
+    )?
+    .run_until_stopped(stop))
 }
 
 /// What is running where, and how to send it a webhook.

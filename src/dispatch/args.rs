@@ -106,8 +106,9 @@ impl DispatchArgs {
         let metrics = DispatchMetrics::new(&registry)?;
         let health = crate::telemetry::serve(self.metrics_addr, registry, &shutdown).await?;
         let pool = self.database.pool((self.batch_size as u32).clamp(2, 64))?;
-        let mut dispatcher = Dispatcher::new(self.settings()?, pool, metrics)?;
-        dispatcher.health = health;
-        dispatcher.start(shutdown).stopped().await
+        Dispatcher::build(self.settings()?, pool, metrics, health)?
+            .run_until_stopped(shutdown)
+            .stopped()
+            .await
     }
 }

@@ -6,10 +6,14 @@
 //! `uncertain`: it is reconciled first when the row has a reconcile URL, and otherwise resent
 //! with the same key. Never a new key.
 
+mod answer;
 #[cfg(feature = "cli")]
 pub mod args;
 mod metrics;
 pub mod outbound;
+
+pub use answer::MAX_RETRY_AFTER;
+use answer::{describe, location, may_start_request, settled};
 
 pub use metrics::DispatchMetrics;
 pub use outbound::Outbound;
@@ -79,21 +83,24 @@ impl DispatchSettings {
 }
 
 /// A dispatcher: leases due operations and delivers them until `shutdown`, then finishes the
-/// requests in flight and returns.
+/// requests in flight and returns. Its fields are private: every completion goes through the
+/// lease check of [`crate::outbox`].
 pub struct Dispatcher {
-    pub settings: DispatchSettings,
-    pub pool: PgPool,
-    pub metrics: DispatchMetrics,
+    settings: DispatchSettings,
+    pool: PgPool,
+    metrics: DispatchMetrics,
     /// What `/healthz` says: the loop's heartbeat, and whether the outbox can be read.
-    pub health: Health,
+    health: Health,
     http: reqwest::Client,
 }
 
 impl Dispatcher {
-    pub fn new(
+    /// Checks the settings and builds the HTTP client; reports to `health` once running.
+    pub fn build(
         settings: DispatchSettings,
         pool: PgPool,
         metrics: DispatchMetrics,
+        health: Health,
     ) -> anyhow::Result<Self> {
         anyhow::ensure!(
             settings.lease > settings.request_timeout * 2,
@@ -107,14 +114,19 @@ impl Dispatcher {
             settings,
             pool,
             metrics,
-            health: Health::default(),
+            health,
             http,
         })
     }
 
     /// Dispatches on the runtime until `shutdown` is cancelled; see [`Dispatcher::run`].
-    pub fn start(self, shutdown: CancellationToken) -> Running {
+    pub fn run_until_stopped(self, shutdown: CancellationToken) -> Running {
         Running::spawn(async move { self.run(shutdown).await })
+    }
+
+    /// The settings it runs with.
+    pub fn settings(&self) -> &DispatchSettings {
+        &self.settings
     }
 
     /// Leases due operations and delivers them until `shutdown` is cancelled, then finishes the
@@ -343,107 +355,6 @@ impl Dispatcher {
         Ok(Some(()))
     }
 
-    async fn classify_response(
-        &self,
-        row: &Leased,
-        response: reqwest::Response,
-    ) -> (Outcome, Settlement) {
-        let status = response.status().as_u16();
-        let retry_after = response
-            .headers()
-            .get("retry-after")
-            .and_then(|v| v.to_str().ok())
-            .and_then(parse_retry_after);
-        let location = location(&response);
-        let body = excerpt(response).await;
-        let code = Some(i32::from(status));
-        match status {
-            200..=299 => (Outcome::Done, settled(OutboxState::Done, code, None)),
-            300..=399 => (
-                Outcome::Redirected,
-                Settlement {
-                    response: Some(body),
-                    ..settled(
-                        OutboxState::Failed,
-                        code,
-                        Some(format!(
-                            "redirected to {location}; redirects are not followed, so nothing \
-                             was delivered"
-                        )),
-                    )
-                },
-            ),
-            400 | 401 | 403 | 404 | 410 | 422 => (
-                Outcome::Failed,
-                Settlement {
-                    response: Some(body),
-                    ..settled(OutboxState::Failed, code, None)
-                },
-            ),
-            _ => {
-                let state = row.unless_out_of_attempts(OutboxState::Retryable);
-                (
-                    Outcome::Retryable,
-                    Settlement {
-                        next_attempt_at: Some(self.next_attempt(row, retry_after)),
-                        response: Some(body),
-                        ..settled(state, code, None)
-                    },
-                )
-            }
-        }
-    }
-
-    fn classify_error(&self, row: &Leased, e: &reqwest::Error) -> (Outcome, Settlement) {
-        // A request that could not be built (a key or header HTTP cannot carry, a URL it cannot
-        // reach) never left, and never will: a permanent failure, not an unknown outcome.
-        if e.is_builder() {
-            let error = format!(
-                "the request could not be built, so nothing was sent: {}",
-                describe(e)
-            );
-            return (
-                Outcome::Unsendable,
-                settled(OutboxState::Failed, None, Some(error)),
-            );
-        }
-        // A refused connection sent nothing; anything after the request left may have been
-        // applied downstream.
-        let (outcome, state) = if e.is_connect() {
-            (Outcome::Refused, OutboxState::Retryable)
-        } else {
-            (Outcome::Uncertain, OutboxState::Uncertain)
-        };
-        let state = row.unless_out_of_attempts(state);
-        (
-            outcome,
-            Settlement {
-                next_attempt_at: Some(self.next_attempt(row, None)),
-                ..settled(state, None, Some(describe(e)))
-            },
-        )
-    }
-
-    fn next_attempt(
-        &self,
-        row: &Leased,
-        retry_after: Option<Duration>,
-    ) -> chrono::DateTime<chrono::Utc> {
-        let exp = self
-            .settings
-            .backoff_base
-            .saturating_mul(1 << row.attempts.clamp(1, 20).saturating_sub(1));
-        let backoff = exp.min(self.settings.backoff_max);
-        let jitter = backoff.mul_f64(fastrand::f64() * 0.25);
-        let asked = retry_after.unwrap_or(Duration::ZERO).min(MAX_RETRY_AFTER);
-        let delay = asked.max(backoff + jitter);
-        let now = chrono::Utc::now();
-        chrono::Duration::from_std(delay)
-            .ok()
-            .and_then(|d| now.checked_add_signed(d))
-            .unwrap_or(now + chrono::Duration::seconds(MAX_RETRY_AFTER.as_secs() as i64))
-    }
-
     /// Records the attempt and settles the row. A request whose answer came back is never sent
     /// again for want of its record: a failed record is tried again while the lease lasts, and
     /// one PostgreSQL refuses is settled without the parts it refused.
@@ -525,102 +436,6 @@ impl Dispatcher {
     }
 }
 
-/// The most of a downstream's answer read to keep its excerpt; the excerpt itself is at most
-/// [`outbox::RESPONSE_EXCERPT_CHARS`] characters.
-const EXCERPT_BYTES: usize = 4 * outbox::RESPONSE_EXCERPT_CHARS;
-/// The most of the rest read and thrown away so the connection can serve the next request;
-/// past it the connection is closed instead, so an answer of any size costs little memory.
-const DRAIN_BYTES: usize = 64 * 1024;
-
-/// The start of a downstream's answer, read without holding the rest in memory.
-async fn excerpt(mut response: reqwest::Response) -> String {
-    let mut body = Vec::with_capacity(1024);
-    while body.len() < EXCERPT_BYTES {
-        match response.chunk().await {
-            Ok(Some(chunk)) => {
-                let room = EXCERPT_BYTES - body.len();
-                body.extend_from_slice(&chunk[..chunk.len().min(room)]);
-            }
-            _ => break,
-        }
-    }
-    let mut drained = 0;
-    while drained < DRAIN_BYTES {
-        match response.chunk().await {
-            Ok(Some(chunk)) => drained += chunk.len(),
-            _ => break,
-        }
-    }
-    outbox::storable_text(
-        &String::from_utf8_lossy(&body),
-        outbox::RESPONSE_EXCERPT_CHARS,
-    )
-}
-
-/// Where a redirect points, for the operator: redirects are recorded, never followed. A token in
-/// it is redacted.
-fn location(response: &reqwest::Response) -> String {
-    response.headers().get("location").map_or_else(
-        || "(no Location)".to_owned(),
-        |v| crate::secrets::redact_url(&String::from_utf8_lossy(v.as_bytes())),
-    )
-}
-
-/// A request's error with its causes ([`error_chain`]) and its URL redacted: a target URL may
-/// carry its credential in its path or query.
-fn describe(error: &reqwest::Error) -> String {
-    let mut text = error_chain(error);
-    if let Some(url) = error.url() {
-        text = text.replace(url.as_str(), &crate::secrets::redact_url(url.as_str()));
-    }
-    crate::secrets::scrub(&text).into_owned()
-}
-
-/// Whether a request may start: it must be able to time out before the lease runs out.
-fn may_start_request(lease_deadline: Instant, now: Instant, request_timeout: Duration) -> bool {
-    lease_deadline.saturating_duration_since(now) > request_timeout
-}
-
-/// The longest `Retry-After` honoured; a downstream asking for more is asked again after this.
-pub const MAX_RETRY_AFTER: Duration = Duration::from_secs(24 * 3600);
-
-/// A `Retry-After` value: delay seconds or an HTTP date. Anything else is ignored.
-fn parse_retry_after(value: &str) -> Option<Duration> {
-    let value = value.trim();
-    if let Ok(secs) = value.parse::<u64>() {
-        return Some(Duration::from_secs(secs));
-    }
-    let at = chrono::DateTime::parse_from_rfc2822(value).ok()?;
-    let wait = at.with_timezone(&chrono::Utc) - chrono::Utc::now();
-    Some(wait.to_std().unwrap_or(Duration::ZERO))
-}
-
-fn settled(state: OutboxState, status: Option<i32>, error: Option<String>) -> Settlement {
-    Settlement {
-        state,
-        next_attempt_at: None,
-        status,
-        error,
-        response: None,
-    }
-}
-
-/// An error with its causes, outermost first: reqwest's own message ("error sending request")
-/// says nothing of a refused certificate or a reset connection, its sources do.
-fn error_chain(error: &dyn std::error::Error) -> String {
-    let mut text = error.to_string();
-    let mut source = error.source();
-    while let Some(cause) = source {
-        let cause_text = cause.to_string();
-        if !text.contains(&cause_text) {
-            text.push_str(": ");
-            text.push_str(&cause_text);
-        }
-        source = cause.source();
-    }
-    text
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -660,8 +475,13 @@ mod tests {
             request_timeout: Duration::from_millis(timeout_ms),
             ..DispatchSettings::new("w")
         };
-        let refused = Dispatcher::new(settings(1500, 1000), pool.clone(), metrics.clone());
+        let refused = Dispatcher::build(
+            settings(1500, 1000),
+            pool.clone(),
+            metrics.clone(),
+            Health::default(),
+        );
         assert!(refused.is_err());
-        assert!(Dispatcher::new(settings(2500, 1000), pool, metrics).is_ok());
+        assert!(Dispatcher::build(settings(2500, 1000), pool, metrics, Health::default()).is_ok());
     }
 }

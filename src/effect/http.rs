@@ -1,6 +1,6 @@
 //! The built-in `http` effect: an outbox operation per event, delivered later by `dispatch`.
 
-use super::{Effect, Tx};
+use super::{Effect, EffectError, Tx};
 use crate::envelope::Event;
 use anyhow::Context as _;
 use async_trait::async_trait;
@@ -24,13 +24,13 @@ impl Effect for HttpOutbox {
         "http"
     }
 
-    async fn apply(&self, tx: &mut Tx<'_>, event: &Event) -> anyhow::Result<()> {
+    async fn apply(&self, tx: &mut Tx<'_>, event: &Event) -> Result<(), EffectError> {
         self.apply_batch(tx, &[event]).await
     }
 
     /// One statement for the whole batch; each request body is the event's envelope, its
     /// payload copied as it arrived.
-    async fn apply_batch(&self, tx: &mut Tx<'_>, events: &[&Event]) -> anyhow::Result<()> {
+    async fn apply_batch(&self, tx: &mut Tx<'_>, events: &[&Event]) -> Result<(), EffectError> {
         let ops: Vec<_> = events
             .iter()
             .map(|event| crate::outbox::NewOperation {

@@ -1,6 +1,6 @@
 //! The built-in `ledger` effect and all SQL on its table.
 
-use super::{Effect, Tx};
+use super::{Effect, EffectError, Tx};
 use crate::envelope::Event;
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
@@ -21,12 +21,12 @@ impl Effect for Ledger {
         "ledger"
     }
 
-    async fn apply(&self, tx: &mut Tx<'_>, event: &Event) -> anyhow::Result<()> {
+    async fn apply(&self, tx: &mut Tx<'_>, event: &Event) -> Result<(), EffectError> {
         self.apply_batch(tx, &[event]).await
     }
 
     /// One statement for the whole batch; each payload goes in as the text it arrived as.
-    async fn apply_batch(&self, tx: &mut Tx<'_>, events: &[&Event]) -> anyhow::Result<()> {
+    async fn apply_batch(&self, tx: &mut Tx<'_>, events: &[&Event]) -> Result<(), EffectError> {
         let keys: Vec<&str> = events.iter().map(|e| e.key.as_str()).collect();
         let sources: Vec<&str> = events.iter().map(|e| e.source.as_str()).collect();
         let types: Vec<Option<&str>> = events.iter().map(|e| e.event_type.as_deref()).collect();

@@ -6,8 +6,8 @@
 //! together with the claim or not at all, so a crash can never leave a claimed event without its
 //! effect, nor an effect without its claim.
 //!
-//! An effect has three answers: `Ok(())` (applied), an error (see [`FailureKind`]), or
-//! [`Deferred`]: "not yet", for an event that arrives before what it refers to. A deferred event
+//! An effect answers `Ok(())` (applied) or an [`EffectError`]: permanent, transient, a plain
+//! failure, or [`EffectError::NotYet`] with a [`Deferred`]: "not yet", for an event that arrives before what it refers to. A deferred event
 //! does not hold its partition: its claim is committed as `deferred` with its payload and a due
 //! time, and the consumer applies it again when due ([`crate::consume::DeferredApplier`]).
 //! [`newest`] keeps the latest state of an object when events arrive out of order. The guide for
@@ -20,7 +20,7 @@
 //! ```
 //! use anyhow::Context as _;
 //! use async_trait::async_trait;
-//! use replayproof::effect::{Deferred, Effect, Permanent, Tx};
+//! use replayproof::effect::{Deferred, Effect, EffectError, Tx};
 //! use replayproof::envelope::Event;
 //!
 //! struct MarkInvoicePaid;
@@ -31,11 +31,11 @@
 //!         "invoices"
 //!     }
 //!
-//!     async fn apply(&self, tx: &mut Tx<'_>, event: &Event) -> anyhow::Result<()> {
+//!     async fn apply(&self, tx: &mut Tx<'_>, event: &Event) -> Result<(), EffectError> {
 //!         let invoice = event.payload()?["invoice"]
 //!             .as_str()
 //!             .context("the payment names no invoice")
-//!             .map_err(Permanent)?;
+//!             .map_err(EffectError::Permanent)?;
 //!         let paid = sqlx::query("UPDATE invoices SET paid = true WHERE id = $1 AND NOT paid")
 //!             .bind(invoice)
 //!             .execute(&mut **tx)
@@ -51,7 +51,8 @@
 //!                 // Not an error, and not done: applied again when due.
 //!                 return Err(Deferred::new(format!("invoice {invoice} has not arrived")).into());
 //!             }
-//!             return Err(Permanent(anyhow::anyhow!("invoice {invoice} was already paid")).into());
+//!             let paid_twice = anyhow::anyhow!("invoice {invoice} was already paid");
+//!             return Err(EffectError::Permanent(paid_twice));
 //!         }
 //!         Ok(())
 //!     }
@@ -64,6 +65,7 @@
 
 #![warn(missing_docs)]
 
+mod error;
 pub mod http;
 pub mod ledger;
 pub mod newest;
@@ -71,6 +73,7 @@ mod registry;
 #[cfg(feature = "failpoints")]
 pub mod testing;
 
+pub use error::{EffectError, FailureKind};
 pub use http::HttpOutbox;
 pub use ledger::Ledger;
 pub use registry::Registry;
@@ -92,22 +95,23 @@ pub type Tx<'a> = Transaction<'a, Postgres>;
 /// Implementations must do all their work through `tx`; work done elsewhere (an HTTP call, a
 /// second connection) does not roll back with the claim and belongs in the outbox instead.
 ///
-/// What an error does depends on its [`FailureKind`] (see [`classify`]):
-/// - [`Deferred`] ("not yet") commits the claim as `deferred` with the payload; the event is
+/// What an error does depends on its [`EffectError`] variant ([`EffectError::kind`]):
+/// - [`EffectError::NotYet`] ("not yet") commits the claim as `deferred` with the payload; the event is
 ///   applied again when due, until it applies or passes its deadline ([`DeferPolicy`]);
 /// - transient or infrastructure trouble (a deadlock, a timeout, a lost connection, a full disk,
-///   a read-only database, a missing table or privilege, or an error wrapped in [`Transient`])
-///   rolls the whole batch back; nothing is settled and the batch is retried with backoff;
-/// - an error wrapped in [`Permanent`] settles the event as `failed` at once;
-/// - any other error is taken as deterministic: the event alone is retried and, after the
-///   configured number of attempts, recorded as `failed` with the error for an operator.
+///   a read-only database, a missing table or privilege: [`EffectError::Transient`]) rolls the
+///   whole batch back; nothing is settled and the batch is retried with backoff;
+/// - [`EffectError::Permanent`] settles the event as `failed` at once;
+/// - [`EffectError::Failed`] (any other error `?` converts) is taken as deterministic: the event
+///   alone is retried and, after the configured number of attempts, recorded as `failed` with
+///   the error for an operator.
 #[async_trait]
 pub trait Effect: Send + Sync + 'static {
     /// A short name for logs.
     fn name(&self) -> &'static str;
 
     /// Applies the event. Called at most once per committed claim.
-    async fn apply(&self, tx: &mut Tx<'_>, event: &Event) -> anyhow::Result<()>;
+    async fn apply(&self, tx: &mut Tx<'_>, event: &Event) -> Result<(), EffectError>;
 
     /// Applies every event of a batch, in offset order; the consumer calls this once per batch.
     /// The default calls [`Effect::apply`] for each event, so a simple effect stays simple; an
@@ -117,7 +121,7 @@ pub trait Effect: Send + Sync + 'static {
     /// An error rolls back everything this call wrote. The consumer then calls this again on
     /// parts of the batch, halving a part that fails, until it has found the events that fail
     /// alone; only those are retried (in a later transaction) or recorded as failed.
-    async fn apply_batch(&self, tx: &mut Tx<'_>, events: &[&Event]) -> anyhow::Result<()> {
+    async fn apply_batch(&self, tx: &mut Tx<'_>, events: &[&Event]) -> Result<(), EffectError> {
         for event in events {
             self.apply(tx, event).await?;
         }
@@ -142,13 +146,13 @@ pub trait Effect: Send + Sync + 'static {
 
 /// An effect's answer "not yet": the event refers to something that has not arrived (Stripe's
 /// `invoice.paid` before `invoice.created`, a payment before the order it pays). Return it as
-/// the error of [`Effect::apply`]: the effect's work for this event is undone, its claim is
+/// the error of [`Effect::apply`] (`Err(Deferred::new(..).into())`, an [`EffectError::NotYet`]): the effect's work for this event is undone, its claim is
 /// committed as `deferred` with the payload and `reason`, and the event is applied again when
 /// due, each time in its own transaction that moves the claim to `done` with the effect.
 ///
 /// ```
-/// # use replayproof::effect::Deferred;
-/// # fn check() -> anyhow::Result<()> {
+/// # use replayproof::effect::{Deferred, EffectError};
+/// # fn check() -> Result<(), EffectError> {
 /// return Err(Deferred::new("order 42 does not exist yet")
 ///     .after(std::time::Duration::from_secs(30))
 ///     .into());
@@ -197,14 +201,36 @@ pub(crate) fn later(now: DateTime<Utc>, wait: Duration) -> DateTime<Utc> {
 /// How long deferred events wait: the wait after the first "not yet", doubled after each
 /// further one up to `max_backoff`, and the `deadline`, counted from the first deferral, after
 /// which the event is settled `failed` with its last reason.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+///
+/// The policy in force for an event is stored on its claim when the claim is first settled
+/// `deferred` or `failed`, so every later attempt (the deferred applier's, an operator's retry)
+/// follows the same one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct DeferPolicy {
     /// The wait after the first deferral.
+    #[serde(with = "humantime_text")]
     pub backoff: Duration,
     /// The longest wait between two attempts.
+    #[serde(with = "humantime_text")]
     pub max_backoff: Duration,
     /// How long after its first deferral an event may still be deferred.
+    #[serde(with = "humantime_text")]
     pub deadline: Duration,
+}
+
+/// A duration stored as humantime's text (`"10s"`, `"3days"`), readable in `events show`.
+mod humantime_text {
+    use serde::{Deserialize as _, Deserializer, Serializer};
+    use std::time::Duration;
+
+    pub fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(&humantime::format_duration(*d))
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+        let text = String::deserialize(d)?;
+        humantime::parse_duration(&text).map_err(serde::de::Error::custom)
+    }
 }
 
 impl Default for DeferPolicy {
@@ -249,52 +275,6 @@ impl DeferPolicy {
     }
 }
 
-/// How an effect's error is handled; see [`Effect`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum FailureKind {
-    /// Says nothing about the event: roll the batch back and retry it later, settling nothing.
-    Transient,
-    /// Probably fails the same way again: retry the event a few times, then settle it `failed`.
-    Deterministic,
-    /// Will fail the same way every time: settle the event `failed` at once.
-    Permanent,
-    /// Not yet ([`Deferred`]): settle the claim `deferred` and apply the event again when due.
-    Deferred,
-}
-
-/// Marks an effect's error as permanent: the event is recorded as `failed` without retries.
-#[derive(Debug, thiserror::Error)]
-#[error("{0:#}")]
-pub struct Permanent(pub anyhow::Error);
-
-/// Marks an effect's error as transient: the batch is rolled back and retried, nothing settles.
-#[derive(Debug, thiserror::Error)]
-#[error("{0:#}")]
-pub struct Transient(pub anyhow::Error);
-
-/// Sorts an effect's error: an explicit [`Deferred`], [`Permanent`] or [`Transient`] wins; otherwise a
-/// database error anywhere in the chain decides by its SQLSTATE ([`crate::db::is_transient`]);
-/// anything else is [`FailureKind::Deterministic`].
-pub fn classify(error: &anyhow::Error) -> FailureKind {
-    if error.downcast_ref::<Deferred>().is_some() {
-        return FailureKind::Deferred;
-    }
-    // A payload that cannot be read now never will be.
-    if error.downcast_ref::<Permanent>().is_some()
-        || error.downcast_ref::<crate::envelope::Malformed>().is_some()
-    {
-        return FailureKind::Permanent;
-    }
-    if error.downcast_ref::<Transient>().is_some() {
-        return FailureKind::Transient;
-    }
-    let db_error = error.chain().find_map(|e| e.downcast_ref::<sqlx::Error>());
-    match db_error {
-        Some(e) if crate::db::is_transient(e) => FailureKind::Transient,
-        _ => FailureKind::Deterministic,
-    }
-}
-
 /// Applies `effect` to one event in a savepoint of `tx`: its work is kept when it succeeds and
 /// undone when it fails (or defers). The outer result is the database's; the inner, the
 /// effect's.
@@ -302,7 +282,7 @@ pub async fn apply_in_savepoint(
     tx: &mut sqlx::PgConnection,
     effect: &dyn Effect,
     event: &Event,
-) -> sqlx::Result<anyhow::Result<()>> {
+) -> sqlx::Result<Result<(), EffectError>> {
     let mut savepoint = sqlx::Acquire::begin(tx).await?;
     match effect.apply(&mut savepoint, event).await {
         Ok(()) => savepoint.commit().await.map(|()| Ok(())),
@@ -320,14 +300,14 @@ impl Effect for Chain {
         "chain"
     }
 
-    async fn apply(&self, tx: &mut Tx<'_>, event: &Event) -> anyhow::Result<()> {
+    async fn apply(&self, tx: &mut Tx<'_>, event: &Event) -> Result<(), EffectError> {
         for effect in &self.0 {
             effect.apply(tx, event).await?;
         }
         Ok(())
     }
 
-    async fn apply_batch(&self, tx: &mut Tx<'_>, events: &[&Event]) -> anyhow::Result<()> {
+    async fn apply_batch(&self, tx: &mut Tx<'_>, events: &[&Event]) -> Result<(), EffectError> {
         for effect in &self.0 {
             effect.apply_batch(tx, events).await?;
         }

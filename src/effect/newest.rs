@@ -15,7 +15,7 @@
 //!
 //! ```no_run
 //! use replayproof::effect::newest::{self, Candidate};
-//! use replayproof::effect::{Effect, Permanent, Tx};
+//! use replayproof::effect::{Effect, EffectError, Tx};
 //! use replayproof::envelope::Event;
 //!
 //! struct SubscriptionStatus;
@@ -26,10 +26,12 @@
 //!         "subscriptions"
 //!     }
 //!
-//!     async fn apply(&self, tx: &mut Tx<'_>, event: &Event) -> anyhow::Result<()> {
+//!     async fn apply(&self, tx: &mut Tx<'_>, event: &Event) -> Result<(), EffectError> {
 //!         let object = &event.payload()?["data"]["object"];
-//!         let id = object["id"].as_str().ok_or_else(|| Permanent(anyhow::anyhow!("no id")))?;
-//!         let version = newest::version(event, "/created").map_err(Permanent)?;
+//!         let id = object["id"]
+//!             .as_str()
+//!             .ok_or_else(|| EffectError::permanent(anyhow::anyhow!("no id")))?;
+//!         let version = newest::version(event, "/created").map_err(EffectError::Permanent)?;
 //!         let candidate = Candidate::new("subscription", id, version, event);
 //!         if newest::is_newest(tx, &candidate).await? {
 //!             sqlx::query(

@@ -1,7 +1,7 @@
 //! Effects by name: the built-in `ledger` and `http`, and whatever an application registers,
 //! so that `consume --effect` and an operator's retry can build any of them.
 
-use super::{Chain, DeferPolicy, Effect, HttpOutbox, Ledger, Tx};
+use super::{Chain, DeferPolicy, Effect, EffectError, HttpOutbox, Ledger, Tx};
 use crate::envelope::Event;
 use anyhow::Context as _;
 use async_trait::async_trait;
@@ -116,11 +116,11 @@ impl Effect for Named {
         self.inner.name()
     }
 
-    async fn apply(&self, tx: &mut Tx<'_>, event: &Event) -> anyhow::Result<()> {
+    async fn apply(&self, tx: &mut Tx<'_>, event: &Event) -> Result<(), EffectError> {
         self.inner.apply(tx, event).await
     }
 
-    async fn apply_batch(&self, tx: &mut Tx<'_>, events: &[&Event]) -> anyhow::Result<()> {
+    async fn apply_batch(&self, tx: &mut Tx<'_>, events: &[&Event]) -> Result<(), EffectError> {
         self.inner.apply_batch(tx, events).await
     }
 

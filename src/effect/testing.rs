@@ -1,7 +1,7 @@
 //! An effect for tests of the deferral machinery, compiled in only with the `failpoints`
 //! feature (as the test binaries are built) and registered as `ledger-after`.
 
-use super::{Deferred, Effect, Ledger, Tx};
+use super::{Deferred, Effect, EffectError, Ledger, Tx};
 use crate::envelope::Event;
 use async_trait::async_trait;
 
@@ -17,7 +17,7 @@ impl Effect for LedgerAfter {
         "ledger-after"
     }
 
-    async fn apply(&self, tx: &mut Tx<'_>, event: &Event) -> anyhow::Result<()> {
+    async fn apply(&self, tx: &mut Tx<'_>, event: &Event) -> Result<(), EffectError> {
         if let Some(after) = event.payload()?.get("after").and_then(|a| a.as_str()) {
             let done: bool = sqlx::query_scalar(
                 "SELECT EXISTS (SELECT 1 FROM processed_events \

@@ -10,12 +10,14 @@
 #[cfg(feature = "cli")]
 pub mod args;
 pub mod config;
+mod connections;
 mod metrics;
+use connections::{serve, ConnectionLimits};
 pub mod signature;
 
 pub use metrics::IngestMetrics;
 
-use crate::envelope::{Envelope, MAX_KEY_BYTES};
+use crate::envelope::{Envelope, EventKey};
 use anyhow::Context as _;
 use axum::body::Body;
 use axum::extract::{Path, Request, State};
@@ -223,79 +225,6 @@ async fn serve_metrics(
     Ok(Some(addr))
 }
 
-/// What bounds the ingress's connections.
-#[derive(Debug, Clone, Copy)]
-struct ConnectionLimits {
-    /// Open at once; past it, new connections wait in the kernel's backlog.
-    max_connections: usize,
-    /// hyper's header-read timeout: a request's headers must arrive this soon after the
-    /// connection opened or answered, so a half-sent request or an idle connection is closed.
-    header_timeout: Duration,
-    /// How long a stop waits for the connections still open.
-    drain_limit: Duration,
-}
-
-/// Serves `app` on `listener` until `shutdown`, with at most `max_connections` open, each
-/// under the header-read timeout. On shutdown: no more accepts, idle connections closed at
-/// once, requests in flight answered, and whatever is still open after the drain limit closed.
-/// (axum's own `serve` gives hyper no timer, so it cannot time out a connection that sends
-/// nothing.)
-async fn serve(
-    listener: tokio::net::TcpListener,
-    app: Router,
-    limits: ConnectionLimits,
-    shutdown: CancellationToken,
-) {
-    use hyper_util::rt::{TokioIo, TokioTimer};
-    let places = Arc::new(tokio::sync::Semaphore::new(limits.max_connections.max(1)));
-    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
-    let mut http = hyper::server::conn::http1::Builder::new();
-    http.timer(TokioTimer::new())
-        .header_read_timeout(limits.header_timeout);
-    let service = hyper_util::service::TowerToHyperService::new(app);
-    let mut connections = tokio::task::JoinSet::new();
-    loop {
-        let place = tokio::select! {
-            biased;
-            _ = shutdown.cancelled() => break,
-            place = places.clone().acquire_owned() => place.expect("the semaphore is never closed"),
-        };
-        let stream = tokio::select! {
-            biased;
-            _ = shutdown.cancelled() => break,
-            accepted = listener.accept() => match accepted {
-                Ok((stream, _)) => stream,
-                Err(e) => {
-                    // Out of file descriptors, say: wait a little rather than spin.
-                    tracing::warn!(error = %e, "Could not accept a connection.");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            },
-        };
-        let _ = stream.set_nodelay(true);
-        let connection =
-            graceful.watch(http.serve_connection(TokioIo::new(stream), service.clone()));
-        connections.spawn(async move {
-            let _ = connection.await;
-            drop(place);
-        });
-        while connections.try_join_next().is_some() {}
-    }
-    drop(listener);
-    if tokio::time::timeout(limits.drain_limit, graceful.shutdown())
-        .await
-        .is_err()
-    {
-        tracing::warn!(
-            open = connections.len(),
-            limit_secs = limits.drain_limit.as_secs(),
-            "Connections were still open at the drain limit; closing them."
-        );
-    }
-    connections.abort_all();
-}
-
 fn router(state: Arc<AppState>) -> Router {
     Router::new()
         .route("/webhooks/{source}", post(webhook))
@@ -471,14 +400,10 @@ async fn verify(state: &AppState, source: &Source, request: Request) -> Result<E
         }
         Err(Rejection::BadRequest(why)) => return Err(Outcome::BadRequest(why)),
     };
-    let key = format!("{}:{}", source.name, identity.id);
-    if key.len() > MAX_KEY_BYTES {
-        return Err(Outcome::BadRequest(format!(
-            "the event id makes a key over {MAX_KEY_BYTES} bytes"
-        )));
-    }
+    let key = EventKey::try_from(format!("{}:{}", source.name, identity.id))
+        .map_err(|e| Outcome::BadRequest(format!("the event id makes no valid key: {e}")))?;
     let envelope = Envelope {
-        key,
+        key: key.into(),
         source: source.name.clone(),
         event_type: identity.event_type,
         received_at: Some(chrono::Utc::now()),

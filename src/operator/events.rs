@@ -3,30 +3,45 @@
 
 use super::{Act, Change, OperatorError};
 use crate::claims::{self, conflicts, dead_letters, ClaimStatus};
-use crate::effect::{ledger, Deferred, Effect, Registry};
+use crate::consume::settle::{self, Next, Policy, Standing};
+use crate::consume::EffectRetry;
+use crate::effect::{ledger, Effect, EffectError, Registry};
 use crate::outbox::{self, OutboxState};
 use chrono::{DateTime, Utc};
 use serde::Serialize;
 use sqlx::{PgConnection, PgPool};
 use std::sync::Arc;
 
-/// A state `--state` names: a claim status or an operation state (`done` and `failed` are
-/// both). An event is in it when its claim or any of its operations is.
+/// A state `--state` names: a claim status or an operation state (`done`, `failed` and `dead`
+/// are both, and parse as the claim's). An event is in it when its claim or any of its
+/// operations is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct StateName(&'static str);
+pub enum StateName {
+    /// A claim status (also an operation state when the names agree).
+    Claim(ClaimStatus),
+    /// An operation state no claim has (`pending`, `retryable`, `uncertain`, …).
+    Operation(OutboxState),
+}
 
 impl StateName {
     pub fn as_str(self) -> &'static str {
-        self.0
+        match self {
+            Self::Claim(status) => status.as_str(),
+            Self::Operation(state) => state.as_str(),
+        }
     }
 
     /// A state a bulk retry takes: `failed`, `uncertain`, `dead` or `deferred` (applied now
     /// rather than when due).
     pub fn retryable(s: &str) -> Result<Self, String> {
         let name: Self = s.parse()?;
-        match name.0.parse::<OutboxState>() {
-            Ok(state) if state.is_retryable_by_hand() => Ok(name),
-            _ if name.0 == ClaimStatus::Deferred.as_str() => Ok(name),
+        let by_hand = name
+            .as_str()
+            .parse::<OutboxState>()
+            .is_ok_and(OutboxState::is_retryable_by_hand);
+        match name {
+            _ if by_hand => Ok(name),
+            Self::Claim(ClaimStatus::Deferred) => Ok(name),
             _ => Err(format!(
                 "a retry takes failed, uncertain, dead or deferred, not {s}"
             )),
@@ -38,14 +53,13 @@ impl std::str::FromStr for StateName {
     type Err = String;
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        let claims = ClaimStatus::ALL.map(ClaimStatus::as_str);
-        let operations = OutboxState::ALL.map(OutboxState::as_str);
-        claims
-            .into_iter()
-            .chain(operations)
-            .find(|name| *name == s)
-            .map(Self)
-            .ok_or_else(|| format!("{s:?} is not a claim status or an operation state"))
+        let claim = ClaimStatus::ALL.into_iter().find(|c| c.as_str() == s);
+        let operation = OutboxState::ALL.into_iter().find(|o| o.as_str() == s);
+        match (claim, operation) {
+            (Some(status), _) => Ok(Self::Claim(status)),
+            (None, Some(state)) => Ok(Self::Operation(state)),
+            (None, None) => Err(format!("{s:?} is not a claim status or an operation state")),
+        }
     }
 }
 
@@ -197,9 +211,11 @@ pub async fn retry(
     Ok(changes)
 }
 
-/// Runs a failed or deferred local effect again, now, in one transaction with its claim's change
-/// and audit row. An effect that defers again leaves the claim `deferred` (a failed one with a
-/// fresh deadline, from the effect's policy or the default one).
+/// Runs a failed or deferred local effect again, now, once, in one transaction with its claim's
+/// change and audit row. What becomes of the claim is the consumer's rule
+/// ([`settle::next`]), with the deferral policy stored on the claim: an effect that defers again
+/// leaves it `deferred` (from `failed`, with a fresh deadline from that policy); a transient
+/// failure changes nothing.
 async fn retry_local(
     pool: &PgPool,
     registry: &Registry,
@@ -220,45 +236,72 @@ async fn retry_local(
     let effect = effect_to_run(registry, key, given, claim.effect_spec.as_ref())?;
     let event = claim.event(key)?;
     let outcome = crate::effect::apply_in_savepoint(&mut tx, effect.as_ref(), &event).await?;
-    let mut deferred_until = None;
-    let after = match &outcome {
-        Ok(()) => {
-            claims::record_attempt(&mut tx, key, None).await?;
-            ClaimStatus::Done
-        }
-        Err(e) => match e.downcast_ref::<Deferred>() {
-            Some(not_yet) => {
-                let policy = effect.defer_policy().unwrap_or_default();
-                let now = Utc::now();
-                let deadline = match claim.status {
-                    ClaimStatus::Deferred => claim.deadline_at.unwrap_or(now),
-                    _ => policy.deadline_from(now),
-                };
-                let due = policy.due(not_yet, claim.attempts.max(0) as u32 + 1, now, deadline);
-                claims::redefer(&mut tx, key, &not_yet.reason, due, Some(deadline)).await?;
-                deferred_until = Some((not_yet.reason.clone(), due));
-                ClaimStatus::Deferred
-            }
-            None => {
-                claims::record_attempt(&mut tx, key, Some(&format!("{e:#}"))).await?;
-                ClaimStatus::Failed
-            }
-        },
+    let policy = Policy {
+        defer: settle::policy_in_force(&claim, || effect.defer_policy().unwrap_or_default()),
+        retry: ONE_TRY,
+    };
+    let standing = Standing::stored(&claim, 1);
+    let next = settle::next(outcome.as_ref().copied(), standing, &policy, Utc::now());
+    let after = match carry_out(&mut tx, key, &next, &policy).await? {
+        Some(after) => after,
+        None => return Err(failed(key, outcome)),
     };
     let change = Change::new(key, claim.status, after);
     crate::audit::record(&mut tx, act.audit("retry", &change)).await?;
     tx.commit().await?;
-    match (outcome, deferred_until) {
-        (Ok(()), _) => Ok(vec![change]),
-        (Err(_), Some((reason, due))) => Err(OperatorError::StillDeferred {
+    match next {
+        Next::Applied => Ok(vec![change]),
+        Next::Defer { reason, due, .. } => Err(OperatorError::StillDeferred {
             key: key.into(),
             reason,
             due,
         }),
-        (Err(error), None) => Err(OperatorError::EffectFailed {
-            key: key.into(),
-            error,
-        }),
+        _ => Err(failed(key, outcome)),
+    }
+}
+
+/// An operator's retry is one try: a failure settles the claim at once.
+const ONE_TRY: EffectRetry = EffectRetry {
+    attempts: 1,
+    backoff: std::time::Duration::ZERO,
+};
+
+/// Moves the claim as the rule said; None when nothing changes (a transient failure).
+async fn carry_out(
+    tx: &mut PgConnection,
+    key: &str,
+    next: &Next,
+    policy: &Policy,
+) -> Result<Option<ClaimStatus>, OperatorError> {
+    Ok(Some(match next {
+        Next::Applied => {
+            claims::record_attempt(tx, key, None).await?;
+            ClaimStatus::Done
+        }
+        Next::Defer {
+            reason,
+            due,
+            deadline,
+        } => {
+            claims::redefer(tx, key, reason, *due, *deadline, &policy.defer).await?;
+            ClaimStatus::Deferred
+        }
+        Next::Failed { error } | Next::Retry { error, .. } => {
+            claims::record_attempt(tx, key, Some(error)).await?;
+            ClaimStatus::Failed
+        }
+        Next::Postpone { .. } => return Ok(None),
+    }))
+}
+
+fn failed(key: &str, outcome: Result<(), EffectError>) -> OperatorError {
+    let error = match outcome {
+        Ok(()) => anyhow::anyhow!("the effect applied"),
+        Err(e) => e.into(),
+    };
+    OperatorError::EffectFailed {
+        key: key.into(),
+        error,
     }
 }
 

@@ -7,12 +7,14 @@
 
 #![warn(missing_docs)]
 
+mod by_hand;
 pub mod state;
+
+pub use by_hand::*;
 
 pub use state::{AttemptKind, OutboxState, Outcome};
 
 use chrono::{DateTime, Utc};
-use serde::Serialize;
 use sqlx::{PgConnection, PgPool};
 use std::time::Duration;
 
@@ -375,159 +377,4 @@ pub async fn gauges(pool: &PgPool) -> sqlx::Result<Gauges> {
         oldest_due_seconds: row.oldest.unwrap_or(0.0),
         expired_leases: row.expired,
     })
-}
-
-/// An operation as the operator sees it.
-#[derive(Debug, Clone, Serialize)]
-pub struct OperationRow {
-    /// The idempotency key sent downstream.
-    pub operation_key: String,
-    /// Where the operation stands.
-    pub state: OutboxState,
-    /// Attempts so far, of the most allowed (`3/10`).
-    pub attempts: String,
-    /// Where it is sent.
-    pub destination: String,
-    /// When it is due (again).
-    pub next_attempt_at: DateTime<Utc>,
-    /// When the current lease ends, while one is held.
-    pub lease_expires_at: Option<DateTime<Utc>>,
-    /// The last HTTP status the downstream answered.
-    pub last_status: Option<i32>,
-    /// The last error.
-    pub last_error: Option<String>,
-    /// When it was settled.
-    pub completed_at: Option<DateTime<Utc>>,
-}
-
-/// An event's operations, their destinations redacted ([`crate::secrets::redact_url`]): a
-/// target URL may carry its credential.
-pub async fn of_event(pool: &PgPool, key: &str) -> sqlx::Result<Vec<OperationRow>> {
-    let mut rows = sqlx::query_as!(
-        OperationRow,
-        r#"SELECT operation_key, state AS "state: OutboxState",
-                  attempts || '/' || max_attempts AS "attempts!", destination, next_attempt_at,
-                  lease_expires_at, last_status, last_error, completed_at
-           FROM outbox WHERE event_key = $1 ORDER BY operation"#,
-        key
-    )
-    .fetch_all(pool)
-    .await?;
-    for row in &mut rows {
-        row.destination = crate::secrets::redact_url(&row.destination);
-    }
-    Ok(rows)
-}
-
-/// One recorded attempt, as the operator sees it.
-#[derive(Debug, Clone, Serialize)]
-pub struct AttemptRow {
-    /// The operation's name within its event.
-    pub operation: String,
-    /// A delivery or a reconcile.
-    pub kind: AttemptKind,
-    /// How it ended.
-    pub outcome: Outcome,
-    /// The downstream's answer; none when no answer came.
-    pub status_code: Option<i32>,
-    /// False when the attempt's lease had been taken over: it changed nothing.
-    pub applied: bool,
-    /// When it started.
-    pub started_at: DateTime<Utc>,
-    /// How long it took, in milliseconds.
-    pub duration_ms: i32,
-    /// The worker that made it.
-    pub worker: String,
-    /// What went wrong, if anything.
-    pub error: Option<String>,
-}
-
-/// Every attempt at an event's operations, in order.
-pub async fn attempts_of_event(pool: &PgPool, key: &str) -> sqlx::Result<Vec<AttemptRow>> {
-    sqlx::query_as!(
-        AttemptRow,
-        r#"SELECT o.operation, a.kind AS "kind: AttemptKind", a.outcome AS "outcome: Outcome",
-                  a.status_code, a.applied, a.started_at, a.duration_ms, a.worker, a.error
-           FROM outbox_attempts a JOIN outbox o ON o.id = a.outbox_id
-           WHERE o.event_key = $1 ORDER BY a.id"#,
-        key
-    )
-    .fetch_all(pool)
-    .await
-}
-
-/// An operation locked for an operator's change.
-#[derive(Debug, Clone)]
-pub struct Locked {
-    /// The row's id.
-    pub id: i64,
-    /// The idempotency key sent downstream.
-    pub operation_key: String,
-    /// Where the operation stands.
-    pub state: OutboxState,
-    /// Whether a worker holds a lease on it that has not expired.
-    pub leased: bool,
-}
-
-/// An event's operations (or only `operation`), locked until the caller's transaction ends.
-pub async fn lock_of_event(
-    conn: &mut PgConnection,
-    key: &str,
-    operation: Option<&str>,
-) -> sqlx::Result<Vec<Locked>> {
-    sqlx::query_as!(
-        Locked,
-        r#"SELECT id, operation_key, state AS "state: OutboxState",
-                  coalesce(lease_expires_at > now(), false) AS "leased!"
-           FROM outbox WHERE event_key = $1 AND ($2::text IS NULL OR operation = $2)
-           ORDER BY operation FOR UPDATE"#,
-        key,
-        operation
-    )
-    .fetch_all(conn)
-    .await
-}
-
-/// Makes an operation due again with fresh attempts; its key and payload stay as they were.
-pub async fn requeue(conn: &mut PgConnection, id: i64) -> sqlx::Result<()> {
-    sqlx::query!(
-        "UPDATE outbox SET state = 'pending', attempts = 0, next_attempt_at = now(), \
-         updated_at = now() WHERE id = $1",
-        id
-    )
-    .execute(conn)
-    .await?;
-    Ok(())
-}
-
-/// Settles an operation by hand.
-pub async fn resolve(conn: &mut PgConnection, id: i64, to: OutboxState) -> sqlx::Result<()> {
-    sqlx::query!(
-        "UPDATE outbox SET state = $2, lease_expires_at = NULL, updated_at = now(), \
-         completed_at = CASE WHEN $2 = 'done' THEN now() END WHERE id = $1",
-        id,
-        to.as_str()
-    )
-    .execute(conn)
-    .await?;
-    Ok(())
-}
-
-/// Operations not yet done.
-pub async fn open_count(pool: &PgPool) -> sqlx::Result<i64> {
-    sqlx::query_scalar!(r#"SELECT count(*) AS "n!" FROM outbox WHERE state <> 'done'"#)
-        .fetch_one(pool)
-        .await
-}
-
-/// Attempts recorded, and how many of them settled an operation by reconciliation.
-pub async fn attempt_counts(pool: &PgPool) -> sqlx::Result<(i64, i64)> {
-    let row = sqlx::query!(
-        r#"SELECT count(*) AS "all!",
-                  count(*) FILTER (WHERE outcome = 'reconciled_done') AS "reconciled!"
-           FROM outbox_attempts"#
-    )
-    .fetch_one(pool)
-    .await?;
-    Ok((row.all, row.reconciled))
 }

@@ -4,7 +4,7 @@
 use crate::harness::{envelope, TestDb};
 use async_trait::async_trait;
 use replayproof::consume::{BatchError, BatchProcessor, EffectRetry, RawMessage};
-use replayproof::effect::{Effect, Ledger, Permanent, Tx};
+use replayproof::effect::{Effect, EffectError, Ledger, Tx};
 use replayproof::envelope::Event;
 use serde_json::json;
 use std::sync::Arc;
@@ -19,15 +19,15 @@ fn message(offset: i64, key: &str, payload: serde_json::Value) -> RawMessage {
 }
 
 fn processor(db: &TestDb, effect: Arc<dyn Effect>) -> BatchProcessor {
-    BatchProcessor {
-        defer: Default::default(),
-        pool: db.pool.clone(),
-        effect,
-        retry: EffectRetry {
-            attempts: 3,
-            backoff: Duration::from_millis(5),
-        },
-    }
+    processor_on(db.pool.clone(), effect)
+}
+
+/// A processor writing through `pool`, with quick retries.
+fn processor_on(pool: sqlx::PgPool, effect: Arc<dyn Effect>) -> BatchProcessor {
+    BatchProcessor::new(pool, effect).with_retry(EffectRetry {
+        attempts: 3,
+        backoff: Duration::from_millis(5),
+    })
 }
 
 #[tokio::test]
@@ -161,7 +161,7 @@ impl Effect for FailsFor {
         "fails-for"
     }
 
-    async fn apply(&self, tx: &mut Tx<'_>, event: &Event) -> anyhow::Result<()> {
+    async fn apply(&self, tx: &mut Tx<'_>, event: &Event) -> Result<(), EffectError> {
         Ledger.apply(tx, event).await?;
         if event.key.as_str() == self.0 {
             // A constraint violation after a write: the write must roll back with the claim.
@@ -318,7 +318,7 @@ impl Effect for WritesTo {
         "writes-to"
     }
 
-    async fn apply(&self, tx: &mut Tx<'_>, event: &Event) -> anyhow::Result<()> {
+    async fn apply(&self, tx: &mut Tx<'_>, event: &Event) -> Result<(), EffectError> {
         sqlx::query("SET LOCAL lock_timeout = '200ms'")
             .execute(&mut **tx)
             .await?;
@@ -394,11 +394,7 @@ async fn read_only_database_fails_the_batch_and_settles_nothing() {
     .await
     .unwrap();
     let read_only = sqlx::PgPool::connect(&db.url).await.unwrap();
-    let p = BatchProcessor {
-        defer: Default::default(),
-        pool: read_only,
-        ..processor(&db, Arc::new(Ledger))
-    };
+    let p = processor_on(read_only, Arc::new(Ledger));
     let batch = [message(0, "a", json!(1))];
     let result = p.process("t", 0, &batch).await;
     assert!(matches!(result, Err(BatchError::Database(_))), "{result:?}");
@@ -416,11 +412,10 @@ async fn read_only_database_fails_the_batch_and_settles_nothing() {
     .execute(&mut admin)
     .await
     .unwrap();
-    let writable = BatchProcessor {
-        defer: Default::default(),
-        pool: sqlx::PgPool::connect(&db.url).await.unwrap(),
-        ..processor(&db, Arc::new(Ledger))
-    };
+    let writable = processor_on(
+        sqlx::PgPool::connect(&db.url).await.unwrap(),
+        Arc::new(Ledger),
+    );
     assert_eq!(writable.process("t", 0, &batch).await.unwrap().applied, 1);
 }
 
@@ -433,9 +428,11 @@ impl Effect for RefusesFor {
         "refuses-for"
     }
 
-    async fn apply(&self, tx: &mut Tx<'_>, event: &Event) -> anyhow::Result<()> {
+    async fn apply(&self, tx: &mut Tx<'_>, event: &Event) -> Result<(), EffectError> {
         if event.key.as_str() == self.0 {
-            return Err(Permanent(anyhow::anyhow!("the amount does not match the order")).into());
+            return Err(EffectError::permanent(anyhow::anyhow!(
+                "the amount does not match the order"
+            )));
         }
         Ledger.apply(tx, event).await
     }
@@ -511,7 +508,7 @@ impl Effect for Slow {
         "slow"
     }
 
-    async fn apply(&self, tx: &mut Tx<'_>, event: &Event) -> anyhow::Result<()> {
+    async fn apply(&self, tx: &mut Tx<'_>, event: &Event) -> Result<(), EffectError> {
         sqlx::query("SELECT pg_sleep(5)").execute(&mut **tx).await?;
         Ledger.apply(tx, event).await
     }
@@ -525,11 +522,7 @@ async fn a_slow_effect_is_ended_by_the_statement_timeout_and_settles_nothing() {
         ..replayproof::db::Limits::default()
     };
     let pool = replayproof::db::pool_with(&db.url.parse().unwrap(), 2, limits).unwrap();
-    let p = BatchProcessor {
-        defer: Default::default(),
-        pool,
-        ..processor(&db, Arc::new(Slow))
-    };
+    let p = processor_on(pool, Arc::new(Slow));
     let started = std::time::Instant::now();
     let result = p.process("t", 0, &[message(0, "slow", json!(1))]).await;
     assert!(
@@ -557,19 +550,18 @@ impl Effect for PoisonedBatch {
         "poisoned-batch"
     }
 
-    async fn apply(&self, tx: &mut Tx<'_>, event: &Event) -> anyhow::Result<()> {
+    async fn apply(&self, tx: &mut Tx<'_>, event: &Event) -> Result<(), EffectError> {
         self.apply_batch(tx, &[event]).await
     }
 
-    async fn apply_batch(&self, tx: &mut Tx<'_>, events: &[&Event]) -> anyhow::Result<()> {
+    async fn apply_batch(&self, tx: &mut Tx<'_>, events: &[&Event]) -> Result<(), EffectError> {
         self.calls
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         Ledger.apply_batch(tx, events).await?;
-        anyhow::ensure!(
-            events.iter().all(|e| e.key.as_str() != self.poisoned),
-            "the downstream table refuses {}",
-            self.poisoned
-        );
+        if events.iter().any(|e| e.key.as_str() == self.poisoned) {
+            let refused = anyhow::anyhow!("the downstream table refuses {}", self.poisoned);
+            return Err(refused.into());
+        }
         Ok(())
     }
 }
@@ -588,15 +580,10 @@ async fn one_poisoned_effect_among_500_fails_alone_and_nothing_waits_inside_a_tr
         poisoned: "k-0321".into(),
         calls: Default::default(),
     });
-    let p = BatchProcessor {
-        defer: Default::default(),
-        pool,
-        effect: effect.clone(),
-        retry: EffectRetry {
-            attempts: 3,
-            backoff: Duration::from_secs(1),
-        },
-    };
+    let p = BatchProcessor::new(pool, effect.clone()).with_retry(EffectRetry {
+        attempts: 3,
+        backoff: Duration::from_secs(1),
+    });
     let batch: Vec<RawMessage> = (0..500)
         .map(|i| message(i, &format!("k-{i:04}"), json!({ "n": i })))
         .collect();
@@ -649,7 +636,7 @@ async fn a_key_no_header_can_carry_is_dead_lettered_and_the_batch_goes_on() {
     assert_eq!(report.applied, 2);
     assert_eq!(report.dead_letters.len(), 1);
     assert!(
-        report.dead_letters[0].1.contains("control character"),
+        report.dead_letters[0].reason.contains("control character"),
         "{report:?}"
     );
     assert_eq!(db.count("SELECT count(*) FROM processed_events").await, 2);
@@ -676,7 +663,7 @@ async fn a_payload_nested_deeper_than_any_document_is_dead_lettered_without_a_cr
     let report = p.process("t", 0, &batch).await.unwrap();
     assert_eq!((report.applied, report.dead_letters.len()), (2, 1));
     assert!(
-        report.dead_letters[0].1.contains("levels deep"),
+        report.dead_letters[0].reason.contains("levels deep"),
         "{report:?}"
     );
 }

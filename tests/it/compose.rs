@@ -179,7 +179,8 @@ fn dashboard_and_scrape_config_name_real_metrics() {
     consume.committed_offset.with_label_values(&["0"]).set(1);
     consume.consumer_lag.with_label_values(&["0"]).set(1);
     consume
-        .deferred_attempts
+        .deferred
+        .attempts
         .with_label_values(&["applied"])
         .inc();
     dispatch.attempts.with_label_values(&["done"]).inc();

@@ -3,6 +3,7 @@
 
 use crate::harness::*;
 use replayproof::consume::ConsumerSettings;
+use replayproof::effect::EffectError;
 use serde_json::json;
 use std::collections::HashSet;
 use std::time::Duration;
@@ -167,15 +168,14 @@ async fn lanes_over_their_byte_budget_leave_messages_in_kafka_and_lose_none() {
 async fn a_failing_event_waits_for_its_retries_while_later_events_go_on_and_holds_the_offset() {
     let (kafka, db) = (TestKafka::mock(), TestDb::new().await);
     let (topic, group) = (kafka.topic(1).await, unique("group"));
-    let processor = replayproof::consume::BatchProcessor {
-        defer: Default::default(),
-        pool: db.pool.clone(),
-        effect: std::sync::Arc::new(crate::batch::FailsFor("evt-bad")),
-        retry: replayproof::consume::EffectRetry {
-            attempts: 3,
-            backoff: Duration::from_secs(1),
-        },
-    };
+    let processor = replayproof::consume::BatchProcessor::new(
+        db.pool.clone(),
+        std::sync::Arc::new(crate::batch::FailsFor("evt-bad")),
+    )
+    .with_retry(replayproof::consume::EffectRetry {
+        attempts: 3,
+        backoff: Duration::from_secs(1),
+    });
     let consumer =
         InProcessConsumer::with_processor(settings(&kafka.brokers(), &topic, &group), processor);
     let mut records = vec![Record::event("evt-bad", json!(0))];
@@ -364,12 +364,11 @@ async fn options_that_would_break_offset_safety_are_refused_at_start() {
     ] {
         let mut s = settings(&kafka.brokers(), &topic, &unique("group"));
         s.kafka_options.push((key.into(), value.into()));
-        let processor = replayproof::consume::BatchProcessor {
-            defer: Default::default(),
-            pool: db.pool.clone(),
-            effect: std::sync::Arc::new(replayproof::effect::Ledger),
-            retry: replayproof::consume::EffectRetry::default(),
-        };
+        let processor = replayproof::consume::BatchProcessor::new(
+            db.pool.clone(),
+            std::sync::Arc::new(replayproof::effect::Ledger),
+        )
+        .with_retry(replayproof::consume::EffectRetry::default());
         let metrics =
             replayproof::consume::ConsumeMetrics::new(&prometheus::Registry::new()).unwrap();
         let stop = tokio_util::sync::CancellationToken::new();
@@ -393,7 +392,7 @@ impl replayproof::effect::Effect for PanicsOn {
         &self,
         tx: &mut replayproof::effect::Tx<'_>,
         event: &replayproof::envelope::Event,
-    ) -> anyhow::Result<()> {
+    ) -> Result<(), EffectError> {
         assert_ne!(event.key.as_str(), self.0, "a bug in an effect");
         replayproof::effect::Ledger.apply(tx, event).await
     }
@@ -544,17 +543,17 @@ async fn an_idle_consumer_whose_database_is_gone_fails_health() {
         unhealthy_after: Duration::from_secs(1),
         ..settings(&kafka.brokers(), &topic, &group)
     };
-    let processor = replayproof::consume::BatchProcessor {
-        defer: Default::default(),
+    let processor = replayproof::consume::BatchProcessor::new(
         pool,
-        effect: std::sync::Arc::new(replayproof::effect::Ledger),
-        retry: replayproof::consume::EffectRetry::default(),
-    };
+        std::sync::Arc::new(replayproof::effect::Ledger),
+    )
+    .with_retry(replayproof::consume::EffectRetry::default());
     let metrics = replayproof::consume::ConsumeMetrics::new(&prometheus::Registry::new()).unwrap();
     let health = replayproof::telemetry::Health::default();
     let stop = tokio_util::sync::CancellationToken::new();
-    let running =
-        replayproof::consume::start(s, processor, metrics, health.clone(), stop.clone()).unwrap();
+    let running = replayproof::consume::Consumer::build(s, processor, metrics, health.clone())
+        .unwrap()
+        .run_until_stopped(stop.clone());
     wait_for("/healthz to name the database", WAIT, || async {
         health
             .problems()
@@ -583,11 +582,11 @@ impl replayproof::effect::Effect for HoldsOn {
         &self,
         tx: &mut replayproof::effect::Tx<'_>,
         event: &replayproof::envelope::Event,
-    ) -> anyhow::Result<()> {
+    ) -> Result<(), EffectError> {
         if event.key.as_str() == self.key {
             self.entered
                 .store(true, std::sync::atomic::Ordering::SeqCst);
-            let _permit = self.release.acquire().await?;
+            let _permit = self.release.acquire().await.map_err(anyhow::Error::from)?;
         }
         replayproof::effect::Ledger.apply(tx, event).await
     }
@@ -720,10 +719,10 @@ impl replayproof::effect::Effect for Slow {
         &self,
         tx: &mut replayproof::effect::Tx<'_>,
         event: &replayproof::envelope::Event,
-    ) -> anyhow::Result<()> {
+    ) -> Result<(), EffectError> {
         tokio::time::sleep(Duration::from_millis(10)).await;
         if event.key.as_str() == self.refused {
-            anyhow::bail!("the downstream refuses {}", self.refused);
+            return Err(anyhow::anyhow!("the downstream refuses {}", self.refused).into());
         }
         replayproof::effect::Ledger.apply(tx, event).await
     }
@@ -772,9 +771,9 @@ impl replayproof::effect::Effect for FailsAll {
         &self,
         _: &mut replayproof::effect::Tx<'_>,
         event: &replayproof::envelope::Event,
-    ) -> anyhow::Result<()> {
+    ) -> Result<(), EffectError> {
         self.seen.lock().unwrap().insert(event.key.to_string());
-        anyhow::bail!("always refused")
+        Err(anyhow::anyhow!("always refused").into())
     }
 }
 
@@ -793,15 +792,11 @@ async fn events_waiting_for_an_effect_retry_count_in_the_lane_budget() {
         ..settings(&kafka.brokers(), &topic, &group)
     };
     let effect = std::sync::Arc::new(FailsAll::default());
-    let processor = replayproof::consume::BatchProcessor {
-        defer: Default::default(),
-        pool: db.pool.clone(),
-        effect: effect.clone(),
-        retry: replayproof::consume::EffectRetry {
+    let processor = replayproof::consume::BatchProcessor::new(db.pool.clone(), effect.clone())
+        .with_retry(replayproof::consume::EffectRetry {
             attempts: 10,
             backoff: Duration::from_secs(2),
-        },
-    };
+        });
     let consumer = InProcessConsumer::with_processor(s, processor);
     wait_for("the first events tried", WAIT, || async {
         !effect.seen.lock().unwrap().is_empty()
@@ -832,17 +827,17 @@ async fn a_partition_failing_its_fetches_is_unhealthy_while_another_flows() {
         unhealthy_after: Duration::from_secs(2),
         ..settings(&brokers, &topic, &group)
     };
-    let processor = replayproof::consume::BatchProcessor {
-        defer: Default::default(),
-        pool: db.pool.clone(),
-        effect: std::sync::Arc::new(replayproof::effect::Ledger),
-        retry: replayproof::consume::EffectRetry::default(),
-    };
+    let processor = replayproof::consume::BatchProcessor::new(
+        db.pool.clone(),
+        std::sync::Arc::new(replayproof::effect::Ledger),
+    )
+    .with_retry(replayproof::consume::EffectRetry::default());
     let metrics = replayproof::consume::ConsumeMetrics::new(&prometheus::Registry::new()).unwrap();
     let health = replayproof::telemetry::Health::default();
     let stop = tokio_util::sync::CancellationToken::new();
-    let running =
-        replayproof::consume::start(s, processor, metrics, health.clone(), stop.clone()).unwrap();
+    let running = replayproof::consume::Consumer::build(s, processor, metrics, health.clone())
+        .unwrap()
+        .run_until_stopped(stop.clone());
     let producer = producer(&brokers);
     produce(
         &producer,

@@ -32,8 +32,14 @@ impl Dispatchers {
         let tasks = (0..n)
             .map(|i| {
                 let metrics = DispatchMetrics::new(&prometheus::Registry::new()).unwrap();
-                let d = Dispatcher::new(settings(i), db.pool.clone(), metrics).unwrap();
-                d.start(token.clone())
+                let d = Dispatcher::build(
+                    settings(i),
+                    db.pool.clone(),
+                    metrics,
+                    replayproof::telemetry::Health::default(),
+                )
+                .unwrap();
+                d.run_until_stopped(token.clone())
             })
             .collect();
         Self(token, tasks)
@@ -295,10 +301,11 @@ async fn refused_connections_are_retryable_and_retry_after_is_honoured() {
     .unwrap();
 
     let registry = prometheus::Registry::new();
-    let d = Dispatcher::new(
+    let d = Dispatcher::build(
         settings("w"),
         db.pool.clone(),
         DispatchMetrics::new(&registry).unwrap(),
+        replayproof::telemetry::Health::default(),
     )
     .unwrap();
     assert_eq!(d.dispatch_once().await.unwrap(), 2);
@@ -355,7 +362,13 @@ async fn an_expired_lease_shows_in_the_metrics() {
         crate::harness::metric_value(&registry, "replayproof_outbox_expired_leases"),
         1.0
     );
-    let d = Dispatcher::new(settings("observer"), db.pool.clone(), metrics.clone()).unwrap();
+    let d = Dispatcher::build(
+        settings("observer"),
+        db.pool.clone(),
+        metrics.clone(),
+        replayproof::telemetry::Health::default(),
+    )
+    .unwrap();
     assert_eq!(
         d.dispatch_once().await.unwrap(),
         1,
@@ -371,10 +384,11 @@ async fn an_expired_lease_shows_in_the_metrics() {
 
 /// Leases and sends one round with a single dispatcher; returns the rows' (key, state, error).
 async fn one_round(db: &TestDb) -> Vec<(String, String, Option<String>)> {
-    let d = Dispatcher::new(
+    let d = Dispatcher::build(
         settings("w"),
         db.pool.clone(),
         DispatchMetrics::new(&prometheus::Registry::new()).unwrap(),
+        replayproof::telemetry::Health::default(),
     )
     .unwrap();
     d.dispatch_once().await.unwrap();
@@ -501,19 +515,19 @@ async fn an_unreadable_outbox_fails_health_until_it_is_back() {
         .execute(&db.pool)
         .await
         .unwrap();
-    let mut d = Dispatcher::new(
+    let health = replayproof::telemetry::Health::default();
+    let d = Dispatcher::build(
         DispatchSettings {
             unhealthy_after: Duration::from_millis(500),
             ..settings("h")
         },
         db.pool.clone(),
         DispatchMetrics::new(&prometheus::Registry::new()).unwrap(),
+        health.clone(),
     )
     .unwrap();
-    let health = replayproof::telemetry::Health::default();
-    d.health = health.clone();
     let stop = CancellationToken::new();
-    let task = d.start(stop.clone());
+    let task = d.run_until_stopped(stop.clone());
     wait_for("/healthz to name the outbox", WAIT, || async {
         health
             .problems()
@@ -682,7 +696,13 @@ async fn a_huge_answer_is_read_only_as_far_as_its_excerpt() {
         ..settings("w")
     };
     let metrics = DispatchMetrics::new(&prometheus::Registry::new()).unwrap();
-    let d = Dispatcher::new(patient, db.pool.clone(), metrics).unwrap();
+    let d = Dispatcher::build(
+        patient,
+        db.pool.clone(),
+        metrics,
+        replayproof::telemetry::Health::default(),
+    )
+    .unwrap();
     d.dispatch_once().await.unwrap();
     assert_eq!(
         db.count("SELECT count(*) FROM outbox WHERE state = 'retryable'")

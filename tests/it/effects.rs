@@ -3,9 +3,9 @@
 
 use crate::harness::*;
 use async_trait::async_trait;
-use replayproof::consume::{DeferSettings, DeferredApplier, EffectRetry};
+use replayproof::consume::{DeferSettings, DeferredApplier};
 use replayproof::effect::newest::{self, Candidate};
-use replayproof::effect::{DeferPolicy, Deferred, Effect, Ledger, Permanent, Tx};
+use replayproof::effect::{DeferPolicy, Deferred, Effect, EffectError, Ledger, Tx};
 use replayproof::envelope::{Envelope, Event};
 use replayproof::operator::events::{self, EventFilter, Retry};
 use replayproof::operator::{Act, OperatorError};
@@ -25,7 +25,7 @@ impl Effect for Gated {
         "gated"
     }
 
-    async fn apply(&self, tx: &mut Tx<'_>, event: &Event) -> anyhow::Result<()> {
+    async fn apply(&self, tx: &mut Tx<'_>, event: &Event) -> Result<(), EffectError> {
         let gate = event.payload()?["gate"]
             .as_str()
             .unwrap_or_default()
@@ -216,23 +216,69 @@ async fn an_operator_lists_retries_and_resolves_deferred_events() {
     assert_eq!(audited, 3);
 }
 
+#[tokio::test]
+async fn an_operator_retried_event_defers_by_its_sources_policy() {
+    let db = gated_db().await;
+    let stripe = DeferPolicy {
+        backoff: Duration::from_secs(3600),
+        max_backoff: Duration::from_secs(7200),
+        deadline: Duration::from_secs(72 * 3600),
+    };
+    let settings = DeferSettings {
+        sources: [("stripe".to_owned(), stripe)].into(),
+        ..DeferSettings::default()
+    };
+    let mut test = EffectTest::new(db.pool.clone(), Gated).with_defer(settings);
+    let payment = event(
+        "evt_1",
+        "stripe",
+        "invoice.paid",
+        json!({"gate": "invoice"}),
+    );
+    test.deliver(&[payment]).await.unwrap();
+    let registry = replayproof::effect::Registry::default();
+    let act = Act::new("ops", "invoice imported?");
+    let retry = Retry {
+        effect: Some(Arc::new(Gated)),
+        ..Retry::default()
+    };
+    let hours_from_now =
+        |at: chrono::DateTime<chrono::Utc>| (at - chrono::Utc::now()).num_seconds() as f64 / 3600.0;
+    // Still blocked: deferred again after the source's backoff, doubled for the second
+    // deferral (2 h), not the default's (20 s).
+    let refused = events::retry(&db.pool, &registry, "evt_1", &retry, &act).await;
+    assert!(matches!(refused, Err(OperatorError::StillDeferred { .. })));
+    let claim = test.claim("evt_1").await.unwrap().unwrap();
+    let due = hours_from_now(claim.due_at.unwrap());
+    assert!((1.9..=2.0).contains(&due), "due in {due} h");
+    // From `failed` (as after its deadline): a fresh deadline from the source's policy.
+    sqlx::query("UPDATE processed_events SET status = 'failed', due_at = NULL, deadline_at = now() - interval '1 hour'")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let refused = events::retry(&db.pool, &registry, "evt_1", &retry, &act).await;
+    assert!(matches!(refused, Err(OperatorError::StillDeferred { .. })));
+    let claim = test.claim("evt_1").await.unwrap().unwrap();
+    assert_eq!(claim.status.as_str(), "deferred");
+    let deadline = hours_from_now(claim.deadline_at.unwrap());
+    assert!(
+        (71.9..=72.0).contains(&deadline),
+        "deadline in {deadline} h"
+    );
+}
+
 /// A processor for `effect` whose deferred events are due again within 100 ms, looked for
 /// every 20 ms.
 fn quickly_deferring(db: &TestDb, effect: Arc<dyn Effect>) -> replayproof::consume::BatchProcessor {
-    replayproof::consume::BatchProcessor {
-        pool: db.pool.clone(),
-        effect,
-        retry: EffectRetry::default(),
-        defer: DeferSettings {
-            default: DeferPolicy {
-                backoff: Duration::from_millis(50),
-                max_backoff: Duration::from_millis(100),
-                ..DeferPolicy::default()
-            },
-            poll_interval: Duration::from_millis(20),
-            ..DeferSettings::default()
+    replayproof::consume::BatchProcessor::new(db.pool.clone(), effect).with_defer(DeferSettings {
+        default: DeferPolicy {
+            backoff: Duration::from_millis(50),
+            max_backoff: Duration::from_millis(100),
+            ..DeferPolicy::default()
         },
-    }
+        poll_interval: Duration::from_millis(20),
+        ..DeferSettings::default()
+    })
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -270,12 +316,7 @@ async fn a_consumer_applies_its_deferred_events_when_due_and_reports_them() {
     consumer.stop().await;
     assert_eq!(db.ledger_counts().await.len(), 2);
     // Another topic's deferred claims are not this consumer's: its own effect applies them.
-    let other = replayproof::consume::BatchProcessor {
-        pool: db.pool.clone(),
-        effect: Arc::new(Gated),
-        retry: EffectRetry::default(),
-        defer: DeferSettings::default(),
-    };
+    let other = replayproof::consume::BatchProcessor::new(db.pool.clone(), Arc::new(Gated));
     let metrics = replayproof::consume::ConsumeMetrics::new(&prometheus::Registry::new()).unwrap();
     let applier = DeferredApplier::new(other, &topic, metrics);
     let mut elsewhere = EffectTest::new(db.pool.clone(), Gated);
@@ -308,18 +349,18 @@ impl Effect for SubscriptionStatus {
         "subscriptions"
     }
 
-    async fn apply(&self, tx: &mut Tx<'_>, event: &Event) -> anyhow::Result<()> {
+    async fn apply(&self, tx: &mut Tx<'_>, event: &Event) -> Result<(), EffectError> {
         self.apply_batch(tx, &[event]).await
     }
 
-    async fn apply_batch(&self, tx: &mut Tx<'_>, events: &[&Event]) -> anyhow::Result<()> {
+    async fn apply_batch(&self, tx: &mut Tx<'_>, events: &[&Event]) -> Result<(), EffectError> {
         let mut parsed = Vec::new();
         for e in events {
             let object = &e.payload()?["data"]["object"];
             let id = object["id"]
                 .as_str()
-                .ok_or_else(|| Permanent(anyhow::anyhow!("no id")))?;
-            let version = newest::version(e, "/created").map_err(Permanent)?;
+                .ok_or_else(|| EffectError::permanent(anyhow::anyhow!("no id")))?;
+            let version = newest::version(e, "/created").map_err(EffectError::Permanent)?;
             parsed.push((id, version, object["status"].as_str(), e));
         }
         let candidates: Vec<Candidate> = parsed
@@ -425,12 +466,8 @@ async fn one_objects_events_racing_on_two_partitions_end_in_the_newest_state() {
         .execute(&db.pool)
         .await
         .unwrap();
-    let processor = || replayproof::consume::BatchProcessor {
-        pool: db.pool.clone(),
-        effect: Arc::new(SubscriptionStatus),
-        retry: EffectRetry::default(),
-        defer: DeferSettings::default(),
-    };
+    let processor =
+        || replayproof::consume::BatchProcessor::new(db.pool.clone(), Arc::new(SubscriptionStatus));
     // Even versions on partition 0, odd on 1, each partition newest first, 20 rounds.
     for round in 0..20 {
         let id = format!("sub_{round}");
@@ -470,7 +507,7 @@ impl Effect for Moody {
         "moody"
     }
 
-    async fn apply(&self, tx: &mut Tx<'_>, event: &Event) -> anyhow::Result<()> {
+    async fn apply(&self, tx: &mut Tx<'_>, event: &Event) -> Result<(), EffectError> {
         let payload = event.payload()?;
         let gate = payload["gate"].as_str().unwrap_or_default().to_owned();
         let open: bool = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM gates WHERE name = $1)")
@@ -482,10 +519,9 @@ impl Effect for Moody {
         }
         match payload["then"].as_str() {
             Some("panic") => panic!("moody panics at {}", event.key),
-            Some("transient") => Err(replayproof::effect::Transient(anyhow::anyhow!(
+            Some("transient") => Err(EffectError::transient(anyhow::anyhow!(
                 "the downstream is busy"
-            ))
-            .into()),
+            ))),
             _ => Ledger.apply(tx, event).await,
         }
     }

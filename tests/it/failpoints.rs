@@ -81,10 +81,11 @@ async fn a_delivery_is_not_started_with_less_than_a_request_timeout_left_on_the_
         poll_interval: Duration::from_millis(20),
         ..DispatchSettings::new("tight")
     };
-    let d = Dispatcher::new(
+    let d = Dispatcher::build(
         tight,
         db.pool.clone(),
         DispatchMetrics::new(&prometheus::Registry::new()).unwrap(),
+        replayproof::telemetry::Health::default(),
     )
     .unwrap();
     // Something slow between the reconcile and the delivery eats most of the lease.

@@ -722,12 +722,11 @@ fn as_messages(records: &[(String, serde_json::Value)]) -> Vec<replayproof::cons
 
 /// A batch processor with the ledger effect on `db`.
 fn ledger(db: &TestDb) -> replayproof::consume::BatchProcessor {
-    replayproof::consume::BatchProcessor {
-        defer: Default::default(),
-        pool: db.pool.clone(),
-        effect: std::sync::Arc::new(replayproof::effect::Ledger),
-        retry: replayproof::consume::EffectRetry::default(),
-    }
+    replayproof::consume::BatchProcessor::new(
+        db.pool.clone(),
+        std::sync::Arc::new(replayproof::effect::Ledger),
+    )
+    .with_retry(replayproof::consume::EffectRetry::default())
 }
 
 /// Delivers `body` as `kind`'s sender would, with the event id `id`.

@@ -6,7 +6,7 @@ use crate::harness::{envelope, stdout_of, TestDb, TestKafka};
 use async_trait::async_trait;
 use replayproof::consume::{BatchProcessor, EffectRetry, RawMessage};
 use replayproof::effect::Registry;
-use replayproof::effect::{Effect, HttpOutbox, Ledger, Tx};
+use replayproof::effect::{Effect, EffectError, HttpOutbox, Ledger, Tx};
 use replayproof::envelope::Event;
 use replayproof::operator::events::{self, Resolution, Retry};
 use replayproof::operator::{dead_letters, Act, Change, OperatorError};
@@ -57,15 +57,10 @@ fn message(offset: i64, key: &str) -> RawMessage {
 }
 
 async fn process(db: &TestDb, effect: Arc<dyn Effect>, messages: &[RawMessage]) {
-    let p = BatchProcessor {
-        defer: Default::default(),
-        pool: db.pool.clone(),
-        effect,
-        retry: EffectRetry {
-            attempts: 1,
-            backoff: std::time::Duration::ZERO,
-        },
-    };
+    let p = BatchProcessor::new(db.pool.clone(), effect).with_retry(EffectRetry {
+        attempts: 1,
+        backoff: std::time::Duration::ZERO,
+    });
     p.process("t", 0, messages).await.unwrap();
 }
 
@@ -229,11 +224,13 @@ impl Effect for FailsUntilFixed {
         "fails-until-fixed"
     }
 
-    async fn apply(&self, tx: &mut Tx<'_>, event: &Event) -> anyhow::Result<()> {
+    async fn apply(&self, tx: &mut Tx<'_>, event: &Event) -> Result<(), EffectError> {
         let fixed: bool = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM fixes)")
             .fetch_one(&mut **tx)
             .await?;
-        anyhow::ensure!(fixed, "not fixed yet: no row in fixes");
+        if !fixed {
+            return Err(anyhow::anyhow!("not fixed yet: no row in fixes").into());
+        }
         Ledger.apply(tx, event).await
     }
 }

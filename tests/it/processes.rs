@@ -221,16 +221,15 @@ async fn dispatcher_killed_mid_request_is_taken_over_and_its_late_completion_cha
     let (db, downstream) = (TestDb::new().await, Downstream::start().await);
     let op = outbox::operation_key("evt-d", "deliver");
     downstream.script(&op, &[Behaviour::Hang]);
-    let processor = replayproof::consume::BatchProcessor {
-        defer: Default::default(),
-        pool: db.pool.clone(),
-        effect: std::sync::Arc::new(replayproof::effect::HttpOutbox {
+    let processor = replayproof::consume::BatchProcessor::new(
+        db.pool.clone(),
+        std::sync::Arc::new(replayproof::effect::HttpOutbox {
             target_url: downstream.url(),
             reconcile_url: None,
             max_attempts: 5,
         }),
-        retry: Default::default(),
-    };
+    )
+    .with_retry(Default::default());
     let message = replayproof::consume::RawMessage {
         offset: 0,
         key: Some(b"evt-d".to_vec()),
@@ -282,10 +281,15 @@ async fn dispatcher_killed_mid_request_is_taken_over_and_its_late_completion_cha
         request_timeout: Duration::from_secs(2),
         ..replayproof::dispatch::DispatchSettings::new("second")
     };
-    let second =
-        replayproof::dispatch::Dispatcher::new(settings, db.pool.clone(), metrics).unwrap();
+    let second = replayproof::dispatch::Dispatcher::build(
+        settings,
+        db.pool.clone(),
+        metrics,
+        replayproof::telemetry::Health::default(),
+    )
+    .unwrap();
     let stop = tokio_util::sync::CancellationToken::new();
-    let running = second.start(stop.clone());
+    let running = second.run_until_stopped(stop.clone());
     wait_for(
         "the operation done by the second dispatcher",
         WAIT,

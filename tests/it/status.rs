@@ -3,7 +3,7 @@
 use crate::harness::*;
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer};
 use rdkafka::{Offset, TopicPartitionList};
-use replayproof::consume::{BatchProcessor, EffectRetry, RawMessage};
+use replayproof::consume::{BatchProcessor, RawMessage};
 use replayproof::effect::Ledger;
 use serde_json::json;
 use std::sync::Arc;
@@ -31,12 +31,7 @@ async fn status_prints_the_right_counts() {
     .await
     .unwrap();
 
-    let p = BatchProcessor {
-        defer: Default::default(),
-        pool: db.pool.clone(),
-        effect: Arc::new(Ledger),
-        retry: EffectRetry::default(),
-    };
+    let p = BatchProcessor::new(db.pool.clone(), Arc::new(Ledger));
     let raw = |offset, key: &str, value: &[u8]| RawMessage {
         offset,
         key: Some(key.as_bytes().to_vec()),

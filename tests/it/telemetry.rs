@@ -11,7 +11,10 @@ async fn metrics_and_health_are_served() {
     metrics.record(&BatchReport {
         applied: 3,
         duplicates: 2,
-        dead_letters: vec![(7, "the message has no value".into())],
+        dead_letters: vec![replayproof::consume::DeadLettered {
+            offset: 7,
+            reason: "the message has no value".into(),
+        }],
         ..BatchReport::default()
     });
     let health = Health::default();

@@ -224,7 +224,13 @@ fn start_dispatcher(stack: &Stack, stop: CancellationToken) -> anyhow::Result<Ru
         ..DispatchSettings::new("demo")
     };
     let metrics = DispatchMetrics::new(&prometheus::Registry::new())?;
-    Ok(Dispatcher::new(settings, stack.pool.clone(), metrics)?.start(stop))
+    Ok(Dispatcher::build(
+        settings,
+        stack.pool.clone(),
+        metrics,
+        crate::telemetry::Health::default(),
+    )?
+    .run_until_stopped(stop))
 }
 
 /// The progress bars, and the consumer kill once a third of the events are applied.

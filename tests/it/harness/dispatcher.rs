@@ -3,7 +3,7 @@
 //! side effects per key, and misbehaves on demand.
 
 use super::{envelope, TestDb};
-use replayproof::consume::{BatchProcessor, EffectRetry, RawMessage};
+use replayproof::consume::{BatchProcessor, RawMessage};
 use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
@@ -348,12 +348,7 @@ pub async fn enqueue_to(
         reconcile_url,
         max_attempts: 8,
     };
-    let processor = BatchProcessor {
-        defer: Default::default(),
-        pool: db.pool.clone(),
-        effect: Arc::new(effect),
-        retry: EffectRetry::default(),
-    };
+    let processor = BatchProcessor::new(db.pool.clone(), Arc::new(effect));
     let messages: Vec<RawMessage> = keys
         .iter()
         .enumerate()

@@ -23,15 +23,10 @@ impl InProcessConsumer {
     }
 
     pub fn with_effect(settings: ConsumerSettings, pool: PgPool, effect: Arc<dyn Effect>) -> Self {
-        let processor = BatchProcessor {
-            defer: Default::default(),
-            pool,
-            effect,
-            retry: EffectRetry {
-                attempts: 3,
-                backoff: Duration::from_millis(10),
-            },
-        };
+        let processor = BatchProcessor::new(pool, effect).with_retry(EffectRetry {
+            attempts: 3,
+            backoff: Duration::from_millis(10),
+        });
         Self::with_processor(settings, processor)
     }
 

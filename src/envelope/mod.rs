@@ -13,6 +13,9 @@ use serde_json::value::RawValue;
 use sha2::{Digest, Sha256};
 use std::fmt;
 
+mod canonical;
+use canonical::write_canonical_text;
+
 /// The longest key accepted, in bytes. Keys longer than this are a producer bug, not data.
 pub const MAX_KEY_BYTES: usize = 512;
 
@@ -41,6 +44,12 @@ impl TryFrom<String> for EventKey {
             _ if key.chars().any(char::is_control) => Err(Malformed::KeyControlCharacter),
             _ => Ok(Self(key)),
         }
+    }
+}
+
+impl From<EventKey> for String {
+    fn from(key: EventKey) -> Self {
+        key.0
     }
 }
 
@@ -408,130 +417,6 @@ impl Event {
     }
 }
 
-/// Writes a payload's canonical form, whose SHA-256 is the payload hash, after RFC 8785 (JSON
-/// Canonicalization Scheme): object keys sorted by their UTF-16 code units at every depth, no
-/// whitespace, serde_json's minimal escapes, the top-level fields in `skip` left out. A
-/// re-serialised copy of the same payload hashes the same whatever its key order. Numbers keep
-/// the exact text they arrived with, so two payloads differing in a digit past f64's precision
-/// never hash the same.
-///
-/// It reads the payload's JSON text and builds no `serde_json::Value`. Containers are read one level at a time (members and items kept as
-/// borrowed text), strings are borrowed unless they hold escapes, and numbers are copied as the
-/// text they arrived as, the exponent normalised as `arbitrary_precision` does. On the way it refuses
-/// what PostgreSQL would refuse, as [`check_storable`] does for a value, including inside the
-/// fields left out of the hash.
-fn write_canonical_text(
-    text: &str,
-    skip: &[String],
-    out: &mut impl std::io::Write,
-) -> Result<(), Malformed> {
-    let not_json = |e: serde_json::Error| Malformed::NotJson(e.to_string());
-    let written = |e: std::io::Error| Malformed::NotJson(e.to_string());
-    let text = text.trim();
-    match text.as_bytes().first() {
-        Some(b'{') => {
-            let Members(mut members) = serde_json::from_str(text).map_err(not_json)?;
-            if members.iter().any(|(k, _)| k.contains('\0')) {
-                return Err(Malformed::Unstorable(NUL_IN_PAYLOAD));
-            }
-            // A key given twice keeps its last value, as a parsed `Value` does: after a stable
-            // sort the last of each run of equal keys is the one kept.
-            members.sort_by(|(a, _), (b, _)| a.encode_utf16().cmp(b.encode_utf16()));
-            out.write_all(b"{").map_err(written)?;
-            let mut first = true;
-            for (i, (k, v)) in members.iter().enumerate() {
-                let replaced = members.get(i + 1).is_some_and(|(next, _)| next == k);
-                if replaced || skip.iter().any(|s| s == k.as_ref()) {
-                    // Not hashed, but stored with the payload's text all the same.
-                    write_canonical_text(v.get(), &[], &mut std::io::sink())?;
-                    continue;
-                }
-                if !first {
-                    out.write_all(b",").map_err(written)?;
-                }
-                first = false;
-                serde_json::to_writer(&mut *out, k.as_ref()).map_err(not_json)?;
-                out.write_all(b":").map_err(written)?;
-                write_canonical_text(v.get(), &[], out)?;
-            }
-            out.write_all(b"}").map_err(written)
-        }
-        Some(b'[') => {
-            let items: Vec<&RawValue> = serde_json::from_str(text).map_err(not_json)?;
-            out.write_all(b"[").map_err(written)?;
-            for (i, item) in items.iter().enumerate() {
-                if i > 0 {
-                    out.write_all(b",").map_err(written)?;
-                }
-                write_canonical_text(item.get(), &[], out)?;
-            }
-            out.write_all(b"]").map_err(written)
-        }
-        // Without escapes the text is already what serde_json writes (a NUL can only arrive
-        // escaped: raw control characters are not JSON).
-        Some(b'"') if !text.contains('\\') => out.write_all(text.as_bytes()).map_err(written),
-        Some(b'"') => {
-            let Text(s) = serde_json::from_str(text).map_err(not_json)?;
-            if s.contains('\0') {
-                return Err(Malformed::Unstorable(NUL_IN_PAYLOAD));
-            }
-            serde_json::to_writer(out, s.as_ref()).map_err(not_json)
-        }
-        Some(b'-' | b'0'..=b'9') => {
-            if !NUMBER_EXPONENT_RANGE.contains(&decimal_exponent(text)) {
-                return Err(Malformed::Unstorable(
-                    "the payload holds a number beyond PostgreSQL's numeric range",
-                ));
-            }
-            // As `arbitrary_precision` keeps a number: its text, with the exponent written `e`
-            // and signed.
-            match text.split_once(['e', 'E']) {
-                Some((mantissa, exponent)) => {
-                    let sign = match exponent.as_bytes().first() {
-                        Some(b'+' | b'-') => "",
-                        _ => "+",
-                    };
-                    write!(out, "{mantissa}e{sign}{exponent}").map_err(written)
-                }
-                None => out.write_all(text.as_bytes()).map_err(written),
-            }
-        }
-        // `true`, `false` and `null`, checked as JSON when the envelope was read.
-        _ => out.write_all(text.as_bytes()).map_err(written),
-    }
-}
-
-/// A JSON string, borrowed from the text unless it holds escapes.
-#[derive(Deserialize)]
-#[serde(transparent)]
-struct Text<'a>(#[serde(borrow)] std::borrow::Cow<'a, str>);
-
-/// A JSON object's members in the order written, duplicates included, values as text.
-struct Members<'a>(Vec<(std::borrow::Cow<'a, str>, &'a RawValue)>);
-
-impl<'de> Deserialize<'de> for Members<'de> {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct Visitor;
-        impl<'de> serde::de::Visitor<'de> for Visitor {
-            type Value = Members<'de>;
-            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-                f.write_str("a JSON object")
-            }
-            fn visit_map<A: serde::de::MapAccess<'de>>(
-                self,
-                mut map: A,
-            ) -> Result<Members<'de>, A::Error> {
-                let mut members = Vec::with_capacity(map.size_hint().unwrap_or(8));
-                while let Some(Text(k)) = map.next_key()? {
-                    members.push((k, map.next_value()?));
-                }
-                Ok(Members(members))
-            }
-        }
-        d.deserialize_map(Visitor)
-    }
-}
-
 #[cfg(test)]
 mod tests {
 
@@ -557,6 +442,7 @@ mod tests {
         );
     }
 
+    use super::canonical::{Members, Text};
     use super::*;
 
     /// [`payload_hash`] of the payload without the top-level fields named in `unhashed`.

@@ -1,0 +1,479 @@
+//! One batch of one partition, in one transaction: dead letters, claims, conflicts, effects.
+//!
+//! Every claim is written once, with its final status, and the effect runs once for the whole
+//! batch ([`Effect::apply_batch`]). When it fails, the batch runs again guarded: in parts of at
+//! most 128 events, each after a savepoint, a failing part rolled back to it and halved until
+//! the events that fail alone are found; the rest commits. A failing event's claim is taken back and the event
+//! is tried again in a later transaction after a capped backoff, so no transaction sits open
+//! while waiting; after its last attempt it is recorded as `failed` with the error and its
+//! payload. An effect failing for a reason that says nothing about the event (a timeout, a lost
+//! connection, a missing table) settles nothing: the batch rolls back and is retried whole.
+//!
+//! When PostgreSQL refuses the batch's own rows (a data error, SQLSTATE classes 22 and 23), the
+//! batch is split in halves until the refused messages are found; each becomes a dead letter
+//! with PostgreSQL's message and the rest commits, so one bad message never stalls a partition.
+
+mod failures;
+mod guarded;
+mod plan;
+mod refused;
+mod replays;
+mod retrying;
+
+pub use retrying::{EffectRetry, Retrying, MAX_EFFECT_ATTEMPTS, MAX_EFFECT_BACKOFF};
+
+use super::settle::DeferSettings;
+use crate::claims::dead_letters;
+use crate::claims::{self, conflicts, Origin};
+use crate::effect::{Effect, EffectError};
+use crate::envelope::Event;
+use failures::Again;
+use plan::Plan;
+use retrying::{Held, GUARDED_PASSES};
+use sqlx::{PgPool, Postgres, Transaction};
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// A Kafka message as the consumer hands it over: its offset and raw bytes.
+#[derive(Debug, Clone)]
+pub struct RawMessage {
+    /// The message's offset in its partition.
+    pub offset: i64,
+    /// The message key's bytes, if it has a key.
+    pub key: Option<Vec<u8>>,
+    /// The message value's bytes (the envelope), if it has a value.
+    pub value: Option<Vec<u8>>,
+}
+
+/// The log target of the line logged for each applied event, after its batch committed. Off
+/// unless asked for (`RUST_LOG=replayproof::applied=debug`); `dev` turns it on.
+pub const APPLIED_LOG: &str = "replayproof::applied";
+
+/// What a committed batch did, event by event.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct BatchReport {
+    /// Events claimed here whose effect committed.
+    pub applied: usize,
+    /// Replays: the key was claimed before with the same payload, or repeated in this batch.
+    pub duplicates: usize,
+    /// The key was claimed before with a different payload; recorded in `key_conflicts`.
+    pub conflicts: usize,
+    /// Messages that are not envelopes, or whose values PostgreSQL refused; recorded in
+    /// `dead_letters`.
+    pub dead_letters: Vec<DeadLettered>,
+    /// Claimed events whose effect failed every attempt; recorded as `failed` claims.
+    pub failed: usize,
+    /// Claimed events whose effect said "not yet"; recorded as `deferred` claims, applied again
+    /// when due.
+    pub deferred: usize,
+    /// Effect attempts that failed, including those retried successfully (deferrals are not
+    /// failures).
+    pub effect_errors: usize,
+}
+
+impl BatchReport {
+    /// Adds the report of a later part of the same batch.
+    fn merge(&mut self, other: BatchReport) {
+        self.applied += other.applied;
+        self.duplicates += other.duplicates;
+        self.conflicts += other.conflicts;
+        self.dead_letters.extend(other.dead_letters);
+        self.failed += other.failed;
+        self.deferred += other.deferred;
+        self.effect_errors += other.effect_errors;
+    }
+}
+
+/// A message of the batch that became a dead letter.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeadLettered {
+    /// The message's offset.
+    pub offset: i64,
+    /// Why it is not an event that can be applied.
+    pub reason: String,
+}
+
+impl From<&dead_letters::DeadLetter<'_>> for DeadLettered {
+    fn from(letter: &dead_letters::DeadLetter<'_>) -> Self {
+        Self {
+            offset: letter.offset,
+            reason: letter.reason.clone(),
+        }
+    }
+}
+
+/// Why a batch did not commit. Nothing of it committed, or (for an error from COMMIT itself) the
+/// outcome is unknown; either way the offset must not move, and a retry is harmless.
+#[derive(Debug, thiserror::Error)]
+pub enum BatchError {
+    /// A database error: nothing committed, or the outcome of COMMIT is unknown.
+    #[error("database error: {0}")]
+    Database(#[from] sqlx::Error),
+    /// An effect failed for a reason that says nothing about its event.
+    #[error("an effect failed transiently: {0:#}")]
+    Transient(anyhow::Error),
+    /// One of the batch's transactions ran past its time limit and was abandoned (rolled
+    /// back). Applied in smaller parts, each transaction has less to do.
+    #[error("a transaction of the batch took longer than {} s; abandoned, it rolled back", .0.as_secs())]
+    TimedOut(Duration),
+}
+
+/// Attempts made so far at each event of a pass, by offset; absent means none.
+type Attempts = HashMap<i64, u32>;
+
+/// How the transactions of one pass run.
+struct Run<'a> {
+    attempts: &'a Attempts,
+    /// Whether the effect runs in savepoints from the start.
+    guarded: bool,
+    /// The longest one transaction may take; None for no limit.
+    limit: Option<Duration>,
+}
+
+/// Applies batches for one consumer; cheap to clone into each partition lane.
+#[derive(Clone)]
+pub struct BatchProcessor {
+    /// Where the claims and effects are written.
+    pub pool: PgPool,
+    /// The effect applied to each claimed event.
+    pub effect: Arc<dyn Effect>,
+    /// How a failing effect is retried before its event is settled `failed`.
+    pub retry: EffectRetry,
+    /// How long deferred events wait, and when they are given up.
+    pub defer: DeferSettings,
+}
+
+/// What one pass over (part of) a batch committed, the events whose effect failed and are to be
+/// tried again in a later transaction, and (while [`APPLIED_LOG`] is enabled) the events applied.
+#[derive(Default)]
+struct Pass {
+    report: BatchReport,
+    again: Vec<Again>,
+    applied: Vec<Applied>,
+}
+
+/// An applied event, for the [`APPLIED_LOG`] line logged once its transaction committed.
+struct Applied {
+    key: String,
+    event_type: Option<String>,
+}
+
+impl Pass {
+    fn reporting(report: BatchReport) -> Self {
+        Self {
+            report,
+            ..Self::default()
+        }
+    }
+
+    fn merge(&mut self, other: Pass) {
+        self.report.merge(other.report);
+        self.again.extend(other.again);
+        self.applied.extend(other.applied);
+    }
+
+    /// Logs each applied event, once its transaction committed.
+    fn log_applied(&self, partition: i32) {
+        for Applied { key, event_type } in &self.applied {
+            let event_type = event_type.as_deref().unwrap_or("-");
+            tracing::debug!(target: APPLIED_LOG, partition, key, event_type, "Applied an event.");
+        }
+    }
+}
+
+/// Why one run of a batch did not commit.
+enum RunError {
+    /// An effect failed transiently: roll back and retry the batch later.
+    Transient(EffectError),
+    /// An effect failed outside a savepoint: roll back and run the batch again with savepoints.
+    Unguarded,
+    Database(sqlx::Error),
+    /// The transaction ran past its limit: abandoned, it rolls back.
+    TimedOut(Duration),
+}
+
+impl From<RunError> for BatchError {
+    fn from(e: RunError) -> Self {
+        match e {
+            RunError::Database(e) => Self::Database(e),
+            RunError::Transient(e) => Self::Transient(e.into()),
+            RunError::TimedOut(limit) => Self::TimedOut(limit),
+            // `run_and_commit` always reruns these guarded; never seen here.
+            RunError::Unguarded => {
+                Self::Transient(anyhow::anyhow!("an effect failed outside a savepoint"))
+            }
+        }
+    }
+}
+
+impl From<sqlx::Error> for RunError {
+    fn from(e: sqlx::Error) -> Self {
+        Self::Database(e)
+    }
+}
+
+impl BatchProcessor {
+    /// A processor applying `effect` through `pool`, with the default retries
+    /// ([`EffectRetry::default`]) and deferral settings ([`DeferSettings::default`]).
+    pub fn new(pool: PgPool, effect: Arc<dyn Effect>) -> Self {
+        Self {
+            pool,
+            effect,
+            retry: EffectRetry::default(),
+            defer: DeferSettings::default(),
+        }
+    }
+
+    /// With these retries of a failing effect.
+    pub fn with_retry(mut self, retry: EffectRetry) -> Self {
+        self.retry = retry;
+        self
+    }
+
+    /// With these deferral settings.
+    pub fn with_defer(mut self, defer: DeferSettings) -> Self {
+        self.defer = defer;
+        self
+    }
+
+    /// Applies a batch and commits it. An error means nothing of the batch committed, or (for an
+    /// error from COMMIT itself) that the outcome is unknown; either way the caller must not move
+    /// the offset and should retry, which the claims make harmless. Messages PostgreSQL refuses
+    /// are dead-lettered, not returned as an error.
+    ///
+    /// Events whose effect fails are tried again, each attempt in a new transaction after a
+    /// capped backoff with no transaction open, until they succeed or run out of attempts; the
+    /// call returns once every event of the batch is settled. (A lane does not wait: it uses
+    /// [`BatchProcessor::process_pass`] and goes on with later batches.)
+    pub async fn process(
+        &self,
+        topic: &str,
+        partition: i32,
+        messages: &[RawMessage],
+    ) -> Result<BatchReport, BatchError> {
+        let mut retrying = Retrying::default();
+        let mut report = self
+            .process_pass(topic, partition, messages, &mut retrying)
+            .await?;
+        while let Some(due) = retrying.next_due() {
+            tokio::time::sleep_until(due).await;
+            let later = self
+                .process_pass(topic, partition, &[], &mut retrying)
+                .await?;
+            report.merge(later);
+        }
+        Ok(report)
+    }
+
+    /// Applies `messages`, with the events of `retrying` whose next attempt is due in front of
+    /// them, in one transaction (more when PostgreSQL refuses some rows), and commits. Events
+    /// whose effect fails and that have attempts left go into `retrying`, due after a capped
+    /// backoff; events out of attempts are recorded as `failed`. On an error, nothing committed
+    /// (or the outcome of COMMIT is unknown) and `retrying` is unchanged: call again.
+    pub async fn process_pass(
+        &self,
+        topic: &str,
+        partition: i32,
+        messages: &[RawMessage],
+        retrying: &mut Retrying,
+    ) -> Result<BatchReport, BatchError> {
+        self.process_pass_within(topic, partition, messages, retrying, None)
+            .await
+    }
+
+    /// [`BatchProcessor::process_pass`] with each of its transactions bounded by `limit`: one
+    /// that runs past it is abandoned (it rolls back) and the pass ends with
+    /// [`BatchError::TimedOut`], nothing of it committed unless PostgreSQL refused some rows
+    /// (then the parts before committed, and replay harmlessly). A lane applies such a batch
+    /// again in halves.
+    #[tracing::instrument(name = "batch", skip_all, fields(topic, partition, messages = messages.len()))]
+    pub async fn process_pass_within(
+        &self,
+        topic: &str,
+        partition: i32,
+        messages: &[RawMessage],
+        retrying: &mut Retrying,
+        limit: Option<Duration>,
+    ) -> Result<BatchReport, BatchError> {
+        let origin = Origin { topic, partition };
+        let now = tokio::time::Instant::now();
+        let due: Vec<&Held> = retrying.held.iter().filter(|h| h.due <= now).collect();
+        let attempts: Attempts = due.iter().map(|h| (h.message.offset, h.attempts)).collect();
+        let part: Vec<&RawMessage> = due
+            .iter()
+            .map(|h| &h.message)
+            .chain(messages.iter())
+            .collect();
+        let guarded = retrying.guarded > 0;
+        let run = Run {
+            attempts: &attempts,
+            guarded,
+            limit,
+        };
+        let pass = self.run_pass(origin, &part, &run).await?;
+        retrying.guarded = match pass.report.effect_errors + pass.report.deferred {
+            0 => retrying.guarded.saturating_sub(1),
+            _ => GUARDED_PASSES,
+        };
+        let again = Held::again(&part, &attempts, &pass.again, now);
+        retrying.replace_tried(&attempts, again);
+        Ok(pass.report)
+    }
+
+    /// One pass over part of a batch, splitting out the messages PostgreSQL refuses.
+    async fn run_pass(
+        &self,
+        origin: Origin<'_>,
+        messages: &[&RawMessage],
+        run: &Run<'_>,
+    ) -> Result<Pass, BatchError> {
+        match self.run_and_commit(origin, messages, run).await {
+            Err(RunError::Database(e)) if crate::db::is_data_error(&e) => {
+                tracing::warn!(partition = origin.partition, error = %e, "PostgreSQL refused part of a batch; splitting it to find the messages.");
+                self.split_out_refused(origin, messages, e, run).await
+            }
+            other => Ok(other?),
+        }
+    }
+
+    /// Runs and commits part of a batch. Unguarded, the effect runs without a savepoint; if it
+    /// fails, the transaction is rolled back and the part runs again guarded.
+    async fn run_and_commit(
+        &self,
+        origin: Origin<'_>,
+        messages: &[&RawMessage],
+        run: &Run<'_>,
+    ) -> Result<Pass, RunError> {
+        let plan = Plan::new(origin, messages);
+        match self.run_once(&plan, run, run.guarded).await {
+            Err(RunError::Unguarded) => {
+                tracing::debug!(
+                    partition = origin.partition,
+                    "An effect failed; running the batch again with savepoints."
+                );
+                self.run_once(&plan, run, true).await
+            }
+            other => other,
+        }
+    }
+
+    /// One transaction, within the run's time limit: past it, the transaction is abandoned
+    /// (dropped, so it rolls back) and the run ends with [`RunError::TimedOut`].
+    async fn run_once(
+        &self,
+        plan: &Plan<'_>,
+        run: &Run<'_>,
+        guarded: bool,
+    ) -> Result<Pass, RunError> {
+        let transaction = self.transaction(plan, run.attempts, guarded);
+        match run.limit {
+            None => transaction.await,
+            Some(limit) => tokio::time::timeout(limit, transaction)
+                .await
+                .unwrap_or(Err(RunError::TimedOut(limit))),
+        }
+    }
+
+    async fn transaction(
+        &self,
+        plan: &Plan<'_>,
+        attempts: &Attempts,
+        guarded: bool,
+    ) -> Result<Pass, RunError> {
+        let mut tx = self.pool.begin().await?;
+        match self.run(&mut tx, plan, attempts, guarded).await {
+            Ok(pass) => {
+                crate::failpoint!("consume::before_commit");
+                crate::stallpoint!("consume::stall_before_commit");
+                tx.commit().await?;
+                pass.log_applied(plan.origin.partition);
+                Ok(pass)
+            }
+            Err(e) => {
+                // The rollback's own failure changes nothing: the transaction did not commit.
+                let _ = tx.rollback().await;
+                Err(e)
+            }
+        }
+    }
+
+    /// The batch's steps, in its transaction: dead letters, replayed captures, claims, replays
+    /// and conflicts, effects, failures.
+    async fn run(
+        &self,
+        tx: &mut Transaction<'static, Postgres>,
+        plan: &Plan<'_>,
+        attempts: &Attempts,
+        guarded: bool,
+    ) -> Result<Pass, RunError> {
+        let origin = plan.origin;
+        let mut report = BatchReport::default();
+        if !plan.dead.is_empty() {
+            dead_letters::insert(tx, origin, &plan.dead).await?;
+            report.dead_letters = plan.dead.iter().map(DeadLettered::from).collect();
+        }
+        let mut firsts: Vec<(i64, &Event)> = plan.firsts.iter().map(|(o, e)| (*o, e)).collect();
+        if !firsts.is_empty() {
+            let replays = self.sort_out_captures(tx, &mut firsts).await?;
+            if !replays.is_empty() {
+                report.conflicts += replays.len();
+                conflicts::record(tx, origin, &replays).await?;
+            }
+        }
+        if firsts.is_empty() {
+            return Ok(Pass::reporting(report));
+        }
+        let claimed: HashSet<String> = claims::claim(tx, origin, &firsts)
+            .await?
+            .into_iter()
+            .collect();
+        self.sort_out_replays(tx, plan, &claimed, &mut report)
+            .await?;
+        firsts.retain(|(_, e)| claimed.contains(e.key.as_str()));
+        self.apply_claimed(tx, &firsts, attempts, guarded, report)
+            .await
+    }
+
+    /// Applies the effect to the events claimed here and settles those whose effect did not
+    /// apply. An event tried again runs alone in its savepoint: failing again, it costs no
+    /// search through the fresh events it shares the transaction with.
+    async fn apply_claimed(
+        &self,
+        tx: &mut Transaction<'static, Postgres>,
+        claimed: &[(i64, &Event)],
+        attempts: &Attempts,
+        guarded: bool,
+        mut report: BatchReport,
+    ) -> Result<Pass, RunError> {
+        let (retried, fresh): (Vec<_>, Vec<_>) = claimed
+            .iter()
+            .partition(|(offset, _)| attempts.contains_key(offset));
+        let mut failures = self.apply_splitting(tx, &fresh, guarded).await?;
+        for one in retried.chunks(1) {
+            failures.extend(self.apply_splitting(tx, one, true).await?);
+        }
+        failures.sort_by_key(|f| f.offset);
+        let again = self
+            .settle_failures(tx, &failures, attempts, &mut report)
+            .await?;
+        report.applied += claimed.len() - failures.len();
+        let mut applied = Vec::new();
+        if tracing::enabled!(target: APPLIED_LOG, tracing::Level::DEBUG) {
+            let failed: HashSet<i64> = failures.iter().map(|f| f.offset).collect();
+            applied = claimed
+                .iter()
+                .filter(|(o, _)| !failed.contains(o))
+                .map(|(_, e)| Applied {
+                    key: e.key.to_string(),
+                    event_type: e.event_type.clone(),
+                })
+                .collect();
+        }
+        Ok(Pass {
+            report,
+            again,
+            applied,
+        })
+    }
+}

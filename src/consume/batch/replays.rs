@@ -1,0 +1,102 @@
+//! Replays and captures: events whose key was claimed before (a duplicate, or a key conflict when
+//! the payload differs), and signed bodies delivered again under another key within their replay
+//! window.
+
+use super::plan::Plan;
+use super::{BatchProcessor, BatchReport, RunError};
+use crate::claims::{self, conflicts};
+use crate::envelope::Event;
+use sqlx::{Postgres, Transaction};
+use std::collections::{HashMap, HashSet};
+
+impl BatchProcessor {
+    /// Takes out of `firsts` the replayed captures: guarded events whose signed body was first
+    /// delivered under another key within the window. They are returned with the reason.
+    pub(super) async fn sort_out_captures<'e>(
+        &self,
+        tx: &mut Transaction<'static, Postgres>,
+        firsts: &mut Vec<(i64, &'e Event)>,
+    ) -> Result<Vec<conflicts::Conflict<'e>>, RunError> {
+        let guarded: Vec<(i64, &Event)> = firsts
+            .iter()
+            .filter(|(_, e)| e.replay_window_secs.is_some())
+            .copied()
+            .collect();
+        if guarded.is_empty() {
+            return Ok(Vec::new());
+        }
+        let seen = conflicts::fingerprints(tx, &guarded).await?;
+        let mut replays = Vec::new();
+        firsts.retain(|(offset, e)| {
+            let Some(window) = e.replay_window_secs else {
+                return true;
+            };
+            let fingerprint = (e.source.clone(), e.payload_sha256.to_vec());
+            match seen.get(&fingerprint) {
+                Some((first_key, age)) if first_key != e.key.as_str() && *age <= window as f64 => {
+                    replays.push((
+                        *offset,
+                        *e,
+                        Some(format!(
+                            "replayed capture: the same signed body was delivered as {first_key} \
+                             {age:.0} s earlier (replay window {window} s)"
+                        )),
+                    ));
+                    false
+                }
+                _ => true,
+            }
+        });
+        Ok(replays)
+    }
+
+    /// Counts replays and records key conflicts: every event that was not claimed here is
+    /// compared with the payload that won its key.
+    pub(super) async fn sort_out_replays(
+        &self,
+        tx: &mut Transaction<'static, Postgres>,
+        plan: &Plan<'_>,
+        claimed: &HashSet<String>,
+        report: &mut BatchReport,
+    ) -> Result<(), RunError> {
+        let unclaimed: Vec<&str> = plan
+            .firsts
+            .iter()
+            .map(|(_, e)| e.key.as_str())
+            .filter(|k| !claimed.contains(*k))
+            .collect();
+        let stored = match unclaimed.is_empty() {
+            true => HashMap::new(),
+            false => claims::stored_hashes(tx, &unclaimed).await?,
+        };
+        // The payload each loser is compared with: a claim made in this batch for a later copy
+        // of its key, or the one stored before for a key not claimed here.
+        let copied: HashSet<&str> = plan.copies.iter().map(|(_, e)| e.key.as_str()).collect();
+        let mut winners: HashMap<&str, &[u8]> = plan
+            .firsts
+            .iter()
+            .map(|(_, e)| (e.key.as_str(), &e.payload_sha256[..]))
+            .filter(|(k, _)| copied.contains(k) && claimed.contains(*k))
+            .collect();
+        winners.extend(stored.iter().map(|(k, h)| (k.as_str(), h.as_slice())));
+        let losers = plan
+            .firsts
+            .iter()
+            .filter(|(_, e)| !claimed.contains(e.key.as_str()))
+            .chain(plan.copies.iter());
+        let mut conflicts = Vec::new();
+        for (offset, event) in losers {
+            match winners.get(event.key.as_str()) {
+                Some(hash) if hash[..] != event.payload_sha256[..] => {
+                    conflicts.push((*offset, event, None))
+                }
+                _ => report.duplicates += 1,
+            }
+        }
+        report.conflicts += conflicts.len();
+        if !conflicts.is_empty() {
+            conflicts::record(tx, plan.origin, &conflicts).await?;
+        }
+        Ok(())
+    }
+}
