@@ -140,15 +140,11 @@ fn main() {
         let mut settings = IngestSettings::new("127.0.0.1:0".parse().unwrap(), &brokers, &topic);
         settings.kafka_options = vec![("broker.address.family".into(), "v4".into())];
         let shutdown = CancellationToken::new();
-        let running = ingest::start(
-            settings,
-            sources,
-            prometheus::Registry::new(),
-            shutdown.clone(),
-        )
-        .await
-        .unwrap();
-        let url = format!("http://{}/webhooks/github", running.addr);
+        let ingress = ingest::Ingress::build(settings, sources, prometheus::Registry::new())
+            .await
+            .unwrap();
+        let url = format!("http://{}/webhooks/github", ingress.addr());
+        let running = ingress.run_until_stopped(shutdown.clone());
         drive(url.clone(), requests.min(2_000), concurrency).await; // warm-up
         let ingress = drive(url, requests, concurrency).await;
         print("ingest (signed, acks=all)", &ingress);

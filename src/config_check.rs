@@ -4,7 +4,7 @@
 
 use crate::config::{
     check_keys, file_flags, kafka_env_properties, layer, render_clap_error, ConfigFile, Env,
-    SECTIONS,
+    FileFlag, SECTIONS,
 };
 use crate::ingest::config::FileConfig;
 use crate::secrets::{redact_url, redacted};
@@ -51,35 +51,15 @@ pub fn effective(
     }
     let mut out: BTreeMap<&'static str, Vec<Setting>> = BTreeMap::new();
     let mut seen = std::collections::BTreeSet::new();
-    for (_, arg, section, key) in file_flags(root) {
-        if !seen.insert((section, key.clone())) {
+    for flag in file_flags(root) {
+        if !seen.insert((flag.section, flag.key.clone())) {
             continue;
         }
-        let env_name = arg.get_env().and_then(|n| n.to_str()).map(str::to_owned);
-        let from_env = env_name
-            .as_ref()
-            .and_then(|n| Some((n.clone(), env.var(n)?)));
-        let from_file = file.and_then(|f| f.section(section).get(&key).cloned());
-        let (value, source) = if let Some((name, value)) = from_env {
-            (
-                literal(&redact_setting(section, &key, &value)),
-                Source::Env(name),
-            )
-        } else if let Some(value) = from_file {
-            let value = match value {
-                toml::Value::String(s) => toml::Value::String(redact_setting(section, &key, &s)),
-                toml::Value::Table(_) if !redact_setting(section, &key, "").is_empty() => {
-                    toml::Value::String("<redacted>".into())
-                }
-                other => other,
-            };
-            (value.to_string(), Source::File)
-        } else if let Some(default) = arg.get_default_values().first() {
-            (literal(&default.to_string_lossy()), Source::Default)
-        } else {
+        let Some((value, source)) = resolved(&flag, file, env) else {
             continue;
         };
-        out.entry(section)
+        let key = flag.key;
+        out.entry(flag.section)
             .or_default()
             .push(Setting { key, value, source });
     }
@@ -88,7 +68,7 @@ pub fn effective(
     let file_props = file_props.into_iter().map(|(k, v)| (k, v, Source::File));
     let env_props = kafka_env_properties(env)
         .into_iter()
-        .map(|(k, v, name)| (k, v, Source::Env(name)));
+        .map(|p| (p.key, p.value, Source::Env(p.variable)));
     let mut props: BTreeMap<String, Setting> = BTreeMap::new();
     for (key, value, source) in file_props.chain(env_props) {
         let value = literal(&redacted(&key, &value));
@@ -99,6 +79,33 @@ pub fn effective(
         settings.sort_by(|a, b| a.key.cmp(&b.key));
     }
     Ok(out)
+}
+
+/// A flag's effective value, redacted, and where it came from: the environment, the file or
+/// its default; None when it has none.
+fn resolved(
+    flag: &FileFlag<'_>,
+    file: Option<&ConfigFile>,
+    env: &dyn Env,
+) -> Option<(String, Source)> {
+    let (section, key) = (flag.section, flag.key.as_str());
+    let env_name = flag.arg.get_env().and_then(|n| n.to_str());
+    if let Some((name, value)) = env_name.and_then(|n| Some((n, env.var(n)?))) {
+        let value = literal(&redact_setting(section, key, &value));
+        return Some((value, Source::Env(name.to_owned())));
+    }
+    if let Some(value) = file.and_then(|f| f.section(section).get(key).cloned()) {
+        let value = match value {
+            toml::Value::String(s) => toml::Value::String(redact_setting(section, key, &s)),
+            toml::Value::Table(_) if !redact_setting(section, key, "").is_empty() => {
+                toml::Value::String("<redacted>".into())
+            }
+            other => other,
+        };
+        return Some((value.to_string(), Source::File));
+    }
+    let default = flag.arg.get_default_values().first()?;
+    Some((literal(&default.to_string_lossy()), Source::Default))
 }
 
 /// Text as a TOML literal: a number or boolean bare, anything else a quoted string.

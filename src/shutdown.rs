@@ -3,6 +3,7 @@
 
 use anyhow::Context as _;
 use std::future::Future;
+use std::net::SocketAddr;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
@@ -23,6 +24,39 @@ impl Running {
     /// Waits until it has stopped, and says how it ended.
     pub async fn stopped(self) -> anyhow::Result<()> {
         self.task.await.context("the task panicked")?
+    }
+}
+
+/// What every long-running role's process starts with, written once: the shutdown signal, a
+/// registry holding the process metrics, and the `/metrics` and `/healthz` server.
+pub struct Process {
+    /// Cancelled on the first SIGTERM or SIGINT.
+    pub shutdown: CancellationToken,
+    /// Where the role registers its metrics; served at `/metrics`.
+    pub registry: prometheus::Registry,
+    /// What `/healthz` reports.
+    pub health: crate::telemetry::Health,
+}
+
+impl Process {
+    /// Listens for signals, registers the process metrics for `role`, and serves `/metrics` and
+    /// `/healthz` at `metrics_addr` (None: the role serves its own, as ingest does).
+    pub async fn start(
+        role: &'static str,
+        metrics_addr: Option<SocketAddr>,
+    ) -> anyhow::Result<Self> {
+        let shutdown = on_signal();
+        let registry = prometheus::Registry::new();
+        crate::telemetry::register_process_metrics(&registry, role)?;
+        let health = match metrics_addr {
+            Some(at) => crate::telemetry::serve(at, registry.clone(), &shutdown).await?,
+            None => crate::telemetry::Health::default(),
+        };
+        Ok(Self {
+            shutdown,
+            registry,
+            health,
+        })
     }
 }
 

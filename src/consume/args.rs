@@ -276,12 +276,8 @@ impl ConsumeArgs {
 
     /// Runs the consumer process until a signal stops it.
     pub async fn run(self, registry: &Registry) -> anyhow::Result<()> {
-        let shutdown = crate::shutdown::on_signal();
-        let metrics_registry = prometheus::Registry::new();
-        crate::telemetry::register_process_metrics(&metrics_registry, "consume")?;
-        let metrics = ConsumeMetrics::new(&metrics_registry)?;
-        let health =
-            crate::telemetry::serve(self.metrics_addr, metrics_registry, &shutdown).await?;
+        let process = crate::shutdown::Process::start("consume", Some(self.metrics_addr)).await?;
+        let metrics = ConsumeMetrics::new(&process.registry)?;
         let pool = self.database.pool(self.db_pool_size)?;
         if self.migrate {
             crate::db::migrate(&pool).await?;
@@ -295,8 +291,8 @@ impl ConsumeArgs {
             ..EffectRetry::default()
         })
         .with_defer(self.defer_settings()?);
-        Consumer::build(self.settings(), processor, metrics, health)?
-            .run_until_stopped(shutdown)
+        Consumer::build(self.settings(), processor, metrics, process.health)?
+            .run_until_stopped(process.shutdown)
             .stopped()
             .await
     }

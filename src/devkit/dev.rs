@@ -70,13 +70,14 @@ pub async fn run(
     names.sort();
     let settings = IngestSettings::new(opts.listen, &stack.brokers, &stack.topic);
     let metrics = prometheus::Registry::new();
-    let ingress = ingest::start(settings, sources, metrics, shutdown.clone()).await?;
+    let ingress = ingest::Ingress::build(settings, sources, metrics).await?;
+    let base = format!("http://{}", ingress.addr());
+    let ingress = ingress.run_until_stopped(shutdown.clone());
     let consumer = start_consumer(&stack, &opts, registry, shutdown.clone())?;
     let dispatcher = match &opts.target_url {
         Some(_) => Some(start_dispatcher(&stack, shutdown.clone())?),
         None => None,
     };
-    let base = format!("http://{}", ingress.addr);
     eprintln!(
         "{}",
         banner(&stack, &base, &names, &secrets, opts.target_url.as_deref())

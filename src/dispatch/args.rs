@@ -100,14 +100,11 @@ impl DispatchArgs {
 
     /// Runs the dispatcher process until a signal stops it.
     pub async fn run(self) -> anyhow::Result<()> {
-        let shutdown = crate::shutdown::on_signal();
-        let registry = prometheus::Registry::new();
-        crate::telemetry::register_process_metrics(&registry, "dispatch")?;
-        let metrics = DispatchMetrics::new(&registry)?;
-        let health = crate::telemetry::serve(self.metrics_addr, registry, &shutdown).await?;
+        let process = crate::shutdown::Process::start("dispatch", Some(self.metrics_addr)).await?;
+        let metrics = DispatchMetrics::new(&process.registry)?;
         let pool = self.database.pool((self.batch_size as u32).clamp(2, 64))?;
-        Dispatcher::build(self.settings()?, pool, metrics, health)?
-            .run_until_stopped(shutdown)
+        Dispatcher::build(self.settings()?, pool, metrics, process.health)?
+            .run_until_stopped(process.shutdown)
             .stopped()
             .await
     }

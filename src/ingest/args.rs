@@ -119,10 +119,12 @@ impl IngestArgs {
             config.display()
         );
         let settings = self.settings(&file)?;
-        let shutdown = crate::shutdown::on_signal();
-        let registry = prometheus::Registry::new();
-        crate::telemetry::register_process_metrics(&registry, "ingest")?;
-        let running = super::start(settings, sources, registry, shutdown).await?;
-        running.stopped().await
+        // Ingest serves `/metrics` on its own listener (`metrics_listen`), never the webhook port.
+        let process = crate::shutdown::Process::start("ingest", None).await?;
+        super::Ingress::build(settings, sources, process.registry)
+            .await?
+            .run_until_stopped(process.shutdown)
+            .stopped()
+            .await
     }
 }

@@ -13,9 +13,13 @@ pub mod config;
 mod connections;
 mod metrics;
 use connections::{serve, ConnectionLimits};
+mod settings;
 pub mod signature;
 
 pub use metrics::IngestMetrics;
+pub use settings::*;
+
+pub use crate::shutdown::Running;
 
 use crate::envelope::{Envelope, EventKey};
 use anyhow::Context as _;
@@ -30,7 +34,6 @@ use prometheus::Registry;
 use rdkafka::error::RDKafkaErrorCode;
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
 use rdkafka::util::Timeout;
-use rdkafka::ClientConfig;
 use serde_json::json;
 use signature::{Rejection, Verified};
 use std::collections::HashMap;
@@ -39,98 +42,6 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
-
-/// How the ingress listens and produces.
-#[derive(Debug, Clone)]
-pub struct IngestSettings {
-    pub listen: SocketAddr,
-    pub brokers: String,
-    pub topic: String,
-    /// Passed to librdkafka last, so they override everything set here.
-    pub kafka_options: Vec<(String, String)>,
-    /// The largest body accepted; larger ones get 413 before any hashing.
-    pub max_body_bytes: usize,
-    /// How long the broker has to acknowledge a record before the answer is 503.
-    pub produce_timeout: Duration,
-    /// The `Retry-After` sent with a 503, in seconds.
-    pub retry_after_secs: u64,
-    /// Where `/metrics` is served; never on the public webhook port. None: not served.
-    pub metrics_listen: Option<SocketAddr>,
-    /// Verified webhooks being written to Kafka at once; more get 503 with `Retry-After` at
-    /// once, so an overload costs neither unbounded memory nor the broker's time. Taken only
-    /// after the body arrived and its signature checked out: a slow or unsigned sender never
-    /// holds one.
-    pub max_in_flight: usize,
-    /// Open connections at once; past it, new connections wait in the kernel's backlog. With
-    /// the body limit, this bounds the memory of bodies being read.
-    pub max_connections: usize,
-    /// How long a sender has to deliver its whole body; a slower one gets 408.
-    pub body_timeout: Duration,
-    /// How long a connection has to send a request's headers, counted from when it opened or
-    /// from the previous answer: a half-sent request, and a keep-alive connection idle that
-    /// long, are closed, so they cannot hold connection places.
-    pub header_timeout: Duration,
-}
-
-/// Requests being written to Kafka at once before ingest answers 503 (`--max-in-flight`).
-pub const DEFAULT_MAX_IN_FLIGHT: usize = 1024;
-/// Open connections at once (`--max-connections`).
-pub const DEFAULT_MAX_CONNECTIONS: usize = 4096;
-/// A body still arriving after this long gets 408 (`--body-timeout-ms`).
-pub const DEFAULT_BODY_TIMEOUT: Duration = Duration::from_secs(30);
-/// A connection that has not sent a request's headers this long after it opened, or after its
-/// last answer, is closed (`--header-timeout-ms`).
-pub const DEFAULT_HEADER_TIMEOUT: Duration = Duration::from_secs(10);
-
-impl IngestSettings {
-    pub fn new(listen: SocketAddr, brokers: &str, topic: &str) -> Self {
-        Self {
-            listen,
-            brokers: brokers.into(),
-            topic: topic.into(),
-            kafka_options: Vec::new(),
-            max_body_bytes: 1024 * 1024,
-            produce_timeout: Duration::from_secs(5),
-            retry_after_secs: 5,
-            metrics_listen: None,
-            max_in_flight: DEFAULT_MAX_IN_FLIGHT,
-            max_connections: DEFAULT_MAX_CONNECTIONS,
-            body_timeout: DEFAULT_BODY_TIMEOUT,
-            header_timeout: DEFAULT_HEADER_TIMEOUT,
-        }
-    }
-
-    /// The longest a stop waits for connections: a body still arriving, then the broker's
-    /// acknowledgement. Past it, what is left is closed; a request cut off then was never
-    /// answered 2xx, and its sender retries.
-    fn drain_limit(&self) -> Duration {
-        self.body_timeout + self.produce_timeout + Duration::from_secs(1)
-    }
-
-    /// The most bytes one envelope may take: the body, JSON-escaped at worst, and the rest.
-    fn max_message_bytes(&self) -> usize {
-        self.max_body_bytes * 2 + 64 * 1024
-    }
-
-    fn producer_config(&self) -> anyhow::Result<ClientConfig> {
-        let mut settings = crate::kafka::producer_tuning("replayproof-ingest");
-        settings.extend([
-            ("linger.ms", "2".to_owned()),
-            (
-                "message.timeout.ms",
-                self.produce_timeout.as_millis().to_string(),
-            ),
-            ("message.max.bytes", self.max_message_bytes().to_string()),
-        ]);
-        crate::kafka::client_config(
-            crate::kafka::Role::Producer,
-            &self.brokers,
-            None,
-            &settings,
-            &self.kafka_options,
-        )
-    }
-}
 
 struct AppState {
     sources: HashMap<String, Source>,
@@ -142,83 +53,105 @@ struct AppState {
     in_flight: Arc<tokio::sync::Semaphore>,
 }
 
-/// A running ingress.
-pub struct Running {
-    /// Where it listens; useful when the configured port was 0.
-    pub addr: SocketAddr,
-    /// Where `/metrics` is served, when it is.
-    pub metrics_addr: Option<SocketAddr>,
-    task: crate::shutdown::Running,
+/// The ingress, built and checked: its producer created, its listeners bound. It accepts
+/// webhooks once it runs.
+pub struct Ingress {
+    listener: tokio::net::TcpListener,
+    addr: SocketAddr,
+    metrics_addr: Option<SocketAddr>,
+    state: Arc<AppState>,
+    /// Stops the `/metrics` server when the ingress stops (or is dropped without running).
+    metrics_stop: tokio_util::sync::DropGuard,
 }
 
-impl Running {
-    /// Waits until the ingress has stopped (after its shutdown token is cancelled).
-    pub async fn stopped(self) -> anyhow::Result<()> {
-        self.task.stopped().await
+impl Ingress {
+    /// Creates the producer and binds the webhook listener and, when configured, the
+    /// `/metrics` one; a refused option or a taken port is an error here.
+    pub async fn build(
+        settings: IngestSettings,
+        sources: HashMap<String, Source>,
+        registry: Registry,
+    ) -> anyhow::Result<Self> {
+        let producer: FutureProducer = settings
+            .producer_config()?
+            .create()
+            .context("creating the Kafka producer")?;
+        let listener = tokio::net::TcpListener::bind(settings.listen)
+            .await
+            .with_context(|| format!("listening on {}", settings.listen))?;
+        let addr = listener.local_addr()?;
+        let metrics = IngestMetrics::new(&registry)?;
+        let metrics_stop = CancellationToken::new();
+        let metrics_addr = serve_metrics(settings.metrics_listen, registry, &metrics_stop).await?;
+        let state = Arc::new(AppState {
+            metrics,
+            sources,
+            producer,
+            in_flight: Arc::new(tokio::sync::Semaphore::new(settings.max_in_flight.max(1))),
+            settings,
+            ready: AtomicBool::new(false),
+        });
+        Ok(Self {
+            listener,
+            addr,
+            metrics_addr,
+            state,
+            metrics_stop: metrics_stop.drop_guard(),
+        })
     }
-}
 
-/// Binds the listener and serves until `shutdown` is cancelled; then stops accepting, lets the
-/// requests in flight finish (each acknowledged or answered 503) and flushes the producer.
-pub async fn start(
-    settings: IngestSettings,
-    sources: HashMap<String, Source>,
-    registry: Registry,
-    shutdown: CancellationToken,
-) -> anyhow::Result<Running> {
-    let producer: FutureProducer = settings
-        .producer_config()?
-        .create()
-        .context("creating the Kafka producer")?;
-    let listener = tokio::net::TcpListener::bind(settings.listen)
-        .await
-        .with_context(|| format!("listening on {}", settings.listen))?;
-    let addr = listener.local_addr()?;
-    let metrics = IngestMetrics::new(&registry)?;
-    let metrics_addr = serve_metrics(settings.metrics_listen, registry, &shutdown).await?;
-    let state = Arc::new(AppState {
-        metrics,
-        sources,
-        producer,
-        in_flight: Arc::new(tokio::sync::Semaphore::new(settings.max_in_flight.max(1))),
-        settings,
-        ready: AtomicBool::new(false),
-    });
-    tokio::spawn(watch_broker(state.clone(), shutdown.clone()));
-    let mut names: Vec<&String> = state.sources.keys().collect();
-    names.sort();
-    tracing::info!(%addr, sources = ?names, topic = %state.settings.topic, "Accepting webhooks at /webhooks/{{source}}.");
-    let app = router(state.clone());
-    let limits = ConnectionLimits {
-        max_connections: state.settings.max_connections,
-        header_timeout: state.settings.header_timeout,
-        drain_limit: state.settings.drain_limit(),
-    };
-    let task = crate::shutdown::Running::spawn(async move {
-        serve(listener, app, limits, shutdown).await;
-        let producer = state.producer.clone();
-        tokio::task::spawn_blocking(move || producer.flush(Duration::from_secs(10)))
-            .await?
-            .context("flushing the producer")?;
-        tracing::info!("The ingress stopped.");
-        Ok(())
-    });
-    Ok(Running {
-        addr,
-        metrics_addr,
-        task,
-    })
+    /// Where it listens; useful when the configured port was 0.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Where `/metrics` is served, when it is.
+    pub fn metrics_addr(&self) -> Option<SocketAddr> {
+        self.metrics_addr
+    }
+
+    /// Serves until `shutdown` is cancelled; then stops accepting, lets the requests in flight
+    /// finish (each acknowledged or answered 503) and flushes the producer.
+    pub fn run_until_stopped(self, shutdown: CancellationToken) -> Running {
+        let Self {
+            listener,
+            addr,
+            state,
+            metrics_stop,
+            ..
+        } = self;
+        tokio::spawn(watch_broker(state.clone(), shutdown.clone()));
+        let mut names: Vec<&String> = state.sources.keys().collect();
+        names.sort();
+        tracing::info!(%addr, sources = ?names, topic = %state.settings.topic, "Accepting webhooks at /webhooks/{{source}}.");
+        let app = router(state.clone());
+        let limits = ConnectionLimits {
+            max_connections: state.settings.max_connections,
+            header_timeout: state.settings.header_timeout,
+            drain_limit: state.settings.drain_limit(),
+        };
+        Running::spawn(async move {
+            serve(listener, app, limits, shutdown).await;
+            let producer = state.producer.clone();
+            tokio::task::spawn_blocking(move || producer.flush(Duration::from_secs(10)))
+                .await?
+                .context("flushing the producer")?;
+            drop(metrics_stop);
+            tracing::info!("The ingress stopped.");
+            Ok(())
+        })
+    }
 }
 
 /// Serves `/metrics` on its own listener, when one is configured; returns its address.
 async fn serve_metrics(
     at: Option<SocketAddr>,
     registry: Registry,
-    shutdown: &CancellationToken,
+    stop: &CancellationToken,
 ) -> anyhow::Result<Option<SocketAddr>> {
     let Some(at) = at else { return Ok(None) };
     let health = crate::telemetry::Health::default();
-    let stopped = shutdown.clone().cancelled_owned();
+    let stopped = stop.clone().cancelled_owned();
     let addr = crate::telemetry::serve_metrics(at, registry, health, stopped)
         .await
         .with_context(|| format!("serving /metrics on {at}"))?;

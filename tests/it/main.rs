@@ -1,24 +1,42 @@
-//! replayproof's integration tests, in one binary. Scenarios are grouped by the capability
-//! they prove; the helpers they share are in `harness`.
+//! replayproof's integration tests, in one binary, grouped by the capability they prove; the
+//! helpers they share are in `harness`.
 
 mod harness;
 
-mod batch;
-mod compose;
-mod consume;
-mod dev_and_demo;
+/// Applying events once: batches, the consumer group, effects and deferral, real processes
+/// killed and restarted, and the example binary.
+mod consume {
+    mod batch;
+    mod effects;
+    mod example_orders;
+    mod group;
+    mod processes;
+}
+/// The outbox's delivery under leases, with idempotency keys, against a fake downstream.
 mod dispatch;
-mod effects;
+/// The HTTP ingress: requests, their answers and what reaches the topic; each signature scheme.
+mod ingest {
+    mod requests;
+    mod signatures;
+}
+/// Every connection over TLS: PostgreSQL, Kafka with SASL/SCRAM, dispatch over HTTPS.
+mod tls;
+/// The operator's commands and `status`.
+mod operator {
+    mod commands;
+    mod status;
+}
+/// What a deployment reads: the compose file, the schema, the secrets, the metrics and alerts,
+/// `dev` and `demo`.
+mod deploy {
+    mod compose;
+    mod dev_and_demo;
+    mod schema;
+    mod secrets;
+    mod telemetry;
+}
+/// The whole pipeline as processes: ingest, the broker, consume.
 mod end_to_end;
-mod example_orders;
+/// This process's own code stopped at a chosen step (`--features failpoints`).
 #[cfg(feature = "failpoints")]
 mod failpoints;
-mod ingest;
-mod operator;
-mod processes;
-mod production;
-mod schema;
-mod secrets;
-mod signatures;
-mod status;
-mod telemetry;

@@ -139,12 +139,13 @@ pub async fn run(o: DemoOptions) -> anyhow::Result<bool> {
     let listen = ([127, 0, 0, 1], 0).into();
     let settings = IngestSettings::new(listen, &stack.brokers, &stack.topic);
     let registry = prometheus::Registry::new();
-    let ingress = ingest::start(settings, sources, registry, shutdown.clone()).await?;
+    let ingress = ingest::Ingress::build(settings, sources, registry).await?;
+    let base = format!("http://{}", ingress.addr());
+    let ingress = ingress.run_until_stopped(shutdown.clone());
     let consumers = Consumers::start(consumer_args(&stack, &downstream_url)?, o.consumers)?;
     let dispatching = start_dispatcher(&stack, shutdown.clone())?;
     let plan = storm::plan(&o);
     let answers = Arc::new(storm::Answers::default());
-    let base = format!("http://{}", ingress.addr);
     let mut watch = Watch::new(&o, &plan);
     let sending = storm::send(
         base,

@@ -7,12 +7,14 @@ pub mod ingress;
 pub mod isolation;
 pub mod kafka;
 pub mod processes;
+pub mod tls;
 
 pub use database::*;
 pub use dispatcher::{enqueue_http, enqueue_to};
 pub use ingress::*;
 pub use kafka::*;
 pub use processes::*;
+pub use tls::*;
 
 use std::future::Future;
 use std::time::{Duration, Instant};

@@ -1,6 +1,6 @@
 //! replayproof's tables live in their own PostgreSQL schema: a host application's `outbox` and
 //! `_sqlx_migrations` in `public` are never touched, an installation made in `public` keeps
-//! working with `--schema public`, and the README's move to the schema keeps every claim.
+//! working with `--schema public`, and the documented move to the schema (docs/operations.md) keeps every claim.
 
 use crate::harness::*;
 use serde_json::json;
@@ -125,13 +125,13 @@ async fn a_host_outbox_and_migrations_in_public_are_left_alone() {
     );
 }
 
-/// The README's SQL that moves an installation from `public` into the schema.
-fn readme_move_sql() -> String {
-    let readme = include_str!("../../README.md");
-    let start = readme
+/// The SQL in docs/operations.md that moves an installation from `public` into the schema.
+fn documented_move_sql() -> String {
+    let operations = include_str!("../../../docs/operations.md");
+    let start = operations
         .find("```sql\nBEGIN;\nCREATE SCHEMA replayproof;")
-        .expect("the README shows the move to the schema");
-    let block = &readme[start + "```sql\n".len()..];
+        .expect("docs/operations.md shows the move to the schema");
+    let block = &operations[start + "```sql\n".len()..];
     block[..block.find("```").expect("the block ends")].to_owned()
 }
 
@@ -150,10 +150,10 @@ async fn the_documented_move_to_a_schema_keeps_every_claim() {
     consume_until(&kafka, (&topic, &group), &db, &public, 1).await;
     assert_eq!(ledger_in(&db, "public").await, [("evt-1".to_owned(), 1)]);
 
-    sqlx::raw_sql(&readme_move_sql())
+    sqlx::raw_sql(&documented_move_sql())
         .execute(&db.pool)
         .await
-        .expect("the README's move runs");
+        .expect("the documented move runs");
     assert!(columns(&db, "public", "processed_events").await.is_empty());
     migrate(&db.url, &[]); // nothing left to apply: the bookkeeping moved too
 

@@ -154,7 +154,7 @@ async fn sigterm_commits_what_committed_and_exits_zero() {
     }
 }
 
-/// Test 7 of the consumer's promise: 20,000 events, 30% redelivered, 4 partitions, 3 consumer
+/// The consumer's promise at scale: 20,000 events, 30% redelivered, 4 partitions, 3 consumer
 /// processes, one of them killed with SIGKILL twice. Prints the sustained rate.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn twenty_thousand_events_three_processes_one_killed_twice() {

@@ -63,6 +63,7 @@ struct Ingress {
     base: String,
     shutdown: CancellationToken,
     running: Option<ingest::Running>,
+    metrics_addr: Option<std::net::SocketAddr>,
     http: reqwest::Client,
 }
 
@@ -76,26 +77,29 @@ impl Ingress {
         settings.kafka_options = vec![("broker.address.family".into(), "v4".into())];
         tweak(&mut settings);
         let shutdown = CancellationToken::new();
-        let running = ingest::start(
-            settings,
-            sources,
-            prometheus::Registry::new(),
-            shutdown.clone(),
-        )
-        .await
-        .unwrap();
+        let ingress = ingest::Ingress::build(settings, sources, prometheus::Registry::new())
+            .await
+            .unwrap();
+        let (addr, metrics_addr) = (ingress.addr(), ingress.metrics_addr());
+        let running = ingress.run_until_stopped(shutdown.clone());
         Self {
-            base: format!("http://{}", running.addr),
+            base: format!("http://{addr}"),
+            metrics_addr,
             shutdown,
             running: Some(running),
             http: reqwest::Client::new(),
         }
     }
 
+    /// A POST to `source`'s webhook path.
+    fn post(&self, source: &str) -> reqwest::RequestBuilder {
+        self.http.post(format!("{}/webhooks/{source}", self.base))
+    }
+
     async fn github(&self, delivery: &str, body: &[u8]) -> reqwest::Response {
-        let sig = format!("sha256={}", hmac_hex("secret-of-GITHUB", &[body]));
-        self.http
-            .post(format!("{}/webhooks/github", self.base))
+        let body_text = std::str::from_utf8(body).unwrap();
+        let sig = replayproof::devkit::sign::github("secret-of-GITHUB", body_text);
+        self.post("github")
             .header("x-hub-signature-256", sig)
             .header("x-github-delivery", delivery)
             .header("x-github-event", "push")
@@ -105,15 +109,17 @@ impl Ingress {
             .unwrap()
     }
 
-    async fn stripe(&self, secret: &str, t: i64, body: &[u8]) -> reqwest::Response {
-        let sig = hmac_hex(secret, &[t.to_string().as_bytes(), b".", body]);
-        self.http
-            .post(format!("{}/webhooks/stripe", self.base))
-            .header("stripe-signature", format!("t={t},v1={sig}"))
+    /// A delivery signed as Stripe signs, sent at `t`.
+    fn stripe_request(&self, secret: &str, t: i64, body: &[u8]) -> reqwest::RequestBuilder {
+        let body_text = std::str::from_utf8(body).unwrap();
+        let header = replayproof::devkit::sign::stripe(secret, &t.to_string(), body_text);
+        self.post("stripe")
+            .header("stripe-signature", header)
             .body(body.to_vec())
-            .send()
-            .await
-            .unwrap()
+    }
+
+    async fn stripe(&self, secret: &str, t: i64, body: &[u8]) -> reqwest::Response {
+        self.stripe_request(secret, t, body).send().await.unwrap()
     }
 
     async fn readyz(&self) -> u16 {
@@ -212,142 +218,159 @@ async fn signed_delivery_sent_three_times_is_three_records_with_one_key_and_one_
     ingress.stop().await;
 }
 
+/// A request the ingress must refuse (or answer without producing), and the status it gets.
+struct Case {
+    what: &'static str,
+    request: reqwest::RequestBuilder,
+    status: u16,
+}
+
+impl Ingress {
+    /// The bad requests of the fault matrix, each with the status it must get.
+    fn bad_requests(&self, secret: &str) -> Vec<Case> {
+        let valid = br#"{"id":"evt_1","type":"charge.succeeded"}"#;
+        let t = now();
+        let signed = replayproof::devkit::sign::stripe(
+            secret,
+            &t.to_string(),
+            std::str::from_utf8(valid).unwrap(),
+        );
+        let sig = signed.split_once(",v1=").unwrap().1.to_owned();
+        let big = format!(r#"{{"id":"evt_big","pad":"{}"}}"#, "x".repeat(2000));
+        let chunks: Vec<Result<Vec<u8>, std::io::Error>> =
+            vec![Ok(vec![b'x'; 800]), Ok(vec![b'x'; 800])];
+        let streamed = reqwest::Body::wrap_stream(futures_util::stream::iter(chunks));
+        let stripe_with = |header: String, body: &[u8]| {
+            self.post("stripe")
+                .header("stripe-signature", header)
+                .body(body.to_vec())
+        };
+        let challenge = br#"{"type":"url_verification","challenge":"c-123"}"#;
+        let slack_sig = format!(
+            "v0={}",
+            hmac_hex(
+                "secret-of-SLACK_SIGNING",
+                &[b"v0:", t.to_string().as_bytes(), b":", challenge]
+            )
+        );
+        vec![
+            Case {
+                what: "malformed JSON with a valid signature",
+                request: self.stripe_request(secret, t, b"{not json"),
+                status: 400,
+            },
+            Case {
+                what: "no event id",
+                request: self.stripe_request(secret, t, br#"{"type":"x"}"#),
+                status: 400,
+            },
+            Case {
+                what: "a body over the limit",
+                request: self.stripe_request(secret, t, big.as_bytes()),
+                status: 413,
+            },
+            Case {
+                what: "a body streamed past the limit without a length",
+                request: self
+                    .post("github")
+                    .header("x-hub-signature-256", "sha256=00")
+                    .body(streamed),
+                status: 413,
+            },
+            Case {
+                what: "the wrong secret",
+                request: self.stripe_request("not-the-secret", t, valid),
+                status: 401,
+            },
+            Case {
+                what: "a re-serialised body",
+                request: stripe_with(
+                    signed.clone(),
+                    br#"{"id": "evt_1", "type": "charge.succeeded"}"#,
+                ),
+                status: 401,
+            },
+            Case {
+                what: "an empty v1",
+                request: stripe_with(format!("t={t},v1="), valid),
+                status: 401,
+            },
+            Case {
+                what: "a truncated v1",
+                request: stripe_with(format!("t={t},v1={}", &sig[..40]), valid),
+                status: 401,
+            },
+            Case {
+                what: "v0 only",
+                request: stripe_with(format!("t={t},v0={sig}"), valid),
+                status: 401,
+            },
+            Case {
+                what: "a signature an hour old",
+                request: self.stripe_request(secret, t - 3600, valid),
+                status: 401,
+            },
+            Case {
+                what: "skew just past the tolerance, behind",
+                request: self.stripe_request(secret, t - 320, valid),
+                status: 401,
+            },
+            Case {
+                what: "skew just past the tolerance, ahead",
+                request: self.stripe_request(secret, t + 320, valid),
+                status: 401,
+            },
+            Case {
+                what: "an unknown source",
+                request: self.post("nope").body("{}"),
+                status: 404,
+            },
+            Case {
+                what: "another method",
+                request: self.http.get(format!("{}/webhooks/stripe", self.base)),
+                status: 405,
+            },
+            Case {
+                what: "no signature",
+                request: self.post("github").body("{}"),
+                status: 401,
+            },
+            Case {
+                what: "Slack's url_verification, answered without producing",
+                request: self
+                    .post("slack")
+                    .header("x-slack-request-timestamp", t.to_string())
+                    .header("x-slack-signature", slack_sig)
+                    .body(challenge.to_vec()),
+                status: 200,
+            },
+        ]
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_requests_get_their_status_and_produce_nothing() {
     let kafka = TestKafka::mock();
     let topic = kafka.topic(1).await;
     let ingress = Ingress::start(&kafka.brokers(), &topic, |s| s.max_body_bytes = 1024).await;
     let secret = "secret-of-STRIPE";
-    let valid = br#"{"id":"evt_1","type":"charge.succeeded"}"#;
-
-    // 17: malformed JSON with a valid signature; 18: no event id.
-    assert_eq!(
-        ingress.stripe(secret, now(), b"{not json").await.status(),
-        400
-    );
-    assert_eq!(
-        ingress
-            .stripe(secret, now(), br#"{"type":"x"}"#)
-            .await
-            .status(),
-        400
-    );
-    // 19: over the limit, declared or streamed without a length.
-    let big = format!(r#"{{"id":"evt_big","pad":"{}"}}"#, "x".repeat(2000));
-    assert_eq!(
-        ingress.stripe(secret, now(), big.as_bytes()).await.status(),
-        413
-    );
-    let chunks: Vec<Result<Vec<u8>, std::io::Error>> =
-        vec![Ok(vec![b'x'; 800]), Ok(vec![b'x'; 800])];
-    let streamed = ingress
-        .http
-        .post(format!("{}/webhooks/github", ingress.base))
-        .header("x-hub-signature-256", "sha256=00")
-        .body(reqwest::Body::wrap_stream(futures_util::stream::iter(
-            chunks,
-        )))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(streamed.status(), 413);
-    // 20: bad signature, wrong secret, re-serialised body; the answer says nothing more.
-    let wrong = ingress.stripe("not-the-secret", now(), valid).await;
-    assert_eq!(wrong.status(), 401);
-    let said = wrong.text().await.unwrap();
-    assert!(
-        !said.contains("secret-of") && !said.contains("timestamp"),
-        "{said}"
-    );
-    let t = now();
-    let sig = hmac_hex(secret, &[t.to_string().as_bytes(), b".", valid]);
-    let reserialised = br#"{"id": "evt_1", "type": "charge.succeeded"}"#;
-    let r = ingress
-        .http
-        .post(format!("{}/webhooks/stripe", ingress.base))
-        .header("stripe-signature", format!("t={t},v1={sig}"))
-        .body(reserialised.to_vec())
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 401);
-    // 21: empty, truncated, v0 only.
-    for header in [
-        format!("t={t},v1="),
-        format!("t={t},v1={}", &sig[..40]),
-        format!("t={t},v0={sig}"),
-    ] {
-        let r = ingress
-            .http
-            .post(format!("{}/webhooks/stripe", ingress.base))
-            .header("stripe-signature", header)
-            .body(valid.to_vec())
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(r.status(), 401);
+    for case in ingress.bad_requests(secret) {
+        let answer = case.request.send().await.unwrap();
+        assert_eq!(answer.status(), case.status, "{}", case.what);
+        let said = answer.text().await.unwrap();
+        // A refusal says nothing of the secret or the signature's parts.
+        assert!(
+            !said.contains("secret-of") && !said.contains("timestamp"),
+            "{}: {said}",
+            case.what
+        );
+        if case.status == 200 {
+            assert_eq!(
+                serde_json::from_str::<serde_json::Value>(&said).unwrap(),
+                json!({"challenge": "c-123"})
+            );
+        }
     }
-    // 22 and 23: an old signature, and skew just past the tolerance either way.
-    assert_eq!(
-        ingress.stripe(secret, now() - 3600, valid).await.status(),
-        401
-    );
-    assert_eq!(
-        ingress.stripe(secret, now() - 320, valid).await.status(),
-        401
-    );
-    assert_eq!(
-        ingress.stripe(secret, now() + 320, valid).await.status(),
-        401
-    );
-    // Unknown source, another method, a missing signature.
-    let unknown = ingress
-        .http
-        .post(format!("{}/webhooks/nope", ingress.base))
-        .body("{}")
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(unknown.status(), 404);
-    let get = ingress
-        .http
-        .get(format!("{}/webhooks/stripe", ingress.base))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(get.status(), 405);
-    let unsigned = ingress
-        .http
-        .post(format!("{}/webhooks/github", ingress.base))
-        .body("{}")
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(unsigned.status(), 401);
-    // Slack's url_verification is answered without producing.
-    let challenge = br#"{"type":"url_verification","challenge":"c-123"}"#;
-    let slack_sig = format!(
-        "v0={}",
-        hmac_hex(
-            "secret-of-SLACK_SIGNING",
-            &[b"v0:", t.to_string().as_bytes(), b":", challenge]
-        )
-    );
-    let r = ingress
-        .http
-        .post(format!("{}/webhooks/slack", ingress.base))
-        .header("x-slack-request-timestamp", t.to_string())
-        .header("x-slack-signature", slack_sig)
-        .body(challenge.to_vec())
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 200);
-    assert_eq!(
-        r.json::<serde_json::Value>().await.unwrap(),
-        json!({"challenge": "c-123"})
-    );
-
     let (b, tp) = (kafka.brokers(), topic.clone());
     assert!(
         tokio::task::spawn_blocking(move || records(&b, &tp))
@@ -357,6 +380,11 @@ async fn bad_requests_get_their_status_and_produce_nothing() {
         "nothing was produced"
     );
     // Within the tolerance (and with the older of two rotated secrets) the same event passes.
+    let valid = br#"{"id":"evt_1","type":"charge.succeeded"}"#;
+    assert_eq!(
+        ingress.stripe(secret, now() - 290, valid).await.status(),
+        200
+    );
     assert_eq!(
         ingress
             .stripe("secret-of-STRIPE_OLD", now() - 290, valid)
@@ -459,7 +487,7 @@ async fn metrics_are_served_on_their_own_listener_not_the_webhook_port() {
         .await
         .unwrap();
     assert_eq!(public.status(), 404, "no metrics on the public port");
-    let at = ingress.running.as_ref().unwrap().metrics_addr.unwrap();
+    let at = ingress.metrics_addr.unwrap();
     let page = reqwest::get(format!("http://{at}/metrics"))
         .await
         .unwrap()
@@ -491,7 +519,7 @@ async fn overload_gets_503_at_once_while_a_produce_holds_the_only_place() {
     kafka.set_broker_up(false).unwrap();
     let waiting = {
         let (http, base) = (ingress.http.clone(), ingress.base.clone());
-        let sig = format!("sha256={}", hmac_hex("secret-of-GITHUB", &[b"{}"]));
+        let sig = replayproof::devkit::sign::github("secret-of-GITHUB", "{}");
         tokio::spawn(async move {
             http.post(format!("{base}/webhooks/github"))
                 .header("x-hub-signature-256", sig)
@@ -850,7 +878,10 @@ async fn a_captured_delivery_resent_under_forged_ids_has_one_effect() {
     }
     // The same capture at a source whose guard is off is applied under each id.
     for delivery in ["open-1", "open-2"] {
-        let sig = format!("sha256={}", hmac_hex("secret-of-GITHUB", &[capture]));
+        let sig = replayproof::devkit::sign::github(
+            "secret-of-GITHUB",
+            std::str::from_utf8(capture).unwrap(),
+        );
         let r = ingress
             .http
             .post(format!("{}/webhooks/github-unguarded", ingress.base))

@@ -1,8 +1,6 @@
 //! `replayproof demo` and `replayproof dev` as a newcomer runs them.
 
 use crate::harness::*;
-use hmac::{Hmac, Mac};
-use sha2::Sha256;
 use std::time::Duration;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -78,9 +76,10 @@ async fn dev_applies_a_signed_delivery_and_stops_on_sigint() {
     })
     .await;
     let body = br#"{"action":"opened","number":1}"#;
-    let mut mac = Hmac::<Sha256>::new_from_slice(b"dev-secret-for-replayproof").unwrap();
-    mac.update(body);
-    let sig = format!("sha256={}", hex::encode(mac.finalize().into_bytes()));
+    let sig = replayproof::devkit::sign::github(
+        "dev-secret-for-replayproof",
+        std::str::from_utf8(body).unwrap(),
+    );
     let r = http
         .post(format!("{base}/webhooks/github"))
         .header("x-hub-signature-256", sig)

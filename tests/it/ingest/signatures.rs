@@ -2,22 +2,13 @@
 
 use base64::engine::general_purpose::STANDARD as BASE64;
 use base64::Engine as _;
-use hmac::{Hmac, Mac};
 use http::{HeaderMap, HeaderName, HeaderValue};
+use replayproof::devkit::sign::hmac;
 use replayproof::ingest::signature::{
     Encoding, KeyFrom, Rejection, Request, Scheme, Secret, Verified,
 };
-use sha2::Sha256;
 
 const NOW: i64 = 1_764_400_000;
-
-fn hmac(secret: &[u8], parts: &[&[u8]]) -> Vec<u8> {
-    let mut mac = Hmac::<Sha256>::new_from_slice(secret).unwrap();
-    for p in parts {
-        mac.update(p);
-    }
-    mac.finalize().into_bytes().to_vec()
-}
 
 fn headers(pairs: &[(&str, String)]) -> HeaderMap {
     let mut h = HeaderMap::new();

@@ -170,7 +170,7 @@ async fn a_failing_event_waits_for_its_retries_while_later_events_go_on_and_hold
     let (topic, group) = (kafka.topic(1).await, unique("group"));
     let processor = replayproof::consume::BatchProcessor::new(
         db.pool.clone(),
-        std::sync::Arc::new(crate::batch::FailsFor("evt-bad")),
+        std::sync::Arc::new(super::batch::FailsFor("evt-bad")),
     )
     .with_retry(replayproof::consume::EffectRetry {
         attempts: 3,
