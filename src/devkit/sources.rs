@@ -70,7 +70,6 @@ pub fn build(
             .iter()
             .map(|d| SourceConfig::new(d.name, d.kind, d.secret_env))
             .collect(),
-        ..FileConfig::default()
     };
     let sources = file.sources_with(|v| secrets.get(v).cloned())?;
     Ok((sources, described))

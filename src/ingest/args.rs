@@ -1,4 +1,6 @@
-//! `replayproof ingest`'s flags: each overrides the sources file's setting of the same name.
+//! `replayproof ingest`'s flags. Like every command's, they are layered over the environment and
+//! the configuration file's `[ingest]` and `[kafka]` settings ([`crate::config`]); the file's
+//! sources are read by [`super::config::FileConfig`].
 
 use super::config::FileConfig;
 use super::{
@@ -71,17 +73,17 @@ pub struct IngestArgs {
 }
 
 impl IngestArgs {
-    /// The file's settings with the flags and environment over them.
-    pub fn settings(&self, file: &FileConfig) -> anyhow::Result<IngestSettings> {
-        let listen = match self.listen.or(file.listen) {
+    /// The settings, from the flags (layered over the environment and the file).
+    pub fn settings(&self) -> anyhow::Result<IngestSettings> {
+        let listen = match self.listen {
             Some(listen) => listen,
             None => DEFAULT_LISTEN.parse()?,
         };
-        let brokers = self.brokers.clone().or_else(|| file.brokers.clone());
-        let brokers = brokers
+        let brokers = self
+            .brokers
+            .clone()
             .context("no brokers: set --brokers, REPLAYPROOF_BROKERS or `brokers` in the file")?;
-        let topic = self.topic.clone().or_else(|| file.topic.clone());
-        let topic = topic.unwrap_or_else(|| DEFAULT_TOPIC.into());
+        let topic = self.topic.clone().unwrap_or_else(|| DEFAULT_TOPIC.into());
         let mut settings = IngestSettings::new(listen, &brokers, &topic);
         settings.kafka_options = self.kafka.kafka_options.clone();
         settings.metrics_listen = Some(self.metrics_addr);
@@ -89,14 +91,14 @@ impl IngestArgs {
         settings.max_connections = self.max_connections;
         settings.body_timeout = Duration::from_millis(self.body_timeout_ms);
         settings.header_timeout = Duration::from_millis(self.header_timeout_ms);
-        if let Some(n) = self.max_body_bytes.or(file.max_body_bytes) {
+        if let Some(n) = self.max_body_bytes {
             anyhow::ensure!(
                 n > 0 && n <= 16 * 1024 * 1024,
                 "max_body_bytes must be between 1 byte and 16 MiB"
             );
             settings.max_body_bytes = n;
         }
-        if let Some(ms) = self.produce_timeout_ms.or(file.produce_timeout_ms) {
+        if let Some(ms) = self.produce_timeout_ms {
             anyhow::ensure!(
                 ms > 0 && ms <= crate::args::millis(crate::args::MAX_WAIT),
                 "produce_timeout_ms must be between 1 ms and a week"
@@ -118,7 +120,7 @@ impl IngestArgs {
             "{} names no [[ingest.sources]]",
             config.display()
         );
-        let settings = self.settings(&file)?;
+        let settings = self.settings()?;
         // Ingest serves `/metrics` on its own listener (`metrics_listen`), never the webhook port.
         let process = crate::shutdown::Process::start("ingest", None).await?;
         super::Ingress::build(settings, sources, process.registry)

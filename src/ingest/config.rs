@@ -18,15 +18,12 @@ use base64::Engine as _;
 use serde::Deserialize;
 use std::collections::HashMap;
 
-/// The file as written.
+/// The sources as the file writes them. Ingest's other settings (`listen`, `max_body_bytes`,
+/// `produce_timeout_ms`, the brokers and the topic) are flags, layered from the file with the
+/// others ([`crate::config`]); only the sources are read here.
 #[derive(Debug, Default, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct FileConfig {
-    pub listen: Option<std::net::SocketAddr>,
-    pub brokers: Option<String>,
-    pub topic: Option<String>,
-    pub max_body_bytes: Option<usize>,
-    pub produce_timeout_ms: Option<u64>,
     pub sources: Vec<SourceConfig>,
 }
 
@@ -100,29 +97,19 @@ pub struct Source {
 }
 
 impl FileConfig {
-    /// Ingest's settings from the configuration file at `path` (see [`crate::config`]).
+    /// The sources of the configuration file at `path` (see [`crate::config`]).
     #[cfg(feature = "cli")]
     pub fn load(path: &std::path::Path) -> anyhow::Result<Self> {
         let file = crate::config::ConfigFile::load(path, &crate::config::ProcessEnv)?;
         Self::from_config(&file)
     }
 
-    /// Ingest's settings from the file's `[ingest]` section, and the brokers and topic of its
-    /// `[kafka]` section.
+    /// The sources of the file's `[ingest]` section.
     #[cfg(feature = "cli")]
     pub fn from_config(file: &crate::config::ConfigFile) -> anyhow::Result<Self> {
         let mut table = toml::Table::new();
-        let ingest = file.section("ingest");
-        for key in ["listen", "max_body_bytes", "produce_timeout_ms", "sources"] {
-            if let Some(v) = ingest.get(key) {
-                table.insert(key.into(), v.clone());
-            }
-        }
-        let kafka = file.section("kafka");
-        for key in ["brokers", "topic"] {
-            if let Some(v) = kafka.get(key) {
-                table.insert(key.into(), v.clone());
-            }
+        if let Some(sources) = file.section("ingest").get("sources") {
+            table.insert("sources".into(), sources.clone());
         }
         toml::Value::Table(table)
             .try_into()
