@@ -34,6 +34,75 @@ pub fn age_secs() -> clap::builder::RangedU64ValueParser<u64> {
     clap::value_parser!(u64).range(0..=100 * 365 * 24 * 3600)
 }
 
+/// A duration flag: humantime text (`250ms`, `30s`, `5m`, `1h 30m`) from `min` up to
+/// [`MAX_WAIT`]. Each also has its old spelling, a number of milliseconds or seconds
+/// (`--lease-secs 300`), accepted as a hidden alias ([`or_old_ms`], [`or_old_secs`]).
+pub fn wait(
+    min: Duration,
+) -> impl Fn(&str) -> Result<Duration, String> + Clone + Send + Sync + 'static {
+    move |text: &str| within(text, min, MAX_WAIT)
+}
+
+/// One of PostgreSQL's session timeouts: 0 (off) up to the largest it holds (`i32::MAX` ms).
+pub fn pg_wait() -> impl Fn(&str) -> Result<Duration, String> + Clone + Send + Sync + 'static {
+    |text: &str| within(text, Duration::ZERO, Duration::from_millis(i32::MAX as u64))
+}
+
+fn within(text: &str, min: Duration, max: Duration) -> Result<Duration, String> {
+    let d = humantime::parse_duration(text)
+        .map_err(|e| format!("{e} (a duration such as 250ms, 30s or 5m)"))?;
+    let show = |d: Duration| humantime::format_duration(d).to_string();
+    if d < min || d > max {
+        return Err(format!(
+            "{} is not between {} and {}",
+            show(d),
+            show(min),
+            show(max)
+        ));
+    }
+    Ok(d)
+}
+
+/// An age to filter by: up to a hundred years.
+pub fn age() -> impl Fn(&str) -> Result<Duration, String> + Clone + Send + Sync + 'static {
+    |text: &str| {
+        within(
+            text,
+            Duration::ZERO,
+            Duration::from_secs(100 * 365 * 24 * 3600),
+        )
+    }
+}
+
+/// A default duration as a flag's text, such as `30s`; computed once per value.
+pub fn text(d: Duration) -> &'static str {
+    static TEXTS: std::sync::Mutex<Vec<(Duration, &'static str)>> =
+        std::sync::Mutex::new(Vec::new());
+    let mut texts = TEXTS.lock().expect("texts lock");
+    if let Some((_, t)) = texts.iter().find(|(at, _)| *at == d) {
+        return t;
+    }
+    let t: &'static str = Box::leak(humantime::format_duration(d).to_string().into_boxed_str());
+    texts.push((d, t));
+    t
+}
+
+/// A duration as a flag's argument, such as `30s`.
+pub fn duration_text(d: Duration) -> String {
+    humantime::format_duration(d).to_string()
+}
+
+/// A duration given in its humantime spelling, or in its old one in milliseconds, which wins
+/// when given (the two cannot both be given).
+pub fn or_old_ms(new: Duration, old: Option<u64>) -> Duration {
+    old.map_or(new, Duration::from_millis)
+}
+
+/// [`or_old_ms`] for an old spelling in seconds.
+pub fn or_old_secs(new: Duration, old: Option<u64>) -> Duration {
+    old.map_or(new, Duration::from_secs)
+}
+
 /// Where PostgreSQL is, which schema holds replayproof's tables, and the time limits every
 /// session runs under.
 #[derive(Debug, Clone, Args)]
@@ -54,28 +123,46 @@ pub struct SessionArgs {
     #[arg(long, env = "REPLAYPROOF_SCHEMA", default_value = db::DEFAULT_SCHEMA)]
     pub schema: Schema,
 
-    /// PostgreSQL's statement_timeout for every session, in milliseconds.
-    #[arg(long, env = "REPLAYPROOF_STATEMENT_TIMEOUT_MS", value_parser = pg_ms(), default_value_t = millis(db::DEFAULT_STATEMENT_TIMEOUT))]
-    pub statement_timeout_ms: u64,
+    /// PostgreSQL's statement_timeout for every session.
+    /// A duration such as 250ms, 30s or 5m; `--statement-timeout-ms` (milliseconds) is its old spelling.
+    #[arg(long, env = "REPLAYPROOF_STATEMENT_TIMEOUT", value_name = "DURATION", default_value = crate::args::text(db::DEFAULT_STATEMENT_TIMEOUT), value_parser = crate::args::pg_wait(), conflicts_with = "statement_timeout_ms")]
+    pub statement_timeout: Duration,
 
-    /// PostgreSQL's lock_timeout for every session, in milliseconds: how long a claim waits for
+    /// The old spelling of `--statement-timeout`, in milliseconds.
+    #[arg(long, env = "REPLAYPROOF_STATEMENT_TIMEOUT_MS", value_parser = pg_ms(), hide = true)]
+    pub statement_timeout_ms: Option<u64>,
+
+    /// PostgreSQL's lock_timeout for every session: how long a claim waits for
     /// another transaction holding the same key.
-    #[arg(long, env = "REPLAYPROOF_LOCK_TIMEOUT_MS", value_parser = pg_ms(), default_value_t = millis(db::DEFAULT_LOCK_TIMEOUT))]
-    pub lock_timeout_ms: u64,
+    /// A duration such as 250ms, 30s or 5m; `--lock-timeout-ms` (milliseconds) is its old spelling.
+    #[arg(long, env = "REPLAYPROOF_LOCK_TIMEOUT", value_name = "DURATION", default_value = crate::args::text(db::DEFAULT_LOCK_TIMEOUT), value_parser = crate::args::pg_wait(), conflicts_with = "lock_timeout_ms")]
+    pub lock_timeout: Duration,
 
-    /// PostgreSQL's idle_in_transaction_session_timeout, in milliseconds: a paused or cut-off
+    /// The old spelling of `--lock-timeout`, in milliseconds.
+    #[arg(long, env = "REPLAYPROOF_LOCK_TIMEOUT_MS", value_parser = pg_ms(), hide = true)]
+    pub lock_timeout_ms: Option<u64>,
+
+    /// PostgreSQL's idle_in_transaction_session_timeout: a paused or cut-off
     /// process's open transaction (and the claims it holds) ends after this.
-    #[arg(long, env = "REPLAYPROOF_IDLE_IN_TRANSACTION_TIMEOUT_MS", value_parser = pg_ms(), default_value_t = millis(db::DEFAULT_IDLE_IN_TRANSACTION_TIMEOUT))]
-    pub idle_in_transaction_timeout_ms: u64,
+    /// A duration such as 250ms, 30s or 5m; `--idle-in-transaction-timeout-ms` (milliseconds) is its old spelling.
+    #[arg(long, env = "REPLAYPROOF_IDLE_IN_TRANSACTION_TIMEOUT", value_name = "DURATION", default_value = crate::args::text(db::DEFAULT_IDLE_IN_TRANSACTION_TIMEOUT), value_parser = crate::args::pg_wait(), conflicts_with = "idle_in_transaction_timeout_ms")]
+    pub idle_in_transaction_timeout: Duration,
+
+    /// The old spelling of `--idle-in-transaction-timeout`, in milliseconds.
+    #[arg(long, env = "REPLAYPROOF_IDLE_IN_TRANSACTION_TIMEOUT_MS", value_parser = pg_ms(), hide = true)]
+    pub idle_in_transaction_timeout_ms: Option<u64>,
 }
 
 impl Default for SessionArgs {
     fn default() -> Self {
         Self {
             schema: Schema::default(),
-            statement_timeout_ms: millis(db::DEFAULT_STATEMENT_TIMEOUT),
-            lock_timeout_ms: millis(db::DEFAULT_LOCK_TIMEOUT),
-            idle_in_transaction_timeout_ms: millis(db::DEFAULT_IDLE_IN_TRANSACTION_TIMEOUT),
+            statement_timeout: db::DEFAULT_STATEMENT_TIMEOUT,
+            statement_timeout_ms: None,
+            lock_timeout: db::DEFAULT_LOCK_TIMEOUT,
+            lock_timeout_ms: None,
+            idle_in_transaction_timeout: db::DEFAULT_IDLE_IN_TRANSACTION_TIMEOUT,
+            idle_in_transaction_timeout_ms: None,
         }
     }
 }
@@ -84,9 +171,15 @@ impl SessionArgs {
     /// A pool of `url` whose sessions run in the schema under the configured time limits.
     pub fn pool(&self, url: &DatabaseUrl, max_connections: u32) -> anyhow::Result<sqlx::PgPool> {
         let limits = db::Limits {
-            statement_timeout: Duration::from_millis(self.statement_timeout_ms),
-            lock_timeout: Duration::from_millis(self.lock_timeout_ms),
-            idle_in_transaction_timeout: Duration::from_millis(self.idle_in_transaction_timeout_ms),
+            statement_timeout: crate::args::or_old_ms(
+                self.statement_timeout,
+                self.statement_timeout_ms,
+            ),
+            lock_timeout: crate::args::or_old_ms(self.lock_timeout, self.lock_timeout_ms),
+            idle_in_transaction_timeout: crate::args::or_old_ms(
+                self.idle_in_transaction_timeout,
+                self.idle_in_transaction_timeout_ms,
+            ),
             ..db::Limits::default()
         };
         db::pool_in(url, max_connections, limits, &self.schema)
@@ -154,12 +247,15 @@ impl ToArgs for SessionArgs {
         vec![
             "--schema".into(),
             self.schema.to_string(),
-            "--statement-timeout-ms".into(),
-            self.statement_timeout_ms.to_string(),
-            "--lock-timeout-ms".into(),
-            self.lock_timeout_ms.to_string(),
-            "--idle-in-transaction-timeout-ms".into(),
-            self.idle_in_transaction_timeout_ms.to_string(),
+            "--statement-timeout".into(),
+            duration_text(or_old_ms(self.statement_timeout, self.statement_timeout_ms)),
+            "--lock-timeout".into(),
+            duration_text(or_old_ms(self.lock_timeout, self.lock_timeout_ms)),
+            "--idle-in-transaction-timeout".into(),
+            duration_text(or_old_ms(
+                self.idle_in_transaction_timeout,
+                self.idle_in_transaction_timeout_ms,
+            )),
         ]
     }
 }

@@ -25,8 +25,11 @@ fn section_of(command_path: &[String], long: &str) -> Option<(&'static str, Stri
         "header" => return Some(("dispatch", "headers".into())),
         "defer-source" => return Some(("consume", "defer_sources".into())),
         "schema"
+        | "statement-timeout"
         | "statement-timeout-ms"
+        | "lock-timeout"
         | "lock-timeout-ms"
+        | "idle-in-transaction-timeout"
         | "idle-in-transaction-timeout-ms" => return Some(("database", key)),
         // A replayed dead letter goes back to its own topic unless --topic says otherwise.
         "topic" if command_path.first().is_some_and(|c| c == "dead-letters") => return None,
@@ -86,6 +89,20 @@ fn leaf<'a>(root: &'a Command, path: &[String]) -> &'a Command {
         cmd.find_subcommand(name)
             .expect("the path was read from this tree")
     })
+}
+
+/// The flags that spell the same setting as `arg`, `arg` included: a duration and its old
+/// `…-ms` or `…-secs` spelling, which conflict with each other.
+fn spellings<'c>(cmd: &'c Command, arg: &'c Arg) -> Vec<&'c Arg> {
+    let mut all = vec![arg];
+    all.extend(cmd.get_arg_conflicts_with(arg));
+    let conflicting_with_it = cmd.get_arguments().filter(|other| {
+        cmd.get_arg_conflicts_with(other)
+            .iter()
+            .any(|a| a.get_id() == arg.get_id())
+    });
+    all.extend(conflicting_with_it);
+    all
 }
 
 /// Whether `argv` sets `--long` itself.
@@ -152,10 +169,15 @@ pub fn layer(root: &Command, argv: Vec<OsString>, env: &dyn Env) -> anyhow::Resu
             let Some(value) = file.section(section).get(&key).cloned() else {
                 continue;
             };
-            let from_env = arg
-                .get_env()
-                .is_some_and(|name| name.to_str().and_then(|n| env.var(n)).is_some());
-            if given(&argv, long) || from_env {
+            // A setting spelled two ways (a duration and its old `…-ms` or `…-secs` flag) is
+            // one setting: the file's value of either yields to a flag or variable of either.
+            let set_elsewhere = spellings(cmd, arg).into_iter().any(|a| {
+                let from_env = a
+                    .get_env()
+                    .is_some_and(|name| name.to_str().and_then(|n| env.var(n)).is_some());
+                from_env || a.get_long().is_some_and(|long| given(&argv, long))
+            });
+            if set_elsewhere {
                 continue;
             }
             added.extend(flag_values(arg, long, &value, section, &key)?);

@@ -152,7 +152,9 @@ impl ConfigFile {
 fn legacy_section(key: &str) -> Option<&'static str> {
     match key {
         "brokers" | "topic" => Some("kafka"),
-        "listen" | "max_body_bytes" | "produce_timeout_ms" | "sources" => Some("ingest"),
+        "listen" | "max_body_bytes" | "produce_timeout" | "produce_timeout_ms" | "sources" => {
+            Some("ingest")
+        }
         _ => None,
     }
 }
@@ -415,11 +417,11 @@ mod tests {
             ),
             (
                 &["dispatch", db],
-                "lease_secs",
-                "--lease-secs",
-                "REPLAYPROOF_LEASE_SECS",
-                "[dispatch]\nlease_secs",
-                "300",
+                "lease",
+                "--lease",
+                "REPLAYPROOF_LEASE",
+                "[dispatch]\nlease",
+                "5m",
             ),
             (
                 &["ingest"],
@@ -431,27 +433,27 @@ mod tests {
             ),
             (
                 &["migrate", db],
-                "statement_timeout_ms",
-                "--statement-timeout-ms",
-                "REPLAYPROOF_STATEMENT_TIMEOUT_MS",
-                "[database]\nstatement_timeout_ms",
-                "30000",
+                "statement_timeout",
+                "--statement-timeout",
+                "REPLAYPROOF_STATEMENT_TIMEOUT",
+                "[database]\nstatement_timeout",
+                "30s",
             ),
             (
                 &["events", "list", db],
-                "lock_timeout_ms",
-                "--lock-timeout-ms",
-                "REPLAYPROOF_LOCK_TIMEOUT_MS",
-                "[database]\nlock_timeout_ms",
-                "10000",
+                "lock_timeout",
+                "--lock-timeout",
+                "REPLAYPROOF_LOCK_TIMEOUT",
+                "[database]\nlock_timeout",
+                "10s",
             ),
             (
                 &["dead-letters", "list", db],
-                "idle_in_transaction_timeout_ms",
-                "--idle-in-transaction-timeout-ms",
-                "REPLAYPROOF_IDLE_IN_TRANSACTION_TIMEOUT_MS",
-                "[database]\nidle_in_transaction_timeout_ms",
-                "30000",
+                "idle_in_transaction_timeout",
+                "--idle-in-transaction-timeout",
+                "REPLAYPROOF_IDLE_IN_TRANSACTION_TIMEOUT",
+                "[database]\nidle_in_transaction_timeout",
+                "30s",
             ),
             (
                 &["status", db],
@@ -464,17 +466,15 @@ mod tests {
         ];
         for (argv, id, flag, var, file_key, default) in cases {
             let numeric = id != &"group";
-            let value = |n: u32| {
-                if numeric {
-                    n.to_string()
-                } else {
-                    format!("g{n}")
-                }
+            let duration = default.ends_with(['s', 'm']) && default.starts_with(char::is_numeric);
+            let value = |n: u32| match (numeric, duration) {
+                (_, true) => format!("{n}s"),
+                (true, false) => n.to_string(),
+                (false, _) => format!("g{n}"),
             };
-            let file = if numeric {
-                format!("{file_key} = {}\n", value(7))
-            } else {
-                format!("{file_key} = \"{}\"\n", value(7))
+            let file = match numeric && !duration {
+                true => format!("{file_key} = {}\n", value(7)),
+                false => format!("{file_key} = \"{}\"\n", value(7)),
             };
             std::env::remove_var(var);
             assert_eq!(&resolved(argv, "", id), default, "{argv:?}: the default");
@@ -521,6 +521,56 @@ mod tests {
             options,
             "client.rack=from-file,client.rack=from-env,client.rack=from-flag"
         );
+    }
+
+    /// The lease a `dispatch` started with `argv` and the file `text` gets.
+    fn lease(argv: &[&str], text: &str) -> Result<std::time::Duration, String> {
+        use clap::{CommandFactory as _, FromArgMatches as _};
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("c.toml");
+        std::fs::write(&path, text).unwrap();
+        let mut full: Vec<OsString> =
+            ["replayproof", "dispatch", "--database-url=postgres://u@h/d"]
+                .map(OsString::from)
+                .into();
+        full.extend(argv.iter().map(OsString::from));
+        full.extend(["--config".into(), path.into_os_string()]);
+        let root = crate::cli::Args::command();
+        let layered = layer(&root, full, &ProcessEnv).map_err(|e| e.to_string())?;
+        let matches = root
+            .try_get_matches_from(layered)
+            .map_err(|e| e.to_string())?;
+        let args = crate::cli::Args::from_arg_matches(&matches).map_err(|e| e.to_string())?;
+        match args.command {
+            crate::cli::Command::Dispatch(d) => Ok(d.settings().map_err(|e| e.to_string())?.lease),
+            _ => unreachable!("a dispatch command"),
+        }
+    }
+
+    #[test]
+    fn a_duration_is_humantime_and_its_old_spelling_still_sets_it_with_the_same_precedence() {
+        let secs = std::time::Duration::from_secs;
+        assert_eq!(lease(&[], ""), Ok(secs(300)));
+        assert_eq!(lease(&["--lease", "90s"], ""), Ok(secs(90)));
+        assert_eq!(lease(&["--lease-secs", "60"], ""), Ok(secs(60)));
+        assert_eq!(lease(&[], "[dispatch]\nlease = \"2m\"\n"), Ok(secs(120)));
+        assert_eq!(lease(&[], "[dispatch]\nlease_secs = 45\n"), Ok(secs(45)));
+        // A flag in either spelling wins over the file in either.
+        assert_eq!(
+            lease(&["--lease", "90s"], "[dispatch]\nlease_secs = 45\n"),
+            Ok(secs(90))
+        );
+        assert_eq!(
+            lease(&["--lease-secs", "60"], "[dispatch]\nlease = \"2m\"\n"),
+            Ok(secs(60))
+        );
+        // Both spellings at once, or a bare number in the new one, is refused.
+        let both = lease(&["--lease", "90s", "--lease-secs", "60"], "").unwrap_err();
+        assert!(both.contains("cannot be used with"), "{both}");
+        let bare = lease(&["--lease", "300"], "").unwrap_err();
+        assert!(bare.contains("a duration such as"), "{bare}");
+        let absurd = lease(&["--lease", "100years"], "").unwrap_err();
+        assert!(absurd.contains("is not between 1s and 7days"), "{absurd}");
     }
 
     #[test]

@@ -1,7 +1,7 @@
 //! `replayproof consume`'s flags, and the consumer process they start.
 
 use super::*;
-use crate::args::{millis, DatabaseArgs, KafkaArgs, ToArgs};
+use crate::args::{DatabaseArgs, KafkaArgs, ToArgs};
 use crate::effect::{DeferPolicy, HttpOutbox, Registry};
 use clap::Args;
 use std::net::SocketAddr;
@@ -65,9 +65,14 @@ pub struct ConsumeArgs {
     #[arg(long, env = "REPLAYPROOF_BATCH_SIZE", default_value_t = DEFAULT_BATCH_SIZE, value_parser = clap::value_parser!(u32).range(1..=100_000))]
     pub batch_size: u32,
 
-    /// How long to wait for more messages once a batch has its first one, in milliseconds.
-    #[arg(long, env = "REPLAYPROOF_LINGER_MS", default_value_t = millis(DEFAULT_LINGER), value_parser = crate::args::ms(0))]
-    pub linger_ms: u64,
+    /// How long to wait for more messages once a batch has its first one.
+    /// A duration such as 250ms, 30s or 5m; `--linger-ms` (milliseconds) is its old spelling.
+    #[arg(long, env = "REPLAYPROOF_LINGER", value_name = "DURATION", default_value = crate::args::text(DEFAULT_LINGER), value_parser = crate::args::wait(Duration::ZERO), conflicts_with = "linger_ms")]
+    pub linger: Duration,
+
+    /// The old spelling of `--linger`, in milliseconds.
+    #[arg(long, env = "REPLAYPROOF_LINGER_MS", value_parser = crate::args::ms(0), hide = true)]
+    pub linger_ms: Option<u64>,
 
     /// Bytes of messages queued for one partition's lane beyond its batch in flight; past it,
     /// the partition's messages wait in librdkafka's queue for it (1 MiB,
@@ -75,9 +80,14 @@ pub struct ConsumeArgs {
     #[arg(long, env = "REPLAYPROOF_MAX_LANE_BYTES", default_value_t = DEFAULT_MAX_LANE_BYTES)]
     pub max_lane_bytes: usize,
 
-    /// How often committed batches' offsets are committed to Kafka, in milliseconds.
-    #[arg(long, env = "REPLAYPROOF_COMMIT_INTERVAL_MS", default_value_t = millis(DEFAULT_COMMIT_INTERVAL), value_parser = crate::args::ms(1))]
-    pub commit_interval_ms: u64,
+    /// How often committed batches' offsets are committed to Kafka.
+    /// A duration such as 250ms, 30s or 5m; `--commit-interval-ms` (milliseconds) is its old spelling.
+    #[arg(long, env = "REPLAYPROOF_COMMIT_INTERVAL", value_name = "DURATION", default_value = crate::args::text(DEFAULT_COMMIT_INTERVAL), value_parser = crate::args::wait(Duration::from_millis(1)), conflicts_with = "commit_interval_ms")]
+    pub commit_interval: Duration,
+
+    /// The old spelling of `--commit-interval`, in milliseconds.
+    #[arg(long, env = "REPLAYPROOF_COMMIT_INTERVAL_MS", value_parser = crate::args::ms(1), hide = true)]
+    pub commit_interval_ms: Option<u64>,
 
     /// Attempts of a failing effect before its event is recorded as failed, each in a new
     /// transaction after a backoff (50 ms, doubled, at most 2 s); at most 10.
@@ -109,33 +119,63 @@ pub struct ConsumeArgs {
     )]
     pub defer_sources: Vec<String>,
 
-    /// How often due deferred events are looked for, in milliseconds.
-    #[arg(long, env = "REPLAYPROOF_DEFER_POLL_MS", default_value_t = millis(super::DEFAULT_DEFER_POLL), value_parser = crate::args::ms(1))]
-    pub defer_poll_ms: u64,
+    /// How often due deferred events are looked for.
+    /// A duration such as 250ms, 30s or 5m; `--defer-poll-ms` (milliseconds) is its old spelling.
+    #[arg(long, env = "REPLAYPROOF_DEFER_POLL", value_name = "DURATION", default_value = crate::args::text(super::DEFAULT_DEFER_POLL), value_parser = crate::args::wait(Duration::from_millis(1)), conflicts_with = "defer_poll_ms")]
+    pub defer_poll: Duration,
+
+    /// The old spelling of `--defer-poll`, in milliseconds.
+    #[arg(long, env = "REPLAYPROOF_DEFER_POLL_MS", value_parser = crate::args::ms(1), hide = true)]
+    pub defer_poll_ms: Option<u64>,
 
     /// The longest pause between retries of a batch that failed on a database error, in
     /// milliseconds.
-    #[arg(long, env = "REPLAYPROOF_MAX_RETRY_BACKOFF_MS", default_value_t = millis(DEFAULT_MAX_RETRY_BACKOFF), value_parser = crate::args::ms(1))]
-    pub max_retry_backoff_ms: u64,
+    /// A duration such as 250ms, 30s or 5m; `--max-retry-backoff-ms` (milliseconds) is its old spelling.
+    #[arg(long, env = "REPLAYPROOF_MAX_RETRY_BACKOFF", value_name = "DURATION", default_value = crate::args::text(DEFAULT_MAX_RETRY_BACKOFF), value_parser = crate::args::wait(Duration::from_millis(1)), conflicts_with = "max_retry_backoff_ms")]
+    pub max_retry_backoff: Duration,
 
-    /// On SIGTERM, SIGINT or a revoke: how long batches in flight may take to finish, in seconds.
-    #[arg(long, env = "REPLAYPROOF_SHUTDOWN_GRACE_SECS", default_value_t = DEFAULT_SHUTDOWN_GRACE.as_secs(), value_parser = crate::args::secs(0))]
-    pub shutdown_grace_secs: u64,
+    /// The old spelling of `--max-retry-backoff`, in milliseconds.
+    #[arg(long, env = "REPLAYPROOF_MAX_RETRY_BACKOFF_MS", value_parser = crate::args::ms(1), hide = true)]
+    pub max_retry_backoff_ms: Option<u64>,
+
+    /// On SIGTERM, SIGINT or a revoke: how long batches in flight may take to finish.
+    /// A duration such as 250ms, 30s or 5m; `--shutdown-grace-secs` (seconds) is its old spelling.
+    #[arg(long, env = "REPLAYPROOF_SHUTDOWN_GRACE", value_name = "DURATION", default_value = crate::args::text(DEFAULT_SHUTDOWN_GRACE), value_parser = crate::args::wait(Duration::ZERO), conflicts_with = "shutdown_grace_secs")]
+    pub shutdown_grace: Duration,
+
+    /// The old spelling of `--shutdown-grace`, in seconds.
+    #[arg(long, env = "REPLAYPROOF_SHUTDOWN_GRACE_SECS", value_parser = crate::args::secs(0), hide = true)]
+    pub shutdown_grace_secs: Option<u64>,
 
     /// The longest one attempt at a batch may take before it is abandoned (rolled back) and
-    /// retried, in seconds.
-    #[arg(long, env = "REPLAYPROOF_BATCH_TIMEOUT_SECS", default_value_t = DEFAULT_BATCH_TIMEOUT.as_secs(), value_parser = crate::args::secs(1))]
-    pub batch_timeout_secs: u64,
+    /// retried.
+    /// A duration such as 250ms, 30s or 5m; `--batch-timeout-secs` (seconds) is its old spelling.
+    #[arg(long, env = "REPLAYPROOF_BATCH_TIMEOUT", value_name = "DURATION", default_value = crate::args::text(DEFAULT_BATCH_TIMEOUT), value_parser = crate::args::wait(Duration::from_secs(1)), conflicts_with = "batch_timeout_secs")]
+    pub batch_timeout: Duration,
+
+    /// The old spelling of `--batch-timeout`, in seconds.
+    #[arg(long, env = "REPLAYPROOF_BATCH_TIMEOUT_SECS", value_parser = crate::args::secs(1), hide = true)]
+    pub batch_timeout_secs: Option<u64>,
 
     /// /healthz fails once a partition has not committed its batch for this long, or Kafka has
-    /// reported errors this long without a message, in seconds.
-    #[arg(long, env = "REPLAYPROOF_UNHEALTHY_AFTER_SECS", default_value_t = DEFAULT_UNHEALTHY_AFTER.as_secs(), value_parser = crate::args::secs(1))]
-    pub unhealthy_after_secs: u64,
+    /// reported errors this long without a message.
+    /// A duration such as 250ms, 30s or 5m; `--unhealthy-after-secs` (seconds) is its old spelling.
+    #[arg(long, env = "REPLAYPROOF_UNHEALTHY_AFTER", value_name = "DURATION", default_value = crate::args::text(DEFAULT_UNHEALTHY_AFTER), value_parser = crate::args::wait(Duration::from_secs(1)), conflicts_with = "unhealthy_after_secs")]
+    pub unhealthy_after: Duration,
+
+    /// The old spelling of `--unhealthy-after`, in seconds.
+    #[arg(long, env = "REPLAYPROOF_UNHEALTHY_AFTER_SECS", value_parser = crate::args::secs(1), hide = true)]
+    pub unhealthy_after_secs: Option<u64>,
 
     /// The process exits non-zero once a partition has not committed its batch for this long,
-    /// so the group hands its partitions to another member, in seconds.
-    #[arg(long, env = "REPLAYPROOF_STALL_EXIT_SECS", default_value_t = DEFAULT_STALL_EXIT.as_secs(), value_parser = crate::args::secs(1))]
-    pub stall_exit_secs: u64,
+    /// so the group hands its partitions to another member.
+    /// A duration such as 250ms, 30s or 5m; `--stall-exit-secs` (seconds) is its old spelling.
+    #[arg(long, env = "REPLAYPROOF_STALL_EXIT", value_name = "DURATION", default_value = crate::args::text(DEFAULT_STALL_EXIT), value_parser = crate::args::wait(Duration::from_secs(1)), conflicts_with = "stall_exit_secs")]
+    pub stall_exit: Duration,
+
+    /// The old spelling of `--stall-exit`, in seconds.
+    #[arg(long, env = "REPLAYPROOF_STALL_EXIT_SECS", value_parser = crate::args::secs(1), hide = true)]
+    pub stall_exit_secs: Option<u64>,
 
     /// Connections in the PostgreSQL pool; each partition's batch uses one.
     #[arg(long, env = "REPLAYPROOF_DB_POOL_SIZE", default_value_t = DEFAULT_DB_POOL_SIZE)]
@@ -243,14 +283,20 @@ impl ConsumeArgs {
             assignor: self.assignor,
             instance_id: self.group_instance_id.clone(),
             batch_size: self.batch_size as usize,
-            linger: Duration::from_millis(self.linger_ms),
+            linger: crate::args::or_old_ms(self.linger, self.linger_ms),
             max_lane_bytes: self.max_lane_bytes,
-            commit_interval: Duration::from_millis(self.commit_interval_ms),
-            shutdown_grace: Duration::from_secs(self.shutdown_grace_secs),
-            max_retry_backoff: Duration::from_millis(self.max_retry_backoff_ms),
-            batch_timeout: Duration::from_secs(self.batch_timeout_secs),
-            unhealthy_after: Duration::from_secs(self.unhealthy_after_secs),
-            stall_exit_after: Duration::from_secs(self.stall_exit_secs),
+            commit_interval: crate::args::or_old_ms(self.commit_interval, self.commit_interval_ms),
+            shutdown_grace: crate::args::or_old_secs(self.shutdown_grace, self.shutdown_grace_secs),
+            max_retry_backoff: crate::args::or_old_ms(
+                self.max_retry_backoff,
+                self.max_retry_backoff_ms,
+            ),
+            batch_timeout: crate::args::or_old_secs(self.batch_timeout, self.batch_timeout_secs),
+            unhealthy_after: crate::args::or_old_secs(
+                self.unhealthy_after,
+                self.unhealthy_after_secs,
+            ),
+            stall_exit_after: crate::args::or_old_secs(self.stall_exit, self.stall_exit_secs),
             ..ConsumerSettings::new(&self.kafka.brokers, &self.topic, &self.group)
         }
     }
@@ -270,7 +316,7 @@ impl ConsumeArgs {
         Ok(DeferSettings {
             default,
             sources,
-            poll_interval: Duration::from_millis(self.defer_poll_ms),
+            poll_interval: crate::args::or_old_ms(self.defer_poll, self.defer_poll_ms),
         })
     }
 
@@ -298,6 +344,41 @@ impl ConsumeArgs {
     }
 }
 
+impl ConsumeArgs {
+    /// The durations with flags of their own spelling, as given in either spelling.
+    fn durations(&self) -> [(&'static str, Duration); 8] {
+        use crate::args::{or_old_ms, or_old_secs};
+        [
+            ("linger", or_old_ms(self.linger, self.linger_ms)),
+            (
+                "commit-interval",
+                or_old_ms(self.commit_interval, self.commit_interval_ms),
+            ),
+            ("defer-poll", or_old_ms(self.defer_poll, self.defer_poll_ms)),
+            (
+                "max-retry-backoff",
+                or_old_ms(self.max_retry_backoff, self.max_retry_backoff_ms),
+            ),
+            (
+                "shutdown-grace",
+                or_old_secs(self.shutdown_grace, self.shutdown_grace_secs),
+            ),
+            (
+                "batch-timeout",
+                or_old_secs(self.batch_timeout, self.batch_timeout_secs),
+            ),
+            (
+                "unhealthy-after",
+                or_old_secs(self.unhealthy_after, self.unhealthy_after_secs),
+            ),
+            (
+                "stall-exit",
+                or_old_secs(self.stall_exit, self.stall_exit_secs),
+            ),
+        ]
+    }
+}
+
 impl ToArgs for ConsumeArgs {
     /// Every flag, so that a process started from these arguments runs with exactly these
     /// settings whatever its environment says.
@@ -320,29 +401,18 @@ impl ToArgs for ConsumeArgs {
         }
         flag("max-attempts", self.http.max_attempts.to_string());
         flag("batch-size", self.batch_size.to_string());
-        flag("linger-ms", self.linger_ms.to_string());
         flag("max-lane-bytes", self.max_lane_bytes.to_string());
-        flag("commit-interval-ms", self.commit_interval_ms.to_string());
         flag("effect-attempts", self.effect_attempts.to_string());
-        let duration = |d: Duration| humantime::format_duration(d).to_string();
+        let duration = crate::args::duration_text;
         flag("defer-backoff", duration(self.defer_backoff));
         flag("defer-max-backoff", duration(self.defer_max_backoff));
         flag("defer-deadline", duration(self.defer_deadline));
         for source in &self.defer_sources {
             flag("defer-source", source.clone());
         }
-        flag("defer-poll-ms", self.defer_poll_ms.to_string());
-        flag(
-            "max-retry-backoff-ms",
-            self.max_retry_backoff_ms.to_string(),
-        );
-        flag("shutdown-grace-secs", self.shutdown_grace_secs.to_string());
-        flag("batch-timeout-secs", self.batch_timeout_secs.to_string());
-        flag(
-            "unhealthy-after-secs",
-            self.unhealthy_after_secs.to_string(),
-        );
-        flag("stall-exit-secs", self.stall_exit_secs.to_string());
+        for (name, d) in self.durations() {
+            flag(name, crate::args::duration_text(d));
+        }
         flag("db-pool-size", self.db_pool_size.to_string());
         flag("metrics-addr", self.metrics_addr.to_string());
         if self.migrate {
@@ -403,12 +473,12 @@ mod tests {
         "postgres://u@db:5433/x",
         "--schema",
         "custom",
-        "--statement-timeout-ms",
-        "1",
-        "--lock-timeout-ms",
-        "2",
-        "--idle-in-transaction-timeout-ms",
-        "3",
+        "--statement-timeout",
+        "1ms",
+        "--lock-timeout",
+        "2ms",
+        "--idle-in-transaction-timeout",
+        "3ms",
         "--assignor",
         "cooperative-sticky",
         "--group-instance-id",
@@ -423,12 +493,12 @@ mod tests {
         "4",
         "--batch-size",
         "5",
-        "--linger-ms",
-        "6",
+        "--linger",
+        "6ms",
         "--max-lane-bytes",
         "7",
-        "--commit-interval-ms",
-        "8",
+        "--commit-interval",
+        "8ms",
         "--effect-attempts",
         "9",
         "--defer-backoff",
@@ -439,18 +509,18 @@ mod tests {
         "3days",
         "--defer-source",
         "stripe=72h,30s,5m",
-        "--defer-poll-ms",
-        "16",
-        "--max-retry-backoff-ms",
-        "10",
-        "--shutdown-grace-secs",
-        "11",
-        "--batch-timeout-secs",
-        "12",
-        "--unhealthy-after-secs",
-        "13",
-        "--stall-exit-secs",
-        "14",
+        "--defer-poll",
+        "16ms",
+        "--max-retry-backoff",
+        "10ms",
+        "--shutdown-grace",
+        "11s",
+        "--batch-timeout",
+        "12s",
+        "--unhealthy-after",
+        "13s",
+        "--stall-exit",
+        "14s",
         "--db-pool-size",
         "15",
         "--metrics-addr",
@@ -482,7 +552,9 @@ mod tests {
         );
         assert_eq!(defer.default.deadline, Duration::from_secs(3 * 86400));
         // A flag added to `consume` but not to this list, or not rendered, fails here.
-        for arg in ConsumeArgs::augment_args(Command::new("consume")).get_arguments() {
+        // The old spellings of durations (hidden) parse into the same settings, tested apart.
+        let shown = ConsumeArgs::augment_args(Command::new("consume"));
+        for arg in shown.get_arguments().filter(|a| !a.is_hide_set()) {
             let long = format!("--{}", arg.get_long().expect("every flag is long"));
             assert!(EVERY_FLAG.contains(&long.as_str()), "{long} is not tested");
             assert!(rendered.contains(&long), "to_args leaves out {long}");

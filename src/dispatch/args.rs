@@ -1,7 +1,7 @@
 //! `replayproof dispatch`'s flags, and the dispatcher process they start.
 
 use super::*;
-use crate::args::{millis, DatabaseArgs};
+use crate::args::DatabaseArgs;
 use clap::Args;
 use std::net::SocketAddr;
 
@@ -21,26 +21,51 @@ pub struct DispatchArgs {
     #[arg(long, env = "REPLAYPROOF_DISPATCH_BATCH", default_value_t = DEFAULT_BATCH_SIZE, value_parser = clap::value_parser!(i64).range(1..=1000))]
     pub batch_size: i64,
 
-    /// How long a lease lasts, in seconds: longer than the slowest realistic request, shorter
+    /// How long a lease lasts: longer than the slowest realistic request, shorter
     /// than anyone's patience with an operation whose worker died.
-    #[arg(long, env = "REPLAYPROOF_LEASE_SECS", default_value_t = DEFAULT_LEASE.as_secs(), value_parser = crate::args::secs(1))]
-    pub lease_secs: u64,
+    /// A duration such as 250ms, 30s or 5m; `--lease-secs` (seconds) is its old spelling.
+    #[arg(long, env = "REPLAYPROOF_LEASE", value_name = "DURATION", default_value = crate::args::text(DEFAULT_LEASE), value_parser = crate::args::wait(Duration::from_secs(1)), conflicts_with = "lease_secs")]
+    pub lease: Duration,
 
-    /// The timeout of one request, in milliseconds; must be well under the lease.
-    #[arg(long, env = "REPLAYPROOF_REQUEST_TIMEOUT_MS", default_value_t = millis(DEFAULT_REQUEST_TIMEOUT), value_parser = crate::args::ms(1))]
-    pub request_timeout_ms: u64,
+    /// The old spelling of `--lease`, in seconds.
+    #[arg(long, env = "REPLAYPROOF_LEASE_SECS", value_parser = crate::args::secs(1), hide = true)]
+    pub lease_secs: Option<u64>,
 
-    /// The first retry's delay in milliseconds; doubled for each further attempt, with jitter.
-    #[arg(long, env = "REPLAYPROOF_BACKOFF_MS", default_value_t = millis(DEFAULT_BACKOFF), value_parser = crate::args::ms(0))]
-    pub backoff_ms: u64,
+    /// The timeout of one request,; must be well under the lease.
+    /// A duration such as 250ms, 30s or 5m; `--request-timeout-ms` (milliseconds) is its old spelling.
+    #[arg(long, env = "REPLAYPROOF_REQUEST_TIMEOUT", value_name = "DURATION", default_value = crate::args::text(DEFAULT_REQUEST_TIMEOUT), value_parser = crate::args::wait(Duration::from_millis(1)), conflicts_with = "request_timeout_ms")]
+    pub request_timeout: Duration,
 
-    /// The longest delay between attempts, in milliseconds.
-    #[arg(long, env = "REPLAYPROOF_MAX_BACKOFF_MS", default_value_t = millis(DEFAULT_MAX_BACKOFF), value_parser = crate::args::ms(1))]
-    pub max_backoff_ms: u64,
+    /// The old spelling of `--request-timeout`, in milliseconds.
+    #[arg(long, env = "REPLAYPROOF_REQUEST_TIMEOUT_MS", value_parser = crate::args::ms(1), hide = true)]
+    pub request_timeout_ms: Option<u64>,
 
-    /// How often to look for due operations when none were due, in milliseconds.
-    #[arg(long, env = "REPLAYPROOF_POLL_MS", default_value_t = millis(DEFAULT_POLL), value_parser = crate::args::ms(1))]
-    pub poll_ms: u64,
+    /// The first retry's delay; doubled for each further attempt, with jitter.
+    /// A duration such as 250ms, 30s or 5m; `--backoff-ms` (milliseconds) is its old spelling.
+    #[arg(long, env = "REPLAYPROOF_BACKOFF", value_name = "DURATION", default_value = crate::args::text(DEFAULT_BACKOFF), value_parser = crate::args::wait(Duration::ZERO), conflicts_with = "backoff_ms")]
+    pub backoff: Duration,
+
+    /// The old spelling of `--backoff`, in milliseconds.
+    #[arg(long, env = "REPLAYPROOF_BACKOFF_MS", value_parser = crate::args::ms(0), hide = true)]
+    pub backoff_ms: Option<u64>,
+
+    /// The longest delay between attempts.
+    /// A duration such as 250ms, 30s or 5m; `--max-backoff-ms` (milliseconds) is its old spelling.
+    #[arg(long, env = "REPLAYPROOF_MAX_BACKOFF", value_name = "DURATION", default_value = crate::args::text(DEFAULT_MAX_BACKOFF), value_parser = crate::args::wait(Duration::from_millis(1)), conflicts_with = "max_backoff_ms")]
+    pub max_backoff: Duration,
+
+    /// The old spelling of `--max-backoff`, in milliseconds.
+    #[arg(long, env = "REPLAYPROOF_MAX_BACKOFF_MS", value_parser = crate::args::ms(1), hide = true)]
+    pub max_backoff_ms: Option<u64>,
+
+    /// How often to look for due operations when none were due.
+    /// A duration such as 250ms, 30s or 5m; `--poll-ms` (milliseconds) is its old spelling.
+    #[arg(long, env = "REPLAYPROOF_POLL", value_name = "DURATION", default_value = crate::args::text(DEFAULT_POLL), value_parser = crate::args::wait(Duration::from_millis(1)), conflicts_with = "poll_ms")]
+    pub poll: Duration,
+
+    /// The old spelling of `--poll`, in milliseconds.
+    #[arg(long, env = "REPLAYPROOF_POLL_MS", value_parser = crate::args::ms(1), hide = true)]
+    pub poll_ms: Option<u64>,
 
     /// Where to serve Prometheus /metrics and /healthz.
     #[arg(long, env = "REPLAYPROOF_METRICS_ADDR", default_value = DEFAULT_METRICS_ADDR)]
@@ -88,11 +113,11 @@ impl DispatchArgs {
         }
         Ok(DispatchSettings {
             batch_size: self.batch_size,
-            lease: Duration::from_secs(self.lease_secs),
-            request_timeout: Duration::from_millis(self.request_timeout_ms),
-            poll_interval: Duration::from_millis(self.poll_ms),
-            backoff_base: Duration::from_millis(self.backoff_ms),
-            backoff_max: Duration::from_millis(self.max_backoff_ms),
+            lease: crate::args::or_old_secs(self.lease, self.lease_secs),
+            request_timeout: crate::args::or_old_ms(self.request_timeout, self.request_timeout_ms),
+            poll_interval: crate::args::or_old_ms(self.poll, self.poll_ms),
+            backoff_base: crate::args::or_old_ms(self.backoff, self.backoff_ms),
+            backoff_max: crate::args::or_old_ms(self.max_backoff, self.max_backoff_ms),
             outbound,
             ..DispatchSettings::new(&self.worker())
         })

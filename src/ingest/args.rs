@@ -7,7 +7,7 @@ use super::{
     IngestSettings, DEFAULT_BODY_TIMEOUT, DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_CONNECTIONS,
     DEFAULT_MAX_IN_FLIGHT,
 };
-use crate::args::{millis, KafkaOptions};
+use crate::args::KafkaOptions;
 use crate::kafka::DEFAULT_TOPIC;
 use anyhow::Context as _;
 use clap::Args;
@@ -41,14 +41,24 @@ pub struct IngestArgs {
 
     /// How long a sender has to deliver its whole body before the answer is 408, in
     /// milliseconds.
-    #[arg(long, env = "REPLAYPROOF_BODY_TIMEOUT_MS", default_value_t = millis(DEFAULT_BODY_TIMEOUT), value_parser = crate::args::ms(1))]
-    pub body_timeout_ms: u64,
+    /// A duration such as 250ms, 30s or 5m; `--body-timeout-ms` (milliseconds) is its old spelling.
+    #[arg(long, env = "REPLAYPROOF_BODY_TIMEOUT", value_name = "DURATION", default_value = crate::args::text(DEFAULT_BODY_TIMEOUT), value_parser = crate::args::wait(Duration::from_millis(1)), conflicts_with = "body_timeout_ms")]
+    pub body_timeout: Duration,
+
+    /// The old spelling of `--body-timeout`, in milliseconds.
+    #[arg(long, env = "REPLAYPROOF_BODY_TIMEOUT_MS", value_parser = crate::args::ms(1), hide = true)]
+    pub body_timeout_ms: Option<u64>,
 
     /// How long a connection has to send a request's headers, from when it opens or from its
-    /// previous answer, in milliseconds: half-sent requests and idle keep-alive connections
+    /// previous answer: half-sent requests and idle keep-alive connections
     /// are closed after it, so they cannot hold --max-connections places.
-    #[arg(long, env = "REPLAYPROOF_HEADER_TIMEOUT_MS", default_value_t = millis(DEFAULT_HEADER_TIMEOUT), value_parser = crate::args::ms(1))]
-    pub header_timeout_ms: u64,
+    /// A duration such as 250ms, 30s or 5m; `--header-timeout-ms` (milliseconds) is its old spelling.
+    #[arg(long, env = "REPLAYPROOF_HEADER_TIMEOUT", value_name = "DURATION", default_value = crate::args::text(DEFAULT_HEADER_TIMEOUT), value_parser = crate::args::wait(Duration::from_millis(1)), conflicts_with = "header_timeout_ms")]
+    pub header_timeout: Duration,
+
+    /// The old spelling of `--header-timeout`, in milliseconds.
+    #[arg(long, env = "REPLAYPROOF_HEADER_TIMEOUT_MS", value_parser = crate::args::ms(1), hide = true)]
+    pub header_timeout_ms: Option<u64>,
 
     /// Kafka bootstrap servers, comma-separated host:port.
     #[arg(long, env = "REPLAYPROOF_BROKERS")]
@@ -62,10 +72,14 @@ pub struct IngestArgs {
     #[arg(long, env = "REPLAYPROOF_MAX_BODY_BYTES")]
     pub max_body_bytes: Option<usize>,
 
-    /// How long the broker has to acknowledge a record before the answer is 503, in
-    /// milliseconds. Keep it well under the senders' own timeouts (GitHub waits 10 s).
-    /// [default: 5000]
-    #[arg(long, env = "REPLAYPROOF_PRODUCE_TIMEOUT_MS", value_parser = crate::args::ms(1))]
+    /// How long the broker has to acknowledge a record before the answer is 503; keep it well
+    /// under the senders' own timeouts (GitHub waits 10 s). A duration such as 250ms, 30s or
+    /// 5m; `--produce-timeout-ms` (milliseconds) is its old spelling. [default: 5s]
+    #[arg(long, env = "REPLAYPROOF_PRODUCE_TIMEOUT", value_name = "DURATION", value_parser = crate::args::wait(Duration::from_millis(1)), conflicts_with = "produce_timeout_ms")]
+    pub produce_timeout: Option<Duration>,
+
+    /// The old spelling of `--produce-timeout`, in milliseconds.
+    #[arg(long, env = "REPLAYPROOF_PRODUCE_TIMEOUT_MS", value_parser = crate::args::ms(1), hide = true)]
     pub produce_timeout_ms: Option<u64>,
 
     #[command(flatten)]
@@ -89,8 +103,9 @@ impl IngestArgs {
         settings.metrics_listen = Some(self.metrics_addr);
         settings.max_in_flight = self.max_in_flight;
         settings.max_connections = self.max_connections;
-        settings.body_timeout = Duration::from_millis(self.body_timeout_ms);
-        settings.header_timeout = Duration::from_millis(self.header_timeout_ms);
+        settings.body_timeout = crate::args::or_old_ms(self.body_timeout, self.body_timeout_ms);
+        settings.header_timeout =
+            crate::args::or_old_ms(self.header_timeout, self.header_timeout_ms);
         if let Some(n) = self.max_body_bytes {
             anyhow::ensure!(
                 n > 0 && n <= 16 * 1024 * 1024,
@@ -98,12 +113,9 @@ impl IngestArgs {
             );
             settings.max_body_bytes = n;
         }
-        if let Some(ms) = self.produce_timeout_ms {
-            anyhow::ensure!(
-                ms > 0 && ms <= crate::args::millis(crate::args::MAX_WAIT),
-                "produce_timeout_ms must be between 1 ms and a week"
-            );
-            settings.produce_timeout = Duration::from_millis(ms);
+        let old = self.produce_timeout_ms.map(Duration::from_millis);
+        if let Some(timeout) = self.produce_timeout.or(old) {
+            settings.produce_timeout = timeout;
         }
         Ok(settings)
     }

@@ -6,7 +6,7 @@
 //! name = "stripe"                 # the URL segment: POST /webhooks/stripe
 //! kind = "stripe"                 # stripe | github | standard-webhooks | shopify | slack | hmac
 //! secrets_env = ["STRIPE_WEBHOOK_SECRET", "STRIPE_WEBHOOK_SECRET_PREVIOUS"]
-//! tolerance_secs = 300            # for schemes that sign a timestamp
+//! tolerance = "5m"               # for schemes that sign a timestamp (old: tolerance_secs = 300)
 //! ```
 
 use super::signature::{Encoding, KeyFrom, Scheme, Secret};
@@ -46,6 +46,11 @@ pub struct SourceConfig {
     pub kind: Kind,
     /// Names of environment variables holding the secrets; several during a rotation.
     pub secrets_env: Vec<String>,
+    /// For schemes that sign a timestamp: how far it may be from now (`"5m"`); 5 minutes when
+    /// unset.
+    #[serde(default, deserialize_with = "humantime_text")]
+    pub tolerance: Option<std::time::Duration>,
+    /// The old spelling of `tolerance`, in seconds.
     #[serde(default = "default_tolerance")]
     pub tolerance_secs: i64,
     /// `hmac` only: the header carrying the signature.
@@ -59,8 +64,21 @@ pub struct SourceConfig {
     /// For kinds that sign only the body while the key comes from an unsigned header (github,
     /// shopify, hmac keyed by a header): how long the same signed body under another id is
     /// taken for a replayed capture and recorded as a key conflict instead of applied. Defaults
-    /// to the provider's redelivery window; 0 turns the guard off.
+    /// to the provider's redelivery window (`"72h"`); 0 turns the guard off.
+    #[serde(default, deserialize_with = "humantime_text")]
+    pub replay_window: Option<std::time::Duration>,
+    /// The old spelling of `replay_window`, in seconds.
     pub replay_window_secs: Option<u64>,
+}
+
+/// A duration written as humantime text (`"5m"`, `"72h"`), or absent.
+fn humantime_text<'de, D: serde::Deserializer<'de>>(
+    d: D,
+) -> Result<Option<std::time::Duration>, D::Error> {
+    let text = String::deserialize(d)?;
+    humantime::parse_duration(&text)
+        .map(Some)
+        .map_err(|e| serde::de::Error::custom(format!("{e} (a duration such as 30s or 5m)")))
 }
 
 fn default_tolerance() -> i64 {
@@ -75,11 +93,13 @@ impl SourceConfig {
             name: name.into(),
             kind,
             secrets_env: vec![secret_env.into()],
+            tolerance: None,
             tolerance_secs: default_tolerance(),
             signature_header: None,
             signature_prefix: None,
             encoding: None,
             key_from: None,
+            replay_window: None,
             replay_window_secs: None,
         }
     }
@@ -152,6 +172,19 @@ impl SourceConfig {
             "secrets_env names no variable"
         );
         anyhow::ensure!(self.tolerance_secs >= 0, "tolerance_secs is negative");
+        anyhow::ensure!(
+            self.tolerance.is_none() || self.tolerance_secs == default_tolerance(),
+            "give tolerance or its old spelling tolerance_secs, not both"
+        );
+        anyhow::ensure!(
+            self.replay_window.is_none() || self.replay_window_secs.is_none(),
+            "give replay_window or its old spelling replay_window_secs, not both"
+        );
+        let tolerance_secs = match self.tolerance {
+            Some(t) => i64::try_from(t.as_secs()).context("tolerance is too long")?,
+            None => self.tolerance_secs,
+        };
+        let replay_window = self.replay_window.map(|w| w.as_secs());
         let secrets = self
             .secrets_env
             .iter()
@@ -164,18 +197,20 @@ impl SourceConfig {
             })
             .collect::<anyhow::Result<_>>()?;
         let scheme = self.scheme()?;
-        let replay_window_secs =
-            match (self.replay_window_secs, scheme.default_replay_window_secs()) {
-                (_, None) => None,
-                (Some(0), Some(_)) => None,
-                (Some(secs), Some(_)) => Some(secs),
-                (None, default) => default,
-            };
+        let replay_window_secs = match (
+            replay_window.or(self.replay_window_secs),
+            scheme.default_replay_window_secs(),
+        ) {
+            (_, None) => None,
+            (Some(0), Some(_)) => None,
+            (Some(secs), Some(_)) => Some(secs),
+            (None, default) => default,
+        };
         Ok(Source {
             name: self.name.clone(),
             scheme,
             secrets,
-            tolerance_secs: self.tolerance_secs,
+            tolerance_secs,
             replay_window_secs,
         })
     }

@@ -58,8 +58,12 @@ pub enum EventsCommand {
         state: Option<StateName>,
         #[arg(long)]
         source: Option<String>,
-        /// Only events claimed at least this many seconds ago.
-        #[arg(long, value_parser = crate::args::age_secs())]
+        /// Only events claimed at least this long ago: a duration such as 30m, 2h or 3days
+        /// (`--older-than-secs` is its old spelling, in seconds).
+        #[arg(long, value_name = "DURATION", value_parser = crate::args::age(), conflicts_with = "older_than_secs")]
+        older_than: Option<Duration>,
+        /// The old spelling of `--older-than`, in seconds.
+        #[arg(long, value_parser = crate::args::age_secs(), hide = true)]
         older_than_secs: Option<u64>,
         #[arg(long, default_value_t = DEFAULT_LIST_LIMIT)]
         limit: i64,
@@ -128,13 +132,14 @@ impl EventsCommand {
                 op,
                 state,
                 source,
+                older_than,
                 older_than_secs,
                 limit,
             } => {
                 let filter = EventFilter {
                     state,
                     source,
-                    older_than: older_than_secs.map(Duration::from_secs),
+                    older_than: older_than.or(older_than_secs.map(Duration::from_secs)),
                     limit,
                 };
                 let events = events::list(&op.pool()?, &filter).await?;

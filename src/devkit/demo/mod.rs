@@ -210,7 +210,7 @@ fn consumer_args(stack: &Stack, downstream_url: &str) -> anyhow::Result<ConsumeA
     args.http.reconcile_url = Some(format!("{downstream_url}/ops/{{key}}"));
     args.metrics_addr = ([127, 0, 0, 1], 0).into();
     args.batch_size = 50;
-    args.commit_interval_ms = 50;
+    args.commit_interval = std::time::Duration::from_millis(50);
     Ok(args)
 }
 
