@@ -1,13 +1,15 @@
 //! The command line: which command runs which role. Each role owns its flags (`args.rs` in its
 //! module); this file only routes, and lets an application register its own effects.
 
-use crate::args::DatabaseArgs;
+use crate::args::{DatabaseArgs, KafkaOptions};
+use crate::config::{ConfigFile, Env, LayerError};
 use crate::consume::args::ConsumeArgs;
 use crate::dispatch::args::DispatchArgs;
 use crate::effect::{Effect, Registry};
 use crate::ingest::args::IngestArgs;
 use crate::operator::args::{DeadLettersCommand, EventsCommand, StatusArgs};
 use clap::{Parser, Subcommand};
+use std::ffi::OsString;
 
 /// Makes webhook redeliveries harmless: one visible effect per event, whatever is redelivered.
 #[derive(Debug, Parser)]
@@ -27,6 +29,24 @@ pub struct Args {
     /// object a line).
     #[arg(long, global = true, env = "REPLAYPROOF_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
+
+    /// The configuration file the command line was read over, as [`parse`] read it.
+    #[arg(skip)]
+    pub file: Option<ConfigFile>,
+}
+
+/// The command line as the process runs it: read over the configuration file and the
+/// environment in one parse ([`crate::config::layered`]), with the librdkafka properties of
+/// the file and then of `REPLAYPROOF_KAFKA_*` put before the command's own `--kafka-option`s.
+pub fn parse(argv: Vec<OsString>, env: &dyn Env) -> Result<Args, LayerError> {
+    use clap::{CommandFactory as _, FromArgMatches as _};
+    let layered = crate::config::layered(Args::command(), argv, env)?;
+    let mut args = Args::from_arg_matches(&layered.matches)?;
+    if let Some(options) = args.command.kafka_options() {
+        options.kafka_options.splice(0..0, layered.properties);
+    }
+    args.file = layered.file;
+    Ok(args)
 }
 
 pub use crate::telemetry::LogFormat;
@@ -70,6 +90,19 @@ pub enum Command {
     Dev(crate::devkit::dev::DevArgs),
 }
 
+impl Command {
+    /// The librdkafka properties of the commands that have them.
+    fn kafka_options(&mut self) -> Option<&mut KafkaOptions> {
+        match self {
+            Self::Consume(args) => Some(&mut args.kafka.options),
+            Self::Ingest(args) => Some(&mut args.kafka),
+            Self::Status(args) => Some(&mut args.kafka),
+            Self::DeadLetters(DeadLettersCommand::Replay { kafka, .. }) => Some(kafka),
+            _ => None,
+        }
+    }
+}
+
 #[derive(Debug, Subcommand)]
 pub enum ConfigCommand {
     /// Read the file (--config or REPLAYPROOF_CONFIG), replace its ${VARIABLES}, check every
@@ -107,23 +140,19 @@ impl Cli {
 
     /// Parses the process's arguments, runs the command, and returns the exit code.
     pub fn run(self) -> std::process::ExitCode {
-        use clap::CommandFactory as _;
         let argv = std::env::args_os().collect();
-        let argv = match crate::config::layer(&Args::command(), argv, &crate::config::ProcessEnv) {
-            Ok(argv) => argv,
-            Err(e) => {
-                eprintln!("replayproof: {}", crate::secrets::scrub(&format!("{e:#}")));
-                return std::process::ExitCode::from(2);
-            }
-        };
-        match Args::try_parse_from(argv) {
+        match parse(argv, &crate::config::ProcessEnv) {
             Ok(args) => main_with(self, args),
             // Help and the version go to stdout, as clap prints them.
-            Err(e) if !e.use_stderr() => e.exit(),
-            Err(e) => {
+            Err(LayerError::Clap(e)) if !e.use_stderr() => e.exit(),
+            Err(LayerError::Clap(e)) => {
                 // clap echoes a refused value verbatim, and a refused value may be a secret.
                 eprint!("{}", crate::config::render_clap_error(&e));
                 std::process::ExitCode::from(e.exit_code().clamp(0, 255) as u8)
+            }
+            Err(e @ LayerError::Config(_)) => {
+                eprintln!("replayproof: {e}");
+                std::process::ExitCode::from(2)
             }
         }
     }
@@ -137,7 +166,7 @@ impl Cli {
                 Ok(())
             }
             Command::Consume(args) => args.run(&self.effects).await,
-            Command::Ingest(ingest) => ingest.run(args.config.as_deref()).await,
+            Command::Ingest(ingest) => ingest.run(args.file.as_ref()).await,
             Command::Dispatch(args) => args.run().await,
             Command::Events(command) => command.run(&self.effects).await,
             Command::DeadLetters(command) => command.run().await,
@@ -146,7 +175,7 @@ impl Cli {
                 use clap::CommandFactory as _;
                 let report = crate::config_check::check(
                     &Args::command(),
-                    args.config.as_deref(),
+                    args.file.as_ref(),
                     &crate::config::ProcessEnv,
                 )?;
                 print!("{}", crate::secrets::scrub(&report.text));
@@ -162,7 +191,7 @@ impl Cli {
             Command::Demo(args) => args.run().await,
             #[cfg(feature = "devkit")]
             Command::Dev(dev) => {
-                crate::devkit::dev::run(dev, args.config.as_deref(), &self.effects).await
+                crate::devkit::dev::run(dev, args.file.as_ref(), &self.effects).await
             }
         }
     }

@@ -3,34 +3,15 @@
 //! command would start from the file and the environment alone.
 
 use crate::config::{
-    check_keys, file_flags, kafka_env_properties, layer, render_clap_error, ConfigFile, Env,
-    FileFlag, SECTIONS,
+    file_flags, kafka_env_properties, layered_over, render_clap_error, ConfigFile, Env, LayerError,
+    Layered, Source, SECTIONS,
 };
 use crate::ingest::config::FileConfig;
 use crate::secrets::{redact_url, redacted};
-use clap::Command;
+use clap::{Arg, Command};
 use std::collections::BTreeMap;
 use std::ffi::OsString;
 use std::fmt::Write as _;
-use std::path::Path;
-
-/// Where an effective setting came from.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Source {
-    Env(String),
-    File,
-    Default,
-}
-
-impl std::fmt::Display for Source {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Self::Env(name) => write!(f, "env {name}"),
-            Self::File => f.write_str("file"),
-            Self::Default => f.write_str("default"),
-        }
-    }
-}
 
 /// One effective setting, already redacted when it is a secret.
 #[derive(Debug, Clone)]
@@ -40,28 +21,38 @@ pub struct Setting {
     pub source: Source,
 }
 
-/// The effective settings of every section, as `replayproof config check` prints them.
+/// The effective settings of every section, as `replayproof config check` prints them: each
+/// checked command read over the file and the environment by the parse it runs with
+/// ([`crate::config::layered`]), with every flag optional so that a missing one hides none of
+/// the others.
 pub fn effective(
     root: &Command,
     file: Option<&ConfigFile>,
     env: &dyn Env,
 ) -> anyhow::Result<BTreeMap<&'static str, Vec<Setting>>> {
-    if let Some(file) = file {
-        check_keys(root, file)?;
-    }
     let mut out: BTreeMap<&'static str, Vec<Setting>> = BTreeMap::new();
     let mut seen = std::collections::BTreeSet::new();
-    for flag in file_flags(root) {
-        if !seen.insert((flag.section, flag.key.clone())) {
-            continue;
-        }
-        let Some((value, source)) = resolved(&flag, file, env) else {
-            continue;
+    let flags = file_flags(root);
+    for command in CHECKED_COMMANDS {
+        let optional = root
+            .clone()
+            .mut_subcommand(command, |c| c.mut_args(|a| a.required(false)));
+        let argv: Vec<OsString> = vec!["replayproof".into(), (*command).into()];
+        let layered = match layered_over(optional, file.cloned(), argv, env) {
+            Ok(layered) => layered,
+            Err(LayerError::Config(e)) => return Err(e),
+            Err(LayerError::Clap(e)) => anyhow::bail!("{}", render_clap_error(&e)),
         };
-        let key = flag.key;
-        out.entry(flag.section)
-            .or_default()
-            .push(Setting { key, value, source });
+        for flag in flags.iter().filter(|f| f.path == [*command]) {
+            if seen.contains(&(flag.section, flag.key.clone())) {
+                continue;
+            }
+            let Some(setting) = setting(&layered, flag.arg, flag.section, &flag.key) else {
+                continue;
+            };
+            seen.insert((flag.section, flag.key.clone()));
+            out.entry(flag.section).or_default().push(setting);
+        }
     }
     // The environment's properties come after the file's, and replace them.
     let file_props = file.map(ConfigFile::kafka_properties).unwrap_or_default();
@@ -81,31 +72,37 @@ pub fn effective(
     Ok(out)
 }
 
-/// A flag's effective value, redacted, and where it came from: the environment, the file or
-/// its default; None when it has none.
-fn resolved(
-    flag: &FileFlag<'_>,
-    file: Option<&ConfigFile>,
-    env: &dyn Env,
-) -> Option<(String, Source)> {
-    let (section, key) = (flag.section, flag.key.as_str());
-    let env_name = flag.arg.get_env().and_then(|n| n.to_str());
-    if let Some((name, value)) = env_name.and_then(|n| Some((n, env.var(n)?))) {
-        let value = literal(&redact_setting(section, key, &value));
-        return Some((value, Source::Env(name.to_owned())));
-    }
-    if let Some(value) = file.and_then(|f| f.section(section).get(key).cloned()) {
-        let value = match value {
-            toml::Value::String(s) => toml::Value::String(redact_setting(section, key, &s)),
-            toml::Value::Table(_) if !redact_setting(section, key, "").is_empty() => {
-                toml::Value::String("<redacted>".into())
+/// The effective value of `arg` in a parsed command, redacted, with where it came from; None
+/// when it has none. A value from the file is shown as the file spells it.
+fn setting(layered: &Layered, arg: &Arg, section: &str, key: &str) -> Option<Setting> {
+    let refused = (layered.refused.iter()).any(|r| r.section == section && r.key == key);
+    let source = match refused {
+        true => Source::Refused,
+        false => layered.source(arg)?,
+    };
+    let as_in_file = match source {
+        Source::File | Source::Refused => layered.file.as_ref()?.section(section).get(key).cloned(),
+        _ => None,
+    };
+    let value = match as_in_file {
+        Some(toml::Value::String(s)) => literal(&redact_setting(section, key, &s)),
+        Some(toml::Value::Table(_)) if !redact_setting(section, key, "").is_empty() => {
+            literal("<redacted>")
+        }
+        Some(other) => other.to_string(),
+        None => {
+            let raw = layered.leaf().get_raw(arg.get_id().as_str())?;
+            let texts: Vec<String> = raw
+                .map(|v| literal(&redact_setting(section, key, &v.to_string_lossy())))
+                .collect();
+            match texts.len() {
+                1 => texts.into_iter().next()?,
+                _ => format!("[{}]", texts.join(", ")),
             }
-            other => other,
-        };
-        return Some((value.to_string(), Source::File));
-    }
-    let default = flag.arg.get_default_values().first()?;
-    Some((literal(&default.to_string_lossy()), Source::Default))
+        }
+    };
+    let key = key.to_owned();
+    Some(Setting { key, value, source })
 }
 
 /// Text as a TOML literal: a number or boolean bare, anything else a quoted string.
@@ -142,22 +139,18 @@ const CHECKED_COMMANDS: &[&str] = &["migrate", "consume", "dispatch", "ingest", 
 /// sections and keys, parses every command from the file and the environment as it would
 /// start, resolves the ingest sources' secrets, and renders the effective settings (secrets
 /// redacted) with where each came from.
-pub fn check(root: &Command, path: Option<&Path>, env: &dyn Env) -> anyhow::Result<Report> {
-    let file = match path {
-        Some(p) => Some(ConfigFile::load(p, env)?),
-        None => None,
-    };
-    let settings = effective(root, file.as_ref(), env)?;
+pub fn check(root: &Command, file: Option<&ConfigFile>, env: &dyn Env) -> anyhow::Result<Report> {
+    let settings = effective(root, file, env)?;
     let mut report = Report {
         text: String::new(),
         problems: 0,
     };
-    report.settings(file.as_ref(), &settings)?;
-    if let Some(f) = &file {
+    report.settings(file, &settings)?;
+    if let Some(f) = file {
         report.ingest_sources(f, env)?;
     }
-    report.database_tls(file.as_ref(), env)?;
-    report.commands(root, path, env)?;
+    report.database_tls(file, env)?;
+    report.commands(root, file, env)?;
     Ok(report)
 }
 
@@ -247,23 +240,27 @@ impl Report {
     }
 
     /// Each command, parsed from the file and the environment alone as it would start.
-    fn commands(&mut self, root: &Command, path: Option<&Path>, env: &dyn Env) -> std::fmt::Result {
+    fn commands(
+        &mut self,
+        root: &Command,
+        file: Option<&ConfigFile>,
+        env: &dyn Env,
+    ) -> std::fmt::Result {
         writeln!(
             self.text,
             "\n# Commands, started from the file and the environment alone:"
         )?;
         for command in CHECKED_COMMANDS {
-            let mut argv: Vec<OsString> = vec!["replayproof".into(), (*command).into()];
-            if let Some(p) = path {
-                argv.extend(["--config".into(), p.as_os_str().to_owned()]);
-            }
-            let parsed = layer(root, argv, env).and_then(|argv| {
-                root.clone()
-                    .try_get_matches_from(argv)
-                    .map_err(anyhow::Error::from)
-            });
+            let argv: Vec<OsString> = vec!["replayproof".into(), (*command).into()];
+            let parsed = layered_over(root.clone(), file.cloned(), argv, env);
             match parsed {
-                Ok(_) => writeln!(self.text, "{command}: ready")?,
+                Ok(layered) => match layered.refused.first() {
+                    Some(refused) => {
+                        let problem = anyhow::anyhow!("{}", refused.problem);
+                        self.command_refused(command, &LayerError::Config(problem))?
+                    }
+                    None => writeln!(self.text, "{command}: ready")?,
+                },
                 Err(e) => self.command_refused(command, &e)?,
             }
         }
@@ -271,32 +268,106 @@ impl Report {
     }
 
     /// What a command that would not start says: the settings it still needs, or its problem.
-    fn command_refused(&mut self, command: &str, e: &anyhow::Error) -> std::fmt::Result {
-        let clap = e.downcast_ref::<clap::Error>();
-        if let Some(c) =
-            clap.filter(|c| c.kind() == clap::error::ErrorKind::MissingRequiredArgument)
-        {
-            let missing: Vec<String> = c
-                .context()
-                .filter(|(k, _)| *k == clap::error::ContextKind::InvalidArg)
-                .map(|(_, v)| v.to_string())
-                .collect();
-            let missing = missing.join(", ");
-            return writeln!(
-                self.text,
-                "{command}: needs {missing} (a flag, its variable or the file)"
-            );
+    fn command_refused(&mut self, command: &str, e: &LayerError) -> std::fmt::Result {
+        if let LayerError::Clap(c) = e {
+            if c.kind() == clap::error::ErrorKind::MissingRequiredArgument {
+                let missing: Vec<String> = c
+                    .context()
+                    .filter(|(k, _)| *k == clap::error::ContextKind::InvalidArg)
+                    .map(|(_, v)| v.to_string())
+                    .collect();
+                let missing = missing.join(", ");
+                return writeln!(
+                    self.text,
+                    "{command}: needs {missing} (a flag, its variable or the file)"
+                );
+            }
         }
         self.problems += 1;
-        let first = match clap {
-            Some(c) => render_clap_error(c),
-            None => crate::secrets::scrub(&format!("{e:#}")).into_owned(),
-        };
+        let first = e.to_string();
         let first = first
             .lines()
             .next()
             .unwrap_or_default()
             .trim_start_matches("error: ");
         writeln!(self.text, "{command}: problem: {first}")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory as _;
+
+    /// Each setting `config check` prints for the file `text`, as `section key = value # source`.
+    fn printed(text: &str) -> Vec<String> {
+        let env = BTreeMap::<String, String>::new();
+        let file = ConfigFile::parse(std::path::Path::new("c.toml"), text, &env).unwrap();
+        let settings = effective(&crate::cli::Args::command(), Some(&file), &env).unwrap();
+        settings
+            .iter()
+            .flat_map(|(section, list)| {
+                list.iter()
+                    .map(move |s| format!("{section} {} = {} # {}", s.key, s.value, s.source))
+            })
+            .collect()
+    }
+
+    #[test]
+    fn the_settings_are_what_the_commands_parse_with_where_each_came_from() {
+        let lines = printed(
+            "[consume]\nmax_lane_bytes = 7\nassignor = \"random\"\n\
+             target_url = \"https://u:pw-secret@h/x\"\n\
+             defer_sources = { stripe = \"72h\" }\n\
+             [dispatch]\nrequest_timeout_ms = 1500\n",
+        );
+        let has = |line: &str| {
+            assert!(
+                lines.iter().any(|l| l == line),
+                "{line:?} not in {lines:#?}"
+            );
+        };
+        has("consume max_lane_bytes = 7 # file");
+        has("consume effect = \"ledger\" # default");
+        has("consume defer_sources = { stripe = \"72h\" } # file");
+        // The old spelling sets the duration, and is shown as it.
+        has("dispatch request_timeout = \"1500ms\" # file");
+        assert!(
+            !lines.iter().any(|l| l.contains("request_timeout_ms")),
+            "{lines:#?}"
+        );
+        // A value its flag refused is shown as refused, not as the default it leaves.
+        has("consume assignor = \"random\" # file, refused (see the commands below)");
+        let url = lines
+            .iter()
+            .find(|l| l.starts_with("consume target_url = "))
+            .unwrap();
+        assert!(
+            url.ends_with("# file") && !url.contains("pw-secret"),
+            "{url}"
+        );
+    }
+
+    #[test]
+    fn every_setting_of_the_file_is_read_by_a_checked_command() {
+        let root = crate::cli::Args::command();
+        let flags = file_flags(&root);
+        let checked = |section: &str, key: &str| {
+            flags.iter().any(|f| {
+                f.path.len() == 1
+                    && CHECKED_COMMANDS.contains(&f.path[0].as_str())
+                    && (f.section, f.key.as_str()) == (section, key)
+            })
+        };
+        // Hidden flags are the old spellings, shown as the durations they set.
+        for flag in flags.iter().filter(|f| !f.arg.is_hide_set()) {
+            assert!(
+                checked(flag.section, &flag.key),
+                "{:?}: [{}] {} is in no checked command",
+                flag.path,
+                flag.section,
+                flag.key
+            );
+        }
     }
 }

@@ -1,86 +1,347 @@
-//! The precedence of settings (flag, environment, file, default): the file's settings are put in
-//! as flags before the command line is parsed, and the file's keys are checked against the
-//! commands' flags.
+//! The precedence of settings (flag, environment, file, default) in one parse. Each of the
+//! file's values becomes the default of the flag it sets, once that flag's own parser has
+//! accepted it, so clap reads every setting once: from the flag, else its variable, else the
+//! file, else the built-in default. The file's keys are checked against the commands' flags.
 
-use super::{kafka_env_properties, scalar, ConfigFile, Env, CONFIG_ENV, SECTIONS};
-use anyhow::{bail, Context as _};
-use clap::{Arg, ArgAction, Command};
-use std::collections::BTreeMap;
+use super::keys::{check_keys, file_flags, FileFlag};
+use super::{kafka_env_properties, scalar, ConfigFile, Env, CONFIG_ENV};
+use clap::parser::ValueSource;
+use clap::{Arg, ArgAction, ArgMatches, Command};
+use std::collections::{BTreeMap, BTreeSet};
 use std::ffi::OsString;
 use std::path::PathBuf;
 
-/// `[kafka]` keys that are replayproof's own flags; every other key is a librdkafka property.
-pub(crate) const KAFKA_FLAGS: &[&str] = &["brokers", "topic", "group"];
-/// Flags no section sets: the file itself, and what is a property list rather than a setting.
-const NEVER_FROM_FILE: &[&str] = &["config", "kafka-option", "help", "version", "log-format"];
+/// Why a command line was not read: clap's own answer (help and the version included), or a
+/// problem with the file or one of its values.
+#[derive(Debug)]
+pub enum LayerError {
+    Clap(clap::Error),
+    Config(anyhow::Error),
+}
 
-/// Which section a flag of a command is read from, with its key there.
-fn section_of(command_path: &[String], long: &str) -> Option<(&'static str, String)> {
-    let key = long.replace('-', "_");
-    if NEVER_FROM_FILE.contains(&long) {
-        return None;
-    }
-    match long {
-        "database-url" => return Some(("database", "url".into())),
-        "header" => return Some(("dispatch", "headers".into())),
-        "defer-source" => return Some(("consume", "defer_sources".into())),
-        "schema"
-        | "statement-timeout"
-        | "statement-timeout-ms"
-        | "lock-timeout"
-        | "lock-timeout-ms"
-        | "idle-in-transaction-timeout"
-        | "idle-in-transaction-timeout-ms" => return Some(("database", key)),
-        // A replayed dead letter goes back to its own topic unless --topic says otherwise.
-        "topic" if command_path.first().is_some_and(|c| c == "dead-letters") => return None,
-        "brokers" | "topic" | "group" => return Some(("kafka", key)),
-        _ => {}
-    }
-    match command_path.first().map(String::as_str) {
-        Some(command @ ("consume" | "dispatch" | "ingest")) => {
-            let section = SECTIONS.iter().find(|s| **s == command)?;
-            Some((section, key))
-        }
-        _ => None,
+impl From<clap::Error> for LayerError {
+    fn from(e: clap::Error) -> Self {
+        Self::Clap(e)
     }
 }
 
-/// The subcommands named in `argv` (after the program's name), and the index in `argv` just
-/// past the last of them, where the file's flags go.
-fn command_path(root: &Command, argv: &[OsString]) -> (Vec<String>, usize) {
+impl From<anyhow::Error> for LayerError {
+    fn from(e: anyhow::Error) -> Self {
+        Self::Config(e)
+    }
+}
+
+impl std::fmt::Display for LayerError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Clap(e) => f.write_str(&super::render_clap_error(e)),
+            Self::Config(e) => write!(f, "{}", crate::secrets::scrub(&format!("{e:#}"))),
+        }
+    }
+}
+
+/// Where an effective setting came from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Source {
+    Flag,
+    Env(String),
+    File,
+    /// The file gives it, and its flag refused the value: the command will not start.
+    Refused,
+    Default,
+}
+
+impl std::fmt::Display for Source {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Flag => f.write_str("flag"),
+            Self::Env(name) => write!(f, "env {name}"),
+            Self::File => f.write_str("file"),
+            Self::Refused => f.write_str("file, refused (see the commands below)"),
+            Self::Default => f.write_str("default"),
+        }
+    }
+}
+
+/// A command line read over the file and the environment.
+#[derive(Debug)]
+pub struct Layered {
+    /// The matches of the whole command line.
+    pub matches: ArgMatches,
+    /// The subcommands it names, such as `["events", "list"]`.
+    pub path: Vec<String>,
+    /// The file it was read over.
+    pub file: Option<ConfigFile>,
+    /// The librdkafka properties of `[kafka]`, then of `REPLAYPROOF_KAFKA_*`: applied before the
+    /// command's own `--kafka-option`s, so the last one set wins.
+    pub properties: Vec<(String, String)>,
+    /// The command's arguments whose default is the file's value.
+    from_file: BTreeSet<String>,
+    /// The file's values for this command that their flags refused.
+    pub(crate) refused: Vec<Refused>,
+}
+
+/// A value of the file its flag refused.
+#[derive(Debug, Clone)]
+pub(crate) struct Refused {
+    pub(crate) section: &'static str,
+    pub(crate) key: String,
+    /// The file, the key and the parser's reason, never the value.
+    pub(crate) problem: String,
+}
+
+impl Layered {
+    /// The matches of the command that runs.
+    pub fn leaf(&self) -> &ArgMatches {
+        let mut matches = &self.matches;
+        while let Some((_, sub)) = matches.subcommand() {
+            matches = sub;
+        }
+        matches
+    }
+
+    /// Where the value of `arg`, an argument of the command that runs, came from; None when
+    /// it has none.
+    pub fn source(&self, arg: &Arg) -> Option<Source> {
+        let id = arg.get_id().as_str();
+        Some(match self.leaf().value_source(id)? {
+            ValueSource::CommandLine => Source::Flag,
+            ValueSource::EnvVariable => {
+                let name = arg.get_env().unwrap_or_default().to_string_lossy();
+                Source::Env(name.into_owned())
+            }
+            ValueSource::DefaultValue if self.from_file.contains(id) => Source::File,
+            _ => Source::Default,
+        })
+    }
+}
+
+/// Reads `argv` as the process runs it: the file (`--config` or [`CONFIG_ENV`]) loaded and its
+/// keys checked, each of its values the default of its flag, and the command line parsed once.
+pub fn layered(root: Command, argv: Vec<OsString>, env: &dyn Env) -> Result<Layered, LayerError> {
+    let file = match config_path(&argv, env) {
+        Some(p) => Some(ConfigFile::load(&p, env)?),
+        None => None,
+    };
+    let layered = layered_over(root, file, argv, env)?;
+    match layered.refused.first() {
+        Some(refused) => Err(LayerError::Config(anyhow::anyhow!("{}", refused.problem))),
+        None => Ok(layered),
+    }
+}
+
+/// [`layered`] over a file already read; a value of the file its flag refused is left out and
+/// named in [`Layered::refused`] rather than failing the parse.
+pub(crate) fn layered_over(
+    root: Command,
+    file: Option<ConfigFile>,
+    argv: Vec<OsString>,
+    env: &dyn Env,
+) -> Result<Layered, LayerError> {
+    let mut layer = FileLayer::new(root, file.as_ref())?;
+    let matches = layer.command.try_get_matches_from(argv)?;
     let mut path = Vec::new();
-    let mut cmd = root.clone();
-    let mut insert_at = 1.min(argv.len());
-    let mut i = 1;
-    while i < argv.len() {
-        let Some(token) = argv[i].to_str() else {
-            i += 1;
-            continue;
-        };
-        if token == "--" {
-            break;
-        }
-        if let Some(long) = token.strip_prefix("--") {
-            if !long.contains('=') && takes_value(&cmd, root, long) {
-                i += 1;
-            }
-        } else if !token.starts_with('-') {
-            if let Some(sub) = cmd.find_subcommand(token) {
-                path.push(sub.get_name().to_owned());
-                cmd = sub.clone();
-                insert_at = i + 1;
-            }
-        }
-        i += 1;
+    let mut at = &matches;
+    while let Some((name, sub)) = at.subcommand() {
+        path.push(name.to_owned());
+        at = sub;
     }
-    (path, insert_at)
+    let properties = properties(file.as_ref(), env);
+    Ok(Layered {
+        from_file: layer.from_file.remove(&path).unwrap_or_default(),
+        refused: layer.refused.remove(&path).unwrap_or_default(),
+        matches,
+        path,
+        file,
+        properties,
+    })
 }
 
-fn takes_value(cmd: &Command, root: &Command, long: &str) -> bool {
-    cmd.get_arguments()
-        .chain(root.get_arguments())
-        .find(|a| a.get_long() == Some(long))
-        .is_some_and(|a| a.get_action().takes_values())
+/// The librdkafka properties of `[kafka]`, then of `REPLAYPROOF_KAFKA_*`; the value of one
+/// that names a secret is registered, so no log or error prints it.
+fn properties(file: Option<&ConfigFile>, env: &dyn Env) -> Vec<(String, String)> {
+    let from_file = file.into_iter().flat_map(ConfigFile::kafka_properties);
+    let from_env = kafka_env_properties(env)
+        .into_iter()
+        .map(|p| (p.key, p.value));
+    let all: Vec<_> = from_file.chain(from_env).collect();
+    for (key, value) in &all {
+        if crate::secrets::is_secret_property(key) {
+            crate::secrets::register(value);
+        }
+    }
+    all
+}
+
+/// The command tree with the file's values as its flags' defaults.
+struct FileLayer {
+    command: Command,
+    /// For each command's path, the arguments whose default is now the file's value.
+    from_file: BTreeMap<Vec<String>, BTreeSet<String>>,
+    /// For each command's path, the file's values its flags refused.
+    refused: BTreeMap<Vec<String>, Vec<Refused>>,
+}
+
+impl FileLayer {
+    fn new(root: Command, file: Option<&ConfigFile>) -> anyhow::Result<Self> {
+        let mut layer = Self {
+            command: root.clone(),
+            from_file: BTreeMap::new(),
+            refused: BTreeMap::new(),
+        };
+        let Some(file) = file else {
+            return Ok(layer);
+        };
+        check_keys(&root, file)?;
+        for flag in file_flags(&root) {
+            let Some(value) = file.section(flag.section).get(&flag.key).cloned() else {
+                continue;
+            };
+            let cmd = leaf(&root, &flag.path);
+            match file_default(cmd, &flag, &value, file) {
+                Ok((id, texts)) => {
+                    layer.command = at(layer.command, &flag.path, |c| {
+                        c.mut_arg(&id, |a| {
+                            // The file's value is no default to show in --help: it may be a secret.
+                            a.default_values(texts)
+                                .required(false)
+                                .hide_default_value(true)
+                        })
+                    });
+                    layer.from_file.entry(flag.path).or_default().insert(id);
+                }
+                Err(reason) => {
+                    // Named when this command runs, rather than as a missing flag.
+                    let id = flag.arg.get_id().as_str();
+                    layer.command = at(layer.command, &flag.path, |c| {
+                        c.mut_arg(id, |a| a.required(false))
+                    });
+                    let (path, section, key) = (file.path.display(), flag.section, flag.key);
+                    let problem = format!("{path}: [{section}] {key}: {reason}");
+                    let refused = Refused {
+                        section,
+                        key,
+                        problem,
+                    };
+                    layer.refused.entry(flag.path).or_default().push(refused);
+                }
+            }
+        }
+        Ok(layer)
+    }
+}
+
+/// `cmd` with `f` applied to its subcommand at `path`.
+fn at(cmd: Command, path: &[String], f: impl FnOnce(Command) -> Command) -> Command {
+    match path.split_first() {
+        None => f(cmd),
+        Some((first, rest)) => cmd.mut_subcommand(first, |sub| at(sub, rest, f)),
+    }
+}
+
+/// The argument the file's `value` for `flag` sets, and its texts, each accepted by that
+/// argument's own parser. A duration's old spelling (`lease_secs = 45`) sets the duration
+/// (`--lease 45s`), so the two spellings are one setting.
+fn file_default(
+    cmd: &Command,
+    flag: &FileFlag<'_>,
+    value: &toml::Value,
+    file: &ConfigFile,
+) -> Result<(String, Vec<String>), String> {
+    let texts = texts(flag.arg, value)?;
+    check(flag.arg, &texts)?;
+    let Some((new, unit)) = old_spelling(cmd, flag.arg) else {
+        return Ok((flag.arg.get_id().to_string(), texts));
+    };
+    let new_key = new.get_long().unwrap_or_default().replace('-', "_");
+    if file.section(flag.section).contains_key(&new_key) {
+        return Err(format!(
+            "the old spelling of `{new_key}`, which the file also gives; give one of them"
+        ));
+    }
+    let texts: Vec<String> = texts.iter().map(|n| format!("{n}{unit}")).collect();
+    check(new, &texts)?;
+    Ok((new.get_id().to_string(), texts))
+}
+
+/// The duration that `arg` is the old `…-ms` or `…-secs` spelling of, with the unit its
+/// numbers are in.
+fn old_spelling<'c>(cmd: &'c Command, arg: &'c Arg) -> Option<(&'c Arg, &'static str)> {
+    let long = arg.get_long()?;
+    let unit = match () {
+        _ if long.ends_with("-ms") => "ms",
+        _ if long.ends_with("-secs") => "s",
+        _ => return None,
+    };
+    let new = spellings(cmd, arg)
+        .into_iter()
+        .find(|a| a.get_id() != arg.get_id())?;
+    (arg.is_hide_set() && !new.is_hide_set()).then_some((new, unit))
+}
+
+/// The file's `value` as the texts of `arg`'s values: a list's items, a table's `KEY=VALUE`
+/// pairs, or one plain value.
+fn texts(arg: &Arg, value: &toml::Value) -> Result<Vec<String>, String> {
+    let many = matches!(arg.get_action(), ArgAction::Append);
+    let texts = match value {
+        toml::Value::Boolean(b) => vec![b.to_string()],
+        _ if matches!(arg.get_action(), ArgAction::SetTrue) => {
+            return Err("true or false is expected".into())
+        }
+        toml::Value::Array(items) if many => items
+            .iter()
+            .map(|item| scalar(item).ok_or("a list of plain values is expected"))
+            .collect::<Result<_, _>>()?,
+        toml::Value::Table(table) if many => table
+            .iter()
+            .map(|(k, v)| {
+                let v = scalar(v).ok_or_else(|| format!("{k}: a plain value is expected"))?;
+                Ok(format!("{k}={v}"))
+            })
+            .collect::<Result<_, String>>()?,
+        toml::Value::Array(_) | toml::Value::Table(_) => {
+            return Err("one plain value is expected".into())
+        }
+        other => vec![scalar(other).expect("not an array or a table")],
+    };
+    Ok(texts)
+}
+
+/// Whether `arg`'s own parser accepts every one of `texts`; the reason when it does not, which
+/// never repeats the value (it may be a secret).
+fn check(arg: &Arg, texts: &[String]) -> Result<(), String> {
+    let probe = Arg::new("value")
+        .long("value")
+        .action(ArgAction::Append)
+        .value_parser(arg.get_value_parser().clone());
+    let probe = match arg.get_value_delimiter() {
+        Some(d) => probe.value_delimiter(d),
+        None => probe,
+    };
+    // `--value=TEXT`: a text that starts with a dash is still only a value.
+    let argv = texts.iter().map(|t| format!("--value={t}"));
+    let refused = Command::new("file")
+        .no_binary_name(true)
+        .arg(probe)
+        .try_get_matches_from(argv)
+        .err();
+    match refused {
+        None => Ok(()),
+        Some(e) => Err(reason(&e)),
+    }
+}
+
+/// What a value parser said, without the value.
+fn reason(e: &clap::Error) -> String {
+    use clap::error::{ContextKind, ContextValue};
+    use std::error::Error as _;
+    if let Some(source) = e.source() {
+        return crate::secrets::scrub(&source.to_string()).into_owned();
+    }
+    match e.get(ContextKind::ValidValue) {
+        Some(ContextValue::Strings(valid)) => format!("expected one of {}", valid.join(", ")),
+        _ => e.kind().to_string(),
+    }
 }
 
 /// The command `path` names under `root`.
@@ -105,15 +366,6 @@ fn spellings<'c>(cmd: &'c Command, arg: &'c Arg) -> Vec<&'c Arg> {
     all
 }
 
-/// Whether `argv` sets `--long` itself.
-fn given(argv: &[OsString], long: &str) -> bool {
-    let flag = format!("--{long}");
-    let with_value = format!("--{long}=");
-    argv.iter()
-        .filter_map(|a| a.to_str())
-        .any(|a| a == flag || a.starts_with(&with_value))
-}
-
 /// Where the file is: `--config` in `argv`, or [`CONFIG_ENV`].
 pub fn config_path(argv: &[OsString], env: &dyn Env) -> Option<PathBuf> {
     let mut tokens = argv.iter().skip(1);
@@ -134,175 +386,125 @@ pub fn config_path(argv: &[OsString], env: &dyn Env) -> Option<PathBuf> {
         .map(PathBuf::from)
 }
 
-/// The command line with the file's settings and the `REPLAYPROOF_KAFKA_*` properties put in
-/// as flags, after the subcommand's name and before the user's own flags, wherever neither a
-/// flag nor the flag's environment variable already sets them. `--kafka-option`s are applied
-/// in order, so the file's properties come first, then the environment's, then the user's.
-pub fn layer(root: &Command, argv: Vec<OsString>, env: &dyn Env) -> anyhow::Result<Vec<OsString>> {
-    let (path, insert_at) = command_path(root, &argv);
-    let cmd = leaf(root, &path);
-    let file = match config_path(&argv, env) {
-        Some(p) => Some(ConfigFile::load(&p, env)?),
-        None => None,
-    };
-    if let Some(file) = &file {
-        check_keys(root, file)?;
-    }
-    let mut added: Vec<OsString> = Vec::new();
-    let has = |long: &str| cmd.get_arguments().any(|a| a.get_long() == Some(long));
-    if has("kafka-option") {
-        let file_props = file.iter().flat_map(ConfigFile::kafka_properties);
-        let env_props = kafka_env_properties(env)
-            .into_iter()
-            .map(|p| (p.key, p.value));
-        for (k, v) in file_props.chain(env_props) {
-            added.push("--kafka-option".into());
-            added.push(format!("{k}={v}").into());
-        }
-    }
-    if let Some(file) = &file {
-        for arg in cmd.get_arguments() {
-            let Some(long) = arg.get_long() else { continue };
-            let Some((section, key)) = section_of(&path, long) else {
-                continue;
-            };
-            let Some(value) = file.section(section).get(&key).cloned() else {
-                continue;
-            };
-            // A setting spelled two ways (a duration and its old `…-ms` or `…-secs` flag) is
-            // one setting: the file's value of either yields to a flag or variable of either.
-            let set_elsewhere = spellings(cmd, arg).into_iter().any(|a| {
-                let from_env = a
-                    .get_env()
-                    .is_some_and(|name| name.to_str().and_then(|n| env.var(n)).is_some());
-                from_env || a.get_long().is_some_and(|long| given(&argv, long))
-            });
-            if set_elsewhere {
-                continue;
-            }
-            added.extend(flag_values(arg, long, &value, section, &key)?);
-        }
-    }
-    let mut out = argv;
-    out.splice(insert_at..insert_at, added);
-    Ok(out)
-}
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cli::{parse, Args, Command as Cmd};
+    use crate::config::ProcessEnv;
 
-/// `value` from the file as `--long` arguments.
-fn flag_values(
-    arg: &Arg,
-    long: &str,
-    value: &toml::Value,
-    section: &str,
-    key: &str,
-) -> anyhow::Result<Vec<OsString>> {
-    let flag = || OsString::from(format!("--{long}"));
-    let mut out = Vec::new();
-    match value {
-        toml::Value::Boolean(b) if matches!(arg.get_action(), ArgAction::SetTrue) => {
-            if *b {
-                out.push(flag());
-            }
-        }
-        toml::Value::Array(items) => {
-            for item in items {
-                let text = scalar(item).with_context(|| {
-                    format!("[{section}] {key}: a list of plain values is expected")
-                })?;
-                out.extend([flag(), text.into()]);
-            }
-        }
-        toml::Value::Table(table) => {
-            for (k, v) in table {
-                let text = scalar(v)
-                    .with_context(|| format!("[{section}] {key}.{k}: a plain value is expected"))?;
-                out.extend([flag(), format!("{k}={text}").into()]);
-            }
-        }
-        other => {
-            let text = scalar(other).expect("not an array or a table");
-            out.extend([flag(), text.into()]);
+    /// `replayproof ARGV --config c.toml`, with the file `text`, as the process reads it.
+    fn parsed(argv: &[&str], text: &str) -> Result<Args, LayerError> {
+        let (_dir, argv) = crate::config::tests::with_file(argv, text);
+        parse(argv, &ProcessEnv)
+    }
+
+    const CONSUME: &[&str] = &["consume", "--brokers=b", "--database-url=postgres://u@h/d"];
+    const DISPATCH: &[&str] = &["dispatch", "--database-url=postgres://u@h/d"];
+
+    fn refusal(argv: &[&str], text: &str) -> String {
+        match parsed(argv, text) {
+            Err(LayerError::Config(e)) => format!("{e:#}"),
+            other => panic!("{argv:?} with {text:?}: {other:?}"),
         }
     }
-    Ok(out)
-}
 
-/// A flag a file's key can set: the command it belongs to, the flag, and its section and key.
-pub(crate) struct FileFlag<'a> {
-    pub(crate) path: Vec<String>,
-    pub(crate) arg: &'a Arg,
-    pub(crate) section: &'static str,
-    pub(crate) key: String,
-}
-
-/// Every flag of every command that a section sets: the command's path, the flag, and the
-/// section and key it is read from.
-pub(crate) fn file_flags(root: &Command) -> Vec<FileFlag<'_>> {
-    let mut flags = Vec::new();
-    let mut stack: Vec<(Vec<String>, &Command)> = vec![(Vec::new(), root)];
-    while let Some((path, cmd)) = stack.pop() {
-        for arg in cmd.get_arguments() {
-            let Some(long) = arg.get_long() else { continue };
-            if let Some((section, key)) = section_of(&path, long) {
-                let path = path.clone();
-                flags.push(FileFlag {
-                    path,
-                    arg,
-                    section,
-                    key,
-                });
-            }
-        }
-        for sub in cmd.get_subcommands() {
-            let mut p = path.clone();
-            p.push(sub.get_name().to_owned());
-            stack.push((p, sub));
-        }
-    }
-    flags
-}
-
-/// Every key the file's sections may hold, with the commands that read it.
-fn known_keys(root: &Command) -> BTreeMap<(&'static str, String), Vec<String>> {
-    let mut known: BTreeMap<(&'static str, String), Vec<String>> = BTreeMap::new();
-    for FileFlag {
-        path, section, key, ..
-    } in file_flags(root)
-    {
-        known
-            .entry((section, key))
-            .or_default()
-            .push(path.join(" "));
-    }
-    known
-        .entry(("ingest", "sources".into()))
-        .or_default()
-        .push("ingest".into());
-    known
-}
-
-/// Refuses a key that no command reads, so a typo is found at once.
-pub(crate) fn check_keys(root: &Command, file: &ConfigFile) -> anyhow::Result<()> {
-    let known = known_keys(root);
-    for section in SECTIONS {
-        for key in file.section(section).keys() {
-            let ours = known.contains_key(&(*section, key.clone()));
-            if ours || (*section == "kafka" && !KAFKA_FLAGS.contains(&key.as_str())) {
-                continue;
-            }
-            let keys: Vec<&str> = known
-                .keys()
-                .filter(|(s, _)| s == section)
-                .map(|(_, k)| k.as_str())
-                .collect();
-            bail!(
-                "{}: [{section}] has no setting `{key}`; it has {}",
-                file.path.display(),
-                keys.join(", ")
-            );
+    #[test]
+    fn a_value_of_the_file_is_checked_by_its_flag_and_named_by_its_key() {
+        let cases = [
+            (
+                CONSUME,
+                "[consume]\nbatch_size = 0\n",
+                "[consume] batch_size: ",
+                "1..=100000",
+            ),
+            (
+                CONSUME,
+                "[consume]\nassignor = \"random\"\n",
+                "[consume] assignor: ",
+                "expected one of roundrobin, cooperative-sticky",
+            ),
+            (
+                CONSUME,
+                "[consume]\nmigrate = \"yes\"\n",
+                "[consume] migrate: ",
+                "true or false",
+            ),
+            (
+                CONSUME,
+                "[consume]\nbatch_size = [1, 2]\n",
+                "batch_size: ",
+                "one plain value",
+            ),
+            (
+                DISPATCH,
+                "[dispatch]\nlease = \"300\"\n",
+                "[dispatch] lease: ",
+                "such as 250ms",
+            ),
+            (
+                DISPATCH,
+                "[dispatch]\nlease = \"2m\"\nlease_secs = 45\n",
+                "[dispatch] lease_secs: ",
+                "the old spelling of `lease`",
+            ),
+            (
+                DISPATCH,
+                "[dispatch]\nlease_secs = 0\n",
+                "[dispatch] lease_secs: ",
+                "1..=",
+            ),
+        ];
+        for (argv, text, key, reason) in cases {
+            let error = refusal(argv, text);
+            assert!(error.contains("c.toml: ") && error.contains(key), "{error}");
+            assert!(error.contains(reason), "{error}");
         }
     }
-    Ok(())
-}
 
-// ------------------------------------------------------------------------------ config check
+    #[test]
+    fn a_value_refused_by_one_command_stops_only_the_commands_that_read_it() {
+        let text = "[consume]\nbatch_size = 0\n";
+        assert!(refusal(CONSUME, text).contains("batch_size"));
+        let dispatch = parsed(DISPATCH, text).expect("dispatch reads no [consume]");
+        assert!(matches!(dispatch.command, Cmd::Dispatch(_)));
+    }
+
+    #[test]
+    fn a_refused_secret_from_the_file_is_never_printed() {
+        let secret = "hunter2-secret";
+        let text = format!("[database]\nurl = \"postgres://u:{secret}@h/d?sslmode=bogus\"\n");
+        let error = refusal(&["migrate"], &text);
+        assert!(error.contains("[database] url: "), "{error}");
+        assert!(!error.contains(secret), "{error}");
+    }
+
+    #[test]
+    fn a_value_of_the_file_that_looks_like_a_flag_is_only_a_value() {
+        let args = parsed(CONSUME, "[kafka]\ngroup = \"--blue\"\n").unwrap();
+        let Cmd::Consume(consume) = args.command else {
+            unreachable!("a consume command")
+        };
+        assert_eq!(consume.group, "--blue");
+    }
+
+    #[test]
+    fn the_file_fills_a_required_flag_and_help_shows_none_of_its_values() {
+        let secret = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw";
+        let text = format!(
+            "[database]\nurl = \"postgres://u:pw-secret@h/d\"\n[dispatch]\nsigning_secret = \"{secret}\"\nlease = \"17m\"\n"
+        );
+        let args = parsed(&["dispatch"], &text).expect("the file gives the database URL");
+        let Cmd::Dispatch(dispatch) = args.command else {
+            unreachable!("a dispatch command")
+        };
+        assert_eq!(dispatch.settings().unwrap().lease.as_secs(), 17 * 60);
+        let Err(LayerError::Clap(help)) = parsed(&["dispatch", "--help"], &text) else {
+            panic!("help is clap's answer")
+        };
+        let help = help.render().to_string();
+        assert!(help.contains("--signing-secret"), "{help}");
+        for hidden in [secret, "pw-secret", "17m"] {
+            assert!(!help.contains(hidden), "{hidden} in {help}");
+        }
+    }
+}

@@ -21,8 +21,9 @@
 //! `REPLAYPROOF_KAFKA_<PROPERTY>` sets a librdkafka property (`REPLAYPROOF_KAFKA_SASL_PASSWORD`
 //! is `sasl.password`), over the file and under `--kafka-option`.
 //!
-//! The file's settings reach each command as flags put in front of the user's own (see
-//! [`layer`]), so every command parses one command line and the precedence is the same for all.
+//! Each of the file's values becomes the default of the flag it sets, once that flag's own
+//! parser has accepted it (see [`layered`]): every command is read in one parse, the
+//! precedence is the same for all, and `config check` prints what that parse gives.
 
 use anyhow::{bail, Context as _};
 use std::collections::BTreeMap;
@@ -274,9 +275,11 @@ pub fn kafka_env_properties(env: &dyn Env) -> Vec<EnvProperty> {
 
 pub use crate::secrets::{is_secret_property, redact_url, redacted};
 
+mod keys;
 mod layer;
-pub(crate) use layer::{check_keys, file_flags, FileFlag, KAFKA_FLAGS};
-pub use layer::{config_path, layer};
+pub(crate) use keys::{file_flags, KAFKA_FLAGS};
+pub(crate) use layer::layered_over;
+pub use layer::{config_path, layered, LayerError, Layered, Source};
 
 /// Flags whose values may carry a secret: a refused value of one is never echoed.
 const SECRET_FLAGS: &[&str] = &[
@@ -309,11 +312,9 @@ pub fn render_clap_error(error: &clap::Error) -> String {
     crate::secrets::scrub(&text).into_owned()
 }
 
-// ---------------------------------------------------------------------------------- layering
-
 #[cfg(test)]
 mod tests {
-    use super::layer::*;
+    use super::keys::check_keys;
     use super::*;
     use std::ffi::OsString;
 
@@ -376,23 +377,24 @@ mod tests {
         );
     }
 
-    /// The value a command would run with for the flag `id`, from `argv`, the file `text` and
-    /// the process environment.
-    fn resolved(argv: &[&str], text: &str, id: &str) -> String {
-        use clap::CommandFactory as _;
+    /// The arguments of `argv` and `--config` with the file `text`.
+    pub(crate) fn with_file(argv: &[&str], text: &str) -> (tempfile::TempDir, Vec<OsString>) {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("c.toml");
         std::fs::write(&path, text).unwrap();
         let mut full: Vec<OsString> = vec!["replayproof".into()];
         full.extend(argv.iter().map(OsString::from));
-        full.extend(["--config".into(), path.clone().into_os_string()]);
-        let root = crate::cli::Args::command();
-        let layered = layer(&root, full, &ProcessEnv).unwrap();
-        let mut matches = root.try_get_matches_from(layered).unwrap();
-        while let Some((_, sub)) = matches.remove_subcommand() {
-            matches = sub;
-        }
-        let raw = matches.get_raw(id).expect("the flag has a value");
+        full.extend(["--config".into(), path.into_os_string()]);
+        (dir, full)
+    }
+
+    /// The value a command would run with for the flag `id`, from `argv`, the file `text` and
+    /// the process environment.
+    fn resolved(argv: &[&str], text: &str, id: &str) -> String {
+        use clap::CommandFactory as _;
+        let (_dir, full) = with_file(argv, text);
+        let layered = layered(crate::cli::Args::command(), full, &ProcessEnv).unwrap();
+        let raw = layered.leaf().get_raw(id).expect("the flag has a value");
         raw.map(|v| v.to_string_lossy().into_owned())
             .collect::<Vec<_>>()
             .join(",")
@@ -505,7 +507,7 @@ mod tests {
         // librdkafka properties: --kafka-option, then REPLAYPROOF_KAFKA_*, then [kafka], in the
         // order they are applied (the last one set wins).
         std::env::set_var("REPLAYPROOF_KAFKA_CLIENT_RACK", "from-env");
-        let options = resolved(
+        let (_dir, argv) = with_file(
             &[
                 "consume",
                 "--brokers=b",
@@ -514,33 +516,27 @@ mod tests {
                 "client.rack=from-flag",
             ],
             "[kafka]\nclient.rack = \"from-file\"\n",
-            "kafka_options",
         );
+        let args = crate::cli::parse(argv, &ProcessEnv).unwrap();
         std::env::remove_var("REPLAYPROOF_KAFKA_CLIENT_RACK");
+        let crate::cli::Command::Consume(consume) = args.command else {
+            unreachable!("a consume command")
+        };
+        let options: Vec<String> = (consume.kafka.options.kafka_options.iter())
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect();
         assert_eq!(
-            options,
+            options.join(","),
             "client.rack=from-file,client.rack=from-env,client.rack=from-flag"
         );
     }
 
     /// The lease a `dispatch` started with `argv` and the file `text` gets.
     fn lease(argv: &[&str], text: &str) -> Result<std::time::Duration, String> {
-        use clap::{CommandFactory as _, FromArgMatches as _};
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("c.toml");
-        std::fs::write(&path, text).unwrap();
-        let mut full: Vec<OsString> =
-            ["replayproof", "dispatch", "--database-url=postgres://u@h/d"]
-                .map(OsString::from)
-                .into();
-        full.extend(argv.iter().map(OsString::from));
-        full.extend(["--config".into(), path.into_os_string()]);
-        let root = crate::cli::Args::command();
-        let layered = layer(&root, full, &ProcessEnv).map_err(|e| e.to_string())?;
-        let matches = root
-            .try_get_matches_from(layered)
-            .map_err(|e| e.to_string())?;
-        let args = crate::cli::Args::from_arg_matches(&matches).map_err(|e| e.to_string())?;
+        let mut full = vec!["dispatch", "--database-url=postgres://u@h/d"];
+        full.extend(argv);
+        let (_dir, full) = with_file(&full, text);
+        let args = crate::cli::parse(full, &ProcessEnv).map_err(|e| e.to_string())?;
         match args.command {
             crate::cli::Command::Dispatch(d) => Ok(d.settings().map_err(|e| e.to_string())?.lease),
             _ => unreachable!("a dispatch command"),

@@ -53,16 +53,16 @@ pub struct DevArgs {
 /// development sources for stripe, github, svix (standard-webhooks), shopify and slack.
 pub async fn run(
     opts: DevArgs,
-    config: Option<&std::path::Path>,
+    config: Option<&crate::config::ConfigFile>,
     registry: &Registry,
 ) -> anyhow::Result<()> {
     let shutdown = crate::shutdown::on_signal();
     let (brokers, url) = (opts.brokers.clone(), opts.database_url.clone());
     let stack = Stack::start(brokers, url, &opts.topic, opts.partitions).await?;
     let (sources, secrets) = match config {
-        Some(path) => (
-            FileConfig::load(path)?.sources()?,
-            vec![format!("from {}", path.display())],
+        Some(file) => (
+            FileConfig::from_config(file)?.sources()?,
+            vec![format!("from {}", file.path.display())],
         ),
         None => super::sources::dev_sources()?,
     };

@@ -121,16 +121,15 @@ impl IngestArgs {
     }
 
     /// Loads the configuration file's sources and runs the ingress until a signal stops it.
-    pub async fn run(self, config: Option<&std::path::Path>) -> anyhow::Result<()> {
+    pub async fn run(self, config: Option<&crate::config::ConfigFile>) -> anyhow::Result<()> {
         let config = config.context(
             "ingest reads its sources from the configuration file: set --config or REPLAYPROOF_CONFIG",
         )?;
-        let file = FileConfig::load(config)?;
-        let sources = file.sources()?;
+        let sources = FileConfig::from_config(config)?.sources()?;
         anyhow::ensure!(
             !sources.is_empty(),
             "{} names no [[ingest.sources]]",
-            config.display()
+            config.path.display()
         );
         let settings = self.settings()?;
         // Ingest serves `/metrics` on its own listener (`metrics_listen`), never the webhook port.
