@@ -34,15 +34,7 @@ pub fn effective(
     let mut seen = std::collections::BTreeSet::new();
     let flags = file_flags(root);
     for command in CHECKED_COMMANDS {
-        let optional = root
-            .clone()
-            .mut_subcommand(command, |c| c.mut_args(|a| a.required(false)));
-        let argv: Vec<OsString> = vec!["replayproof".into(), (*command).into()];
-        let layered = match layered_over(optional, file.cloned(), argv, env) {
-            Ok(layered) => layered,
-            Err(LayerError::Config(e)) => return Err(e),
-            Err(LayerError::Clap(e)) => anyhow::bail!("{}", render_clap_error(&e)),
-        };
+        let layered = every_flag_optional(root, command, file, env)?;
         for flag in flags.iter().filter(|f| f.path == [*command]) {
             if seen.contains(&(flag.section, flag.key.clone())) {
                 continue;
@@ -70,6 +62,25 @@ pub fn effective(
         settings.sort_by(|a, b| a.key.cmp(&b.key));
     }
     Ok(out)
+}
+
+/// `command` with no flags, read over the file and the environment as it starts, with every
+/// flag optional so that a missing one hides none of the others.
+fn every_flag_optional(
+    root: &Command,
+    command: &str,
+    file: Option<&ConfigFile>,
+    env: &dyn Env,
+) -> anyhow::Result<Layered> {
+    let optional = root
+        .clone()
+        .mut_subcommand(command, |c| c.mut_args(|a| a.required(false)));
+    let argv: Vec<OsString> = vec!["replayproof".into(), command.into()];
+    match layered_over(optional, file.cloned(), argv, env) {
+        Ok(layered) => Ok(layered),
+        Err(LayerError::Config(e)) => Err(e),
+        Err(LayerError::Clap(e)) => anyhow::bail!("{}", render_clap_error(&e)),
+    }
 }
 
 /// The effective value of `arg` in a parsed command, redacted, with where it came from; None
@@ -149,7 +160,7 @@ pub fn check(root: &Command, file: Option<&ConfigFile>, env: &dyn Env) -> anyhow
     if let Some(f) = file {
         report.ingest_sources(f, env)?;
     }
-    report.database_tls(file, env)?;
+    report.database_tls(root, file, env)?;
     report.commands(root, file, env)?;
     Ok(report)
 }
@@ -222,19 +233,21 @@ impl Report {
     }
 
     /// A warning when the database URL does not verify the server it connects to.
-    fn database_tls(&mut self, file: Option<&ConfigFile>, env: &dyn Env) -> std::fmt::Result {
-        let database_url = env.var("DATABASE_URL").or_else(|| {
-            file?
-                .section("database")
-                .get("url")?
-                .as_str()
-                .map(str::to_owned)
-        });
+    /// The URL is `migrate`'s, as its parse reads it: the flag's variable, else the file.
+    fn database_tls(
+        &mut self,
+        root: &Command,
+        file: Option<&ConfigFile>,
+        env: &dyn Env,
+    ) -> anyhow::Result<()> {
+        let migrate = every_flag_optional(root, "migrate", file, env)?;
+        let database_url = (migrate.leaf().get_raw("database_url").into_iter().flatten())
+            .find_map(|url| url.to_str().map(str::to_owned));
         match database_url
             .as_deref()
             .and_then(crate::db::unverified_tls_of)
         {
-            Some(warning) => writeln!(self.text, "\nwarning: [database] url: {warning}"),
+            Some(warning) => Ok(writeln!(self.text, "\nwarning: [database] url: {warning}")?),
             None => Ok(()),
         }
     }
