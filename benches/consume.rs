@@ -79,6 +79,7 @@ impl Workload {
                 source: "bench".into(),
                 event_type: Some("bench.event".into()),
                 received_at: None,
+                occurred_at: None,
                 payload: payload(i, size),
                 unhashed: Vec::new(),
                 replay_window_secs: None,

@@ -74,6 +74,17 @@ pub fn age() -> impl Fn(&str) -> Result<Duration, String> + Clone + Send + Sync 
     }
 }
 
+/// How long rows are kept: from a second up to a hundred years.
+pub fn lifetime() -> impl Fn(&str) -> Result<Duration, String> + Clone + Send + Sync + 'static {
+    |text: &str| {
+        within(
+            text,
+            Duration::from_secs(1),
+            Duration::from_secs(100 * 365 * 24 * 3600),
+        )
+    }
+}
+
 /// A default duration as a flag's text, such as `30s`; computed once per value.
 pub fn text(d: Duration) -> &'static str {
     static TEXTS: std::sync::Mutex<Vec<(Duration, &'static str)>> =

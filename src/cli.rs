@@ -19,7 +19,7 @@ pub struct Args {
     pub command: Command,
 
     /// The configuration file every command reads (see replayproof.example.toml): sections
-    /// [kafka], [database], [consume], [dispatch] and [ingest]. A flag, then its environment
+    /// [kafka], [database], [consume], [dispatch], [ingest] and [retention]. A flag, then its environment
     /// variable, then the file, then the default.
     #[allow(rustdoc::broken_intra_doc_links)] // The brackets name the file's sections.
     #[arg(long, global = true, env = crate::config::CONFIG_ENV, value_name = "FILE")]
@@ -71,6 +71,9 @@ pub enum Command {
     DeadLetters(DeadLettersCommand),
     /// One screen for an operator: lag, claims, the outbox and dead letters.
     Status(StatusArgs),
+    /// Delete settled claims older than their source's retention, with their operations, and
+    /// the other tables' rows past their lifetimes; --dry-run prints what would go.
+    Prune(crate::retention::args::PruneArgs),
     /// Check the configuration file and print the settings every command would run with,
     /// secrets redacted.
     #[command(subcommand)]
@@ -97,6 +100,7 @@ impl Command {
             Self::Consume(args) => Some(&mut args.kafka.options),
             Self::Ingest(args) => Some(&mut args.kafka),
             Self::Status(args) => Some(&mut args.kafka),
+            Self::Prune(args) => Some(&mut args.kafka.options),
             Self::DeadLetters(DeadLettersCommand::Replay { kafka, .. }) => Some(kafka),
             _ => None,
         }
@@ -165,12 +169,13 @@ impl Cli {
                 tracing::info!(schema = %args.session.schema, "Migrations applied.");
                 Ok(())
             }
-            Command::Consume(args) => args.run(&self.effects).await,
+            Command::Consume(consume) => consume.run(&self.effects, args.file.as_ref()).await,
             Command::Ingest(ingest) => ingest.run(args.file.as_ref()).await,
             Command::Dispatch(args) => args.run().await,
             Command::Events(command) => command.run(&self.effects).await,
             Command::DeadLetters(command) => command.run().await,
             Command::Status(args) => args.run().await,
+            Command::Prune(prune) => prune.run(args.file.as_ref()).await,
             Command::Config(ConfigCommand::Check) => {
                 use clap::CommandFactory as _;
                 let report = crate::config_check::check(

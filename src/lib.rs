@@ -29,6 +29,7 @@ pub mod ingest;
 pub mod kafka;
 pub mod operator;
 pub mod outbox;
+pub mod retention;
 pub mod secrets;
 pub mod shutdown;
 pub mod telemetry;

@@ -99,6 +99,7 @@ pub fn envelope(key: &str, source: &str, event_type: &str, payload: serde_json::
         source: source.into(),
         event_type: Some(event_type.into()),
         received_at: None,
+        occurred_at: None,
         payload,
         unhashed: Vec::new(),
         replay_window_secs: None,

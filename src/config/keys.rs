@@ -17,6 +17,9 @@ fn section_of(command_path: &[String], long: &str) -> Option<(&'static str, Stri
     if NEVER_FROM_FILE.contains(&long) {
         return None;
     }
+    if long.ends_with("-retention") || matches!(long, "allow-below-floor" | "prune-batch") {
+        return Some(("retention", key));
+    }
     match long {
         "database-url" => return Some(("database", "url".into())),
         "header" => return Some(("dispatch", "headers".into())),

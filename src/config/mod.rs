@@ -13,6 +13,7 @@
 //! [consume]                   # consume's flags by name: batch_size = 500, effect = ["ledger"]
 //! [dispatch]                  # dispatch's flags: headers = { Authorization = "Bearer ${TOKEN}" }
 //! [ingest]                    # ingest's flags, and its [[ingest.sources]]
+//! [retention]                 # prune's lifetimes: default_retention = "35d", payload_retention
 //! ```
 //!
 //! A setting is taken from the first of: the command's flag, its environment variable, the
@@ -35,7 +36,14 @@ pub const CONFIG_ENV: &str = "REPLAYPROOF_CONFIG";
 pub const KAFKA_ENV_PREFIX: &str = "REPLAYPROOF_KAFKA_";
 
 /// The file's sections.
-pub const SECTIONS: &[&str] = &["kafka", "database", "consume", "dispatch", "ingest"];
+pub const SECTIONS: &[&str] = &[
+    "kafka",
+    "database",
+    "consume",
+    "dispatch",
+    "ingest",
+    "retention",
+];
 
 /// The environment the file's `${NAME}` and `REPLAYPROOF_KAFKA_*` are read from.
 pub trait Env {

@@ -138,6 +138,15 @@ pub struct ConsumeArgs {
     #[arg(long, env = "REPLAYPROOF_MAX_RETRY_BACKOFF_MS", value_parser = crate::args::ms(1), hide = true)]
     pub max_retry_backoff_ms: Option<u64>,
 
+    /// Prune in the background this often, under the retention flags below (as `replayproof
+    /// prune` does); off unless given. Every member may run it: rounds take the same locks.
+    #[arg(long, env = "REPLAYPROOF_PRUNE_INTERVAL", value_name = "DURATION", value_parser = crate::args::wait(Duration::from_secs(1)))]
+    pub prune_interval: Option<Duration>,
+
+    /// How long each table keeps its rows, for the background pruner.
+    #[command(flatten)]
+    pub retention: crate::retention::args::RetentionArgs,
+
     /// On SIGTERM, SIGINT or a revoke: how long batches in flight may take to finish.
     /// A duration such as 250ms, 30s or 5m; `--shutdown-grace-secs` (seconds) is its old spelling.
     #[arg(long, env = "REPLAYPROOF_SHUTDOWN_GRACE", value_name = "DURATION", default_value = crate::args::text(DEFAULT_SHUTDOWN_GRACE), value_parser = crate::args::wait(Duration::ZERO), conflicts_with = "shutdown_grace_secs")]
@@ -321,12 +330,31 @@ impl ConsumeArgs {
     }
 
     /// Runs the consumer process until a signal stops it.
-    pub async fn run(self, registry: &Registry) -> anyhow::Result<()> {
+    pub async fn run(
+        self,
+        registry: &Registry,
+        file: Option<&crate::config::ConfigFile>,
+    ) -> anyhow::Result<()> {
         let process = crate::shutdown::Process::start("consume", Some(self.metrics_addr)).await?;
         let metrics = ConsumeMetrics::new(&process.registry)?;
         let pool = self.database.pool(self.db_pool_size)?;
         if self.migrate {
             crate::db::migrate(&pool).await?;
+        }
+        if let Some(every) = self.prune_interval {
+            let pruner = self.retention.pruner(
+                pool.clone(),
+                file,
+                &self.kafka,
+                &self.topic,
+                "consume".into(),
+            )?;
+            let background = crate::retention::background::Background {
+                pruner,
+                every,
+                metrics: metrics.prune.clone(),
+            };
+            tokio::spawn(background.run(process.shutdown.clone()));
         }
         let processor = BatchProcessor::new(
             pool,
@@ -413,11 +441,15 @@ impl ToArgs for ConsumeArgs {
         for (name, d) in self.durations() {
             flag(name, crate::args::duration_text(d));
         }
+        if let Some(every) = self.prune_interval {
+            flag("prune-interval", crate::args::duration_text(every));
+        }
         flag("db-pool-size", self.db_pool_size.to_string());
         flag("metrics-addr", self.metrics_addr.to_string());
         if self.migrate {
             args.push("--migrate".into());
         }
+        args.extend(crate::args::ToArgs::to_args(&self.retention));
         args
     }
 }
@@ -521,6 +553,32 @@ mod tests {
         "13s",
         "--stall-exit",
         "14s",
+        "--prune-interval",
+        "17s",
+        "--default-retention",
+        "40days",
+        "--source-retention",
+        "stripe=50days",
+        "--payload-retention",
+        "1day",
+        "--dead-letter-retention",
+        "2days",
+        "--conflict-retention",
+        "3days",
+        "--attempt-retention",
+        "4days",
+        "--fingerprint-retention",
+        "9days",
+        "--audit-retention",
+        "5days",
+        "--expired-replay-retention",
+        "6days",
+        "--allow-below-floor",
+        "--allow-below-topic-retention",
+        "--topic-retention",
+        "7days",
+        "--prune-batch",
+        "18",
         "--db-pool-size",
         "15",
         "--metrics-addr",

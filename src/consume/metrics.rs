@@ -2,14 +2,15 @@
 
 use super::BatchReport;
 use prometheus::{
-    Gauge, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
-    Registry,
+    Gauge, GaugeVec, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec,
+    Opts, Registry,
 };
 
 /// The consumer's metrics. Labels are bounded: an outcome from a fixed list, a partition.
 #[derive(Clone)]
 pub struct ConsumeMetrics {
-    /// Events by outcome: applied, duplicate, conflict, dead_letter, failed, deferred.
+    /// Events by outcome: applied, duplicate, conflict, dead_letter, failed, deferred,
+    /// expired_replay.
     pub events: IntCounterVec,
     /// Effect attempts that returned an error, retried or not.
     pub effect_failures: IntCounter,
@@ -31,6 +32,21 @@ pub struct ConsumeMetrics {
     pub kafka_errors: IntCounterVec,
     /// The deferred applier's metrics.
     pub deferred: DeferredMetrics,
+    /// The background pruner's metrics.
+    pub prune: PruneMetrics,
+}
+
+/// The background pruner's metrics (`consume --prune-interval`).
+#[derive(Clone)]
+pub struct PruneMetrics {
+    /// Rows deleted (or payloads erased) by prune, by table.
+    pub rows: IntCounterVec,
+    /// Prune rounds, by outcome: done, refused, error.
+    pub rounds: IntCounterVec,
+    /// The age of each source's oldest claim.
+    pub oldest_claim_age: GaugeVec,
+    /// Each source's retention, for the alert that compares the two.
+    pub retention: GaugeVec,
 }
 
 /// The deferred applier's metrics.
@@ -86,6 +102,33 @@ impl Maker<'_> {
         self.keep(Histogram::with_opts(
             HistogramOpts::new(name, help).buckets(buckets),
         ))
+    }
+}
+
+impl PruneMetrics {
+    fn new(m: &Maker<'_>) -> prometheus::Result<Self> {
+        let per_source =
+            |name: &str, help: &str| m.keep(GaugeVec::new(Opts::new(name, help), &["source"]));
+        Ok(Self {
+            rows: m.by(
+                "replayproof_pruned_rows_total",
+                "Rows pruned (or payloads erased) past their retention, by table.",
+                "table",
+            )?,
+            rounds: m.by(
+                "replayproof_prune_rounds_total",
+                "Background prune rounds, by outcome (done, refused, error).",
+                "outcome",
+            )?,
+            oldest_claim_age: per_source(
+                "replayproof_oldest_claim_age_seconds",
+                "Age of the oldest claim of each source.",
+            )?,
+            retention: per_source(
+                "replayproof_retention_seconds",
+                "How long each source's claims are kept.",
+            )?,
+        })
     }
 }
 
@@ -164,6 +207,7 @@ impl ConsumeMetrics {
                 "code",
             )?,
             deferred: DeferredMetrics::new(&m)?,
+            prune: PruneMetrics::new(&m)?,
         })
     }
 
@@ -183,6 +227,7 @@ impl ConsumeMetrics {
             ("dead_letter", report.dead_letters.len()),
             ("failed", report.failed),
             ("deferred", report.deferred),
+            ("expired_replay", report.expired),
         ];
         for (outcome, n) in outcomes {
             if n > 0 {

@@ -1,13 +1,14 @@
 //! The envelope: the contract between any ingress and the consumers.
 //!
 //! The Kafka message key is the dedupe key; the value is a JSON object
-//! `{"key", "source", "type"?, "received_at"?, "payload", "unhashed"?, "replay_window_secs"?}`.
+//! `{"key", "source", "type"?, "received_at"?, "occurred_at"?, "payload", "unhashed"?,
+//! "replay_window_secs"?}`.
 //! Everything is parsed here, at the boundary, into an [`Event`] that cannot be wrong; past
 //! this module nobody checks again.
 
 #![warn(missing_docs)]
 
-use chrono::{DateTime, Utc};
+use chrono::{DateTime, Datelike as _, Utc};
 use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
 use sha2::{Digest, Sha256};
@@ -162,7 +163,6 @@ fn check_fields(
     event_type: Option<&str>,
     received_at: Option<DateTime<Utc>>,
 ) -> Result<(), Malformed> {
-    use chrono::Datelike as _;
     if [Some(key), Some(source), event_type]
         .into_iter()
         .flatten()
@@ -240,6 +240,12 @@ pub struct Envelope {
     /// When the ingress received the event, if it says.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub received_at: Option<DateTime<Utc>>,
+    /// When the event happened at its source, for kinds whose deliveries say so (Stripe's body
+    /// `created`, Shopify's `X-Shopify-Triggered-At`, Slack's body `event_time`): the same on
+    /// every delivery of the event, unlike `received_at`. An event older than its source's
+    /// prune horizon whose key is unknown is an expired replay, not applied.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub occurred_at: Option<DateTime<Utc>>,
     /// The event as the source sent it.
     pub payload: serde_json::Value,
     /// Top-level payload fields the sender changes between deliveries of one event (Stripe's
@@ -285,6 +291,8 @@ pub struct Event {
     pub event_type: Option<String>,
     /// When the ingress received the event, if it says.
     pub received_at: Option<DateTime<Utc>>,
+    /// When the event happened at its source, if its kind says (see [`Envelope::occurred_at`]).
+    pub occurred_at: Option<DateTime<Utc>>,
     /// The payload's JSON text as it arrived, stored and sent as is: the payload is never
     /// serialised again.
     pub payload_json: Box<RawValue>,
@@ -306,6 +314,8 @@ struct Wire {
     event_type: Option<String>,
     #[serde(default)]
     received_at: Option<DateTime<Utc>>,
+    #[serde(default)]
+    occurred_at: Option<DateTime<Utc>>,
     payload: Box<RawValue>,
     #[serde(default)]
     unhashed: Vec<String>,
@@ -330,6 +340,14 @@ impl Event {
             wire.event_type.as_deref(),
             wire.received_at,
         )?;
+        if wire
+            .occurred_at
+            .is_some_and(|t| t.year() < EARLIEST_STORABLE_YEAR)
+        {
+            return Err(Malformed::Unstorable(
+                "occurred_at is before 4713 BC, outside PostgreSQL's timestamps",
+            ));
+        }
         // The canonical form below is written level by level: the depth is bounded first.
         if nests_deeper_than(wire.payload.get(), MAX_NESTING) {
             return Err(Malformed::TooDeep);
@@ -344,6 +362,7 @@ impl Event {
             source: wire.source,
             event_type: wire.event_type,
             received_at: wire.received_at,
+            occurred_at: wire.occurred_at,
             payload_json: wire.payload,
             replay_window_secs: wire.replay_window_secs.filter(|secs| *secs > 0),
             payload: std::sync::OnceLock::new(),
@@ -364,6 +383,7 @@ impl Event {
             source,
             event_type,
             received_at,
+            occurred_at: None,
             payload_json: Self::json_of(&payload),
             payload_sha256,
             replay_window_secs: None,

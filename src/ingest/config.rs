@@ -69,6 +69,10 @@ pub struct SourceConfig {
     pub replay_window: Option<std::time::Duration>,
     /// The old spelling of `replay_window`, in seconds.
     pub replay_window_secs: Option<u64>,
+    /// How long this source's claims are kept (`"35d"`); `[retention] default_retention` when
+    /// unset, and required for kind = "hmac". Checked by prune against the kind's floor.
+    #[serde(default, deserialize_with = "humantime_text")]
+    pub retention: Option<std::time::Duration>,
 }
 
 /// A duration written as humantime text (`"5m"`, `"72h"`), or absent.
@@ -101,7 +105,20 @@ impl SourceConfig {
             key_from: None,
             replay_window: None,
             replay_window_secs: None,
+            retention: None,
         }
+    }
+
+    /// The replay guard's window in force for this source (see [`SourceConfig::replay_window`]),
+    /// None when it has none or its settings are incomplete.
+    pub fn effective_replay_window(&self) -> Option<std::time::Duration> {
+        let default = self.scheme().ok()?.default_replay_window_secs()?;
+        let secs = match (self.replay_window, self.replay_window_secs) {
+            (Some(w), _) => w.as_secs(),
+            (None, Some(secs)) => secs,
+            (None, None) => default,
+        };
+        (secs > 0).then(|| std::time::Duration::from_secs(secs))
     }
 }
 

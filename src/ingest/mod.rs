@@ -340,6 +340,7 @@ async fn verify(state: &AppState, source: &Source, request: Request) -> Result<E
         source: source.name.clone(),
         event_type: identity.event_type,
         received_at: Some(chrono::Utc::now()),
+        occurred_at: identity.occurred_at,
         payload: identity.payload,
         unhashed: source
             .scheme

@@ -6,6 +6,7 @@
 
 use base64::engine::general_purpose::STANDARD as BASE64;
 use base64::Engine as _;
+use chrono::{DateTime, Utc};
 use hmac::{Hmac, Mac};
 use http::HeaderMap;
 use serde::Deserialize;
@@ -83,8 +84,9 @@ impl Scheme {
 
     /// For schemes that sign only the body while the key comes from an unsigned header, the
     /// provider's redelivery window: a captured request resent under a new id within it is a
-    /// replay, not a new event. GitHub lets deliveries be redelivered for 3 days, Shopify
-    /// retries for 48 hours; a generic sender gets 3 days. Schemes that sign the id (Stripe's
+    /// replay, not a new event. GitHub lets deliveries be redelivered for 3 days; Shopify
+    /// retries 8 times over 4 hours (since 2024-09-10), given 2 days for resends by hand and
+    /// clock trouble; a generic sender gets 3 days. Schemes that sign the id (Stripe's
     /// body `id`, Standard Webhooks, Slack) need no guard.
     pub fn default_replay_window_secs(&self) -> Option<u64> {
         const DAY: u64 = 24 * 3600;
@@ -130,6 +132,11 @@ pub struct Identity {
     pub id: String,
     pub event_type: Option<String>,
     pub payload: serde_json::Value,
+    /// When the event happened at its source, for kinds whose deliveries carry it unchanged
+    /// from one delivery to the next: Stripe's body `created`, Shopify's
+    /// `X-Shopify-Triggered-At`, Slack's body `event_time`. GitHub's deliveries and Standard
+    /// Webhooks' carry none (`webhook-timestamp` is the attempt's).
+    pub occurred_at: Option<DateTime<Utc>>,
 }
 
 /// A request as the schemes see it.
@@ -217,7 +224,39 @@ fn event(
         id,
         event_type,
         payload,
+        occurred_at: None,
     }))
+}
+
+/// `verified` with the time its event happened, when the delivery said.
+fn occurred(
+    verified: Result<Verified, Rejection>,
+    at: Option<DateTime<Utc>>,
+) -> Result<Verified, Rejection> {
+    verified.map(|v| match v {
+        Verified::Event(identity) => Verified::Event(Identity {
+            occurred_at: at,
+            ..identity
+        }),
+        other => other,
+    })
+}
+
+/// A time within the years a sender could mean (1970 to 9999), from Unix seconds at `field`.
+fn unix_time_at(value: &serde_json::Value, field: &str) -> Option<DateTime<Utc>> {
+    let secs = value.get(field)?.as_i64()?;
+    DateTime::from_timestamp(secs, 0).filter(plausible)
+}
+
+/// An RFC 3339 time within the years a sender could mean.
+fn rfc3339(text: Option<&str>) -> Option<DateTime<Utc>> {
+    let at = DateTime::parse_from_rfc3339(text?.trim()).ok()?;
+    Some(at.with_timezone(&Utc)).filter(plausible)
+}
+
+fn plausible(at: &DateTime<Utc>) -> bool {
+    use chrono::Datelike as _;
+    (1970..=9999).contains(&at.year())
 }
 
 fn require(ok: bool) -> Result<(), Rejection> {
@@ -264,7 +303,8 @@ fn stripe(secrets: &[Secret], tolerance: i64, req: &Request<'_>) -> Result<Verif
         None => id,
     };
     let event_type = string_at(&body, "type");
-    event(id, event_type, body)
+    let created = unix_time_at(&body, "created");
+    occurred(event(id, event_type, body), created)
 }
 
 /// `X-Hub-Signature-256: sha256=<hex>` over the body; the id is `X-GitHub-Delivery`, which a
@@ -343,7 +383,8 @@ fn shopify(secrets: &[Secret], req: &Request<'_>) -> Result<Verified, Rejection>
         }
     };
     let event_type = req.header("x-shopify-topic").map(str::to_owned);
-    event(id, event_type, req.payload())
+    let triggered = rfc3339(req.header("x-shopify-triggered-at"));
+    occurred(event(id, event_type, req.payload()), triggered)
 }
 
 /// `X-Slack-Signature: v0=<hex>` with `X-Slack-Request-Timestamp`: HMAC-SHA256 of
@@ -376,7 +417,11 @@ fn slack(secrets: &[Secret], tolerance: i64, req: &Request<'_>) -> Result<Verifi
         .and_then(|t| t.as_str())
         .map(str::to_owned);
     let event_type = event_type.or_else(|| string_at(&body, "type"));
-    event(format!("{team}:{event_id}"), event_type, body)
+    let event_time = unix_time_at(&body, "event_time");
+    occurred(
+        event(format!("{team}:{event_id}"), event_type, body),
+        event_time,
+    )
 }
 
 /// A generic HMAC-SHA256 of the body, in a configured header, hex or base64, with an

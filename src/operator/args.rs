@@ -1,7 +1,7 @@
 //! The operator commands' flags, and how each runs: `events`, `dead-letters` and `status`.
 
 use super::events::{self, EventFilter, Resolution, Retry, RetryFilter, StateName};
-use super::{dead_letters, render, status, Act};
+use super::{dead_letters, expired, render, status, Act};
 use crate::args::{DatabaseArgs, KafkaOptions};
 use crate::effect::Registry;
 use clap::{Args, Subcommand};
@@ -90,6 +90,54 @@ pub enum EventsCommand {
         #[arg(long)]
         reason: String,
     },
+    /// List expired replays: events that arrived after their key could have been pruned, kept
+    /// unapplied for an operator.
+    Expired {
+        #[command(flatten)]
+        op: OperatorArgs,
+        /// Also those already applied or dropped.
+        #[arg(long)]
+        all: bool,
+        #[arg(long, default_value_t = DEFAULT_LIST_LIMIT)]
+        limit: i64,
+    },
+    /// Apply an expired replay once: claim its key and run its effect, audited.
+    ApplyExpired {
+        #[command(flatten)]
+        op: OperatorArgs,
+        key: String,
+        /// The effect to run, by name as for `consume --effect`, instead of the one recorded.
+        #[arg(long)]
+        effect: Option<String>,
+        #[arg(long)]
+        reason: String,
+    },
+    /// Drop an expired replay: never applied, audited.
+    DropExpired {
+        #[command(flatten)]
+        op: OperatorArgs,
+        key: String,
+        #[arg(long)]
+        reason: String,
+    },
+    /// Erase the payloads of settled events (one key, or a data subject's events of a source),
+    /// keeping the key, the hash and the status so a redelivery is still a replay. Audited;
+    /// refused for events that are not settled.
+    Erase {
+        #[command(flatten)]
+        op: OperatorArgs,
+        /// The event whose payloads go.
+        #[arg(long, required_unless_present = "source", conflicts_with = "source")]
+        key: Option<String>,
+        /// Every event of this source whose stored payload matches --match.
+        #[arg(long, requires = "matching")]
+        source: Option<String>,
+        /// FIELD=VALUE, FIELD a dotted path into the payload (customer, data.object.customer).
+        #[arg(long = "match", id = "matching", value_name = "FIELD=VALUE", value_parser = crate::args::parse_key_value, requires = "source")]
+        matching: Option<(String, String)>,
+        #[arg(long)]
+        reason: String,
+    },
 }
 
 #[derive(Debug, Clone, Args)]
@@ -162,9 +210,87 @@ impl EventsCommand {
                     events::resolve(&op.pool()?, &key, operation.as_deref(), to, &act).await?;
                 render::print(op.json, &changes, |c| render::changes(c));
             }
+            other => other.run_retention(registry).await?,
         }
         Ok(())
     }
+
+    /// The commands on expired replays and erasure.
+    async fn run_retention(self, registry: &Registry) -> anyhow::Result<()> {
+        match self {
+            Self::Expired { op, all, limit } => {
+                let rows = crate::retention::expired::list(&op.pool()?, all, limit).await?;
+                render::print(op.json, &rows, |r| render::rows(r));
+            }
+            Self::ApplyExpired {
+                op,
+                key,
+                effect,
+                reason,
+            } => {
+                let given = effect
+                    .map(|name| registry.build(std::slice::from_ref(&name), None))
+                    .transpose()?;
+                let act = op.act(&reason);
+                let changes = expired::apply(&op.pool()?, registry, &key, given, &act).await?;
+                render::print(op.json, &changes, |c| render::changes(c));
+            }
+            Self::DropExpired { op, key, reason } => {
+                let changes = expired::drop(&op.pool()?, &key, &op.act(&reason)).await?;
+                render::print(op.json, &changes, |c| render::changes(c));
+            }
+            Self::Erase {
+                op,
+                key,
+                source,
+                matching,
+                reason,
+            } => erase(op, key, source, matching, &reason).await?,
+            _ => unreachable!("the other commands run in EventsCommand::run"),
+        }
+        Ok(())
+    }
+}
+
+/// `events erase`: one key, or the events of a source whose payload matches.
+async fn erase(
+    op: OperatorArgs,
+    key: Option<String>,
+    source: Option<String>,
+    matching: Option<(String, String)>,
+    reason: &str,
+) -> anyhow::Result<()> {
+    use crate::retention::erase;
+    let pool = op.pool()?;
+    let keys = match (key, source, matching) {
+        (Some(key), _, _) => vec![key],
+        (None, Some(source), Some((field, value))) => {
+            erase::matching(&pool, &source, &field, &value).await?
+        }
+        _ => anyhow::bail!("give --key, or --source with --match"),
+    };
+    let erased = erase::erase(&pool, &keys, &op.act(reason)).await?;
+    render::print(op.json, &erased, |e| {
+        let mut out = String::new();
+        for key in &e.erased {
+            out.push_str(&format!("{key}: payloads erased\n"));
+        }
+        for (key, why) in &e.refused {
+            out.push_str(&format!("{key}: refused: {why}\n"));
+        }
+        out.push_str(&format!(
+            "{} erased, {} refused\n",
+            e.erased.len(),
+            e.refused.len()
+        ));
+        out
+    });
+    anyhow::ensure!(
+        erased.refused.is_empty(),
+        "{} event(s) were not erased",
+        erased.refused.len()
+    );
+    Ok(())
 }
 
 impl RetryArgs {

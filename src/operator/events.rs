@@ -233,31 +233,65 @@ async fn retry_local(
             status: claim.status.to_string(),
         });
     }
+    let ran = run_again(&mut tx, registry, key, &claim, given, act, "retry").await?;
+    tx.commit().await?;
+    ran.answer(key)
+}
+
+/// What running a stored claim's effect again did, in a transaction not yet committed.
+pub(super) struct RanAgain {
+    change: Change,
+    next: Next,
+    outcome: Result<(), EffectError>,
+}
+
+impl RanAgain {
+    /// The operator's answer once the transaction committed.
+    pub(super) fn answer(self, key: &str) -> Result<Vec<Change>, OperatorError> {
+        match self.next {
+            Next::Applied => Ok(vec![self.change]),
+            Next::Defer { reason, due, .. } => Err(OperatorError::StillDeferred {
+                key: key.into(),
+                reason,
+                due,
+            }),
+            _ => Err(failed(key, self.outcome)),
+        }
+    }
+}
+
+/// Runs the effect of the locked `claim` once, in `tx`, moves the claim as the consumer's rule
+/// says and audits it as `action`. A transient failure changes nothing and is an error: the
+/// caller rolls back.
+pub(super) async fn run_again(
+    tx: &mut PgConnection,
+    registry: &Registry,
+    key: &str,
+    claim: &claims::StoredClaim,
+    given: Option<Arc<dyn Effect>>,
+    act: &Act,
+    action: &str,
+) -> Result<RanAgain, OperatorError> {
     let effect = effect_to_run(registry, key, given, claim.effect_spec.as_ref())?;
     let event = claim.event(key)?;
-    let outcome = crate::effect::apply_in_savepoint(&mut tx, effect.as_ref(), &event).await?;
+    let outcome = crate::effect::apply_in_savepoint(tx, effect.as_ref(), &event).await?;
     let policy = Policy {
-        defer: settle::policy_in_force(&claim, || effect.defer_policy().unwrap_or_default()),
+        defer: settle::policy_in_force(claim, || effect.defer_policy().unwrap_or_default()),
         retry: ONE_TRY,
     };
-    let standing = Standing::stored(&claim, 1);
+    let standing = Standing::stored(claim, 1);
     let next = settle::next(outcome.as_ref().copied(), standing, &policy, Utc::now());
-    let after = match carry_out(&mut tx, key, &next, &policy).await? {
+    let after = match carry_out(tx, key, &next, &policy).await? {
         Some(after) => after,
         None => return Err(failed(key, outcome)),
     };
     let change = Change::new(key, claim.status, after);
-    crate::audit::record(&mut tx, act.audit("retry", &change)).await?;
-    tx.commit().await?;
-    match next {
-        Next::Applied => Ok(vec![change]),
-        Next::Defer { reason, due, .. } => Err(OperatorError::StillDeferred {
-            key: key.into(),
-            reason,
-            due,
-        }),
-        _ => Err(failed(key, outcome)),
-    }
+    crate::audit::record(tx, act.audit(action, &change)).await?;
+    Ok(RanAgain {
+        change,
+        next,
+        outcome,
+    })
 }
 
 /// An operator's retry is one try: a failure settles the claim at once.

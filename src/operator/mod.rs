@@ -9,6 +9,7 @@
 pub mod args;
 pub mod dead_letters;
 pub mod events;
+pub mod expired;
 #[cfg(feature = "cli")]
 pub mod render;
 pub mod status;
@@ -48,6 +49,10 @@ pub enum OperatorError {
         reason: String,
         due: chrono::DateTime<chrono::Utc>,
     },
+    #[error("{0} has no expired replay waiting for an operator")]
+    NoExpiredReplay(String),
+    #[error("{0} was claimed since it was caught as an expired replay: it already had its effect; drop the expired replay instead")]
+    ClaimedSince(String),
     #[error("the database: {0}")]
     Database(#[from] sqlx::Error),
     #[error(transparent)]

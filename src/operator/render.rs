@@ -101,7 +101,7 @@ pub fn status(s: &Status) -> String {
         out += &format!("Kafka: topic {topic}, group {group}, total lag {total}\n");
         out += &lag_table(s);
     }
-    out += &format!("Claims: {}\n", counts(&s.claims));
+    out += &format!("Claims: {}\n", estimated_done(&s.claims));
     if let Some(next) = s.next_deferred_due_seconds {
         out += &format!(
             "Deferred: {}; oldest {:.0} s; next due {}\n",
@@ -113,14 +113,18 @@ pub fn status(s: &Status) -> String {
             }
         );
     }
-    out += &format!("Outbox: {}\n", counts(&s.outbox));
+    out += &format!("Outbox: {}\n", estimated_done(&s.outbox));
     out += &format!(
         "Oldest due operation: {:.0} s; expired leases: {}\n",
         s.oldest_due_seconds, s.expired_leases
     );
     out += &format!(
-        "Dead letters: {} ({} not replayed); key conflicts: {}\n",
+        "Dead letters: ~{} ({} not replayed); key conflicts: ~{}\n",
         s.dead_letters, s.dead_letters_not_replayed, s.key_conflicts
+    );
+    out += &format!(
+        "Expired replays: {} waiting for an operator; oldest {:.0} s\n",
+        s.expired_replays, s.oldest_expired_replay_seconds
     );
     out
 }
@@ -143,11 +147,18 @@ fn lag_table(s: &Status) -> String {
     format!("{table}\n")
 }
 
-fn counts(rows: &[(String, i64)]) -> String {
+/// Counts by state, the `done` one marked as an estimate (`~`).
+fn estimated_done(rows: &[(String, i64)]) -> String {
     if rows.is_empty() {
         return "none".into();
     }
-    let parts: Vec<String> = rows.iter().map(|(k, n)| format!("{k} {n}")).collect();
+    let parts: Vec<String> = rows
+        .iter()
+        .map(|(k, n)| match k.as_str() {
+            "done" => format!("{k} ~{n}"),
+            _ => format!("{k} {n}"),
+        })
+        .collect();
     parts.join(", ")
 }
 

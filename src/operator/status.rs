@@ -1,6 +1,8 @@
 //! `replayproof status`: one screen for an operator. Lag per partition of the group, claims by
 //! status, deferred events (the oldest, the next due), the outbox by state, the oldest due
-//! operation, dead letters and key conflicts.
+//! operation, dead letters, key conflicts and expired replays. The big tables are never counted
+//! whole: done claims and operations, dead letters and key conflicts are estimated from the
+//! tables' statistics (`~` in the text).
 
 use anyhow::Context as _;
 use rdkafka::consumer::{BaseConsumer, Consumer};
@@ -37,6 +39,10 @@ pub struct Status {
     pub dead_letters: i64,
     pub dead_letters_not_replayed: i64,
     pub key_conflicts: i64,
+    /// Expired replays waiting for an operator (arrived after their key could be pruned).
+    pub expired_replays: i64,
+    /// Seconds since the oldest of them was caught.
+    pub oldest_expired_replay_seconds: f64,
 }
 
 /// Where to read the group's lag from.
@@ -55,6 +61,8 @@ pub async fn gather(pool: &PgPool, kafka: Option<KafkaTarget>) -> anyhow::Result
     let (deferred, oldest_deferred, next_due) =
         crate::claims::deferred_overview(pool, None).await?;
     let outbox = gauges.by_state.into_iter();
+    let (expired_replays, oldest_expired_replay_seconds) =
+        crate::retention::expired::open_overview(pool).await?;
     let mut status = Status {
         claims: crate::claims::counts(pool).await?,
         deferred,
@@ -66,6 +74,8 @@ pub async fn gather(pool: &PgPool, kafka: Option<KafkaTarget>) -> anyhow::Result
         dead_letters,
         dead_letters_not_replayed: not_replayed,
         key_conflicts: crate::claims::conflicts::count(pool).await?,
+        expired_replays,
+        oldest_expired_replay_seconds,
         ..Status::default()
     };
     if let Some(target) = kafka {

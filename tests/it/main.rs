@@ -21,9 +21,10 @@ mod ingest {
 }
 /// Every connection over TLS: PostgreSQL, Kafka with SASL/SCRAM, dispatch over HTTPS.
 mod tls;
-/// The operator's commands and `status`.
+/// The operator's commands, `status`, and retention: prune, expired replays, erasure.
 mod operator {
     mod commands;
+    mod retention;
     mod status;
 }
 /// What a deployment reads: the compose file, the schema, the secrets, the metrics and alerts,

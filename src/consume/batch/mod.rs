@@ -13,6 +13,7 @@
 //! batch is split in halves until the refused messages are found; each becomes a dead letter
 //! with PostgreSQL's message and the rest commits, so one bad message never stalls a partition.
 
+mod expired;
 mod failures;
 mod guarded;
 mod plan;
@@ -70,6 +71,9 @@ pub struct BatchReport {
     /// Effect attempts that failed, including those retried successfully (deferrals are not
     /// failures).
     pub effect_errors: usize,
+    /// Events whose key is unknown and that are older than their source's prune horizon:
+    /// recorded in `expired_replays`, not applied.
+    pub expired: usize,
 }
 
 impl BatchReport {
@@ -82,6 +86,7 @@ impl BatchReport {
         self.failed += other.failed;
         self.deferred += other.deferred;
         self.effect_errors += other.effect_errors;
+        self.expired += other.expired;
     }
 }
 
@@ -398,8 +403,8 @@ impl BatchProcessor {
         }
     }
 
-    /// The batch's steps, in its transaction: dead letters, replayed captures, claims, replays
-    /// and conflicts, effects, failures.
+    /// The batch's steps, in its transaction: dead letters, replayed captures, expired replays,
+    /// claims, replays and conflicts, effects, failures.
     async fn run(
         &self,
         tx: &mut Transaction<'static, Postgres>,
@@ -420,6 +425,7 @@ impl BatchProcessor {
                 report.conflicts += replays.len();
                 conflicts::record(tx, origin, &replays).await?;
             }
+            report.expired = self.sort_out_expired(tx, origin, &mut firsts).await?;
         }
         if firsts.is_empty() {
             return Ok(Pass::reporting(report));

@@ -9,6 +9,7 @@ pub fn envelope(key: &str, payload: serde_json::Value) -> Vec<u8> {
         source: "test".into(),
         event_type: Some("test.event".into()),
         received_at: None,
+        occurred_at: None,
         payload,
         unhashed: Vec::new(),
         replay_window_secs: None,

@@ -415,3 +415,78 @@ fn extreme_timestamps_are_refused_not_an_overflow() {
         unauthorized(verify(&Scheme::StandardWebhooks, &[secret], &h, body));
     }
 }
+
+fn occurred_at(v: Result<Verified, Rejection>) -> Option<i64> {
+    match v {
+        Ok(Verified::Event(identity)) => identity.occurred_at.map(|t| t.timestamp()),
+        other => panic!("expected an event, got {other:?}"),
+    }
+}
+
+#[test]
+fn the_event_time_is_read_where_the_provider_puts_it_and_only_there() {
+    let stripe = br#"{"id":"evt_1","created":1700000000}"#;
+    let h = headers(&[("stripe-signature", stripe_header(b"s", NOW, stripe))]);
+    assert_eq!(
+        occurred_at(verify(&Scheme::Stripe, &[b"s"], &h, stripe)),
+        Some(1_700_000_000)
+    );
+    // A created time no sender could mean is left out, not stored.
+    let absurd = br#"{"id":"evt_1","created":-99999999999999}"#;
+    let h = headers(&[("stripe-signature", stripe_header(b"s", NOW, absurd))]);
+    assert_eq!(
+        occurred_at(verify(&Scheme::Stripe, &[b"s"], &h, absurd)),
+        None
+    );
+
+    let body = br#"{"id":1}"#;
+    let h = headers(&[
+        (
+            "x-shopify-hmac-sha256",
+            BASE64.encode(hmac(b"shpss", &[body])),
+        ),
+        ("x-shopify-shop-domain", "shop.myshopify.com".into()),
+        ("x-shopify-event-id", "e1".into()),
+        (
+            "x-shopify-triggered-at",
+            "2023-11-14T22:13:20.000000Z".into(),
+        ),
+    ]);
+    assert_eq!(
+        occurred_at(verify(&Scheme::Shopify, &[b"shpss"], &h, body)),
+        Some(1_700_000_000)
+    );
+
+    let secret = b"8f742231b10e8888abcd99yyyzzz85a5";
+    let slack =
+        br#"{"type":"event_callback","team_id":"T1","event_id":"Ev9","event_time":1700000000}"#;
+    let t = NOW.to_string();
+    let h = headers(&[
+        ("x-slack-request-timestamp", t.clone()),
+        (
+            "x-slack-signature",
+            format!(
+                "v0={}",
+                hex::encode(hmac(secret, &[b"v0:", t.as_bytes(), b":", slack]))
+            ),
+        ),
+    ]);
+    assert_eq!(
+        occurred_at(verify(&Scheme::Slack, &[secret], &h, slack)),
+        Some(1_700_000_000)
+    );
+
+    // GitHub's deliveries carry no time of the event itself.
+    let github = br#"{"created_at":"2023-11-14T22:13:20Z"}"#;
+    let h = headers(&[
+        (
+            "x-hub-signature-256",
+            format!("sha256={}", hex::encode(hmac(b"g", &[github]))),
+        ),
+        ("x-github-delivery", "d1".into()),
+    ]);
+    assert_eq!(
+        occurred_at(verify(&Scheme::Github, &[b"g"], &h, github)),
+        None
+    );
+}

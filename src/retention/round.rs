@@ -1,0 +1,172 @@
+//! One prune round, as `replayproof prune` and `consume --prune-interval` run it: decide each
+//! source's retention, check it against its kind's floor and the topic's retention, then prune
+//! (or, dry, count what would go).
+
+use super::prune::{self, Pruned};
+use super::{Decided, Lifetimes, Refusal};
+use sqlx::PgPool;
+use std::time::Duration;
+
+/// How the topic's own retention is known.
+#[derive(Debug, Clone)]
+pub enum TopicRetention {
+    /// Stated by the operator (`--topic-retention`); None: the topic keeps messages forever.
+    Stated(Option<Duration>),
+    /// Read from the broker (`retention.ms` of the topic).
+    Broker {
+        config: rdkafka::ClientConfig,
+        topic: String,
+    },
+}
+
+/// Everything a round needs.
+#[derive(Debug, Clone)]
+pub struct Pruner {
+    pub pool: PgPool,
+    pub lifetimes: Lifetimes,
+    /// The topic the claims' events were read from.
+    pub topic: String,
+    pub topic_retention: TopicRetention,
+    /// Prune under a retention below its kind's floor (audited every round).
+    pub allow_below_floor: bool,
+    /// Prune under a retention shorter than the topic's (audited every round).
+    pub allow_below_topic_retention: bool,
+    /// Rows one statement deletes at most.
+    pub batch: i64,
+    /// Who prunes, for the audit rows.
+    pub actor: String,
+}
+
+/// Why a round did nothing.
+#[derive(Debug, thiserror::Error)]
+pub enum RoundError {
+    #[error(transparent)]
+    Refused(#[from] Refusal),
+    #[error("the database: {0}")]
+    Database(#[from] sqlx::Error),
+    #[error("{0:#}")]
+    Unexpected(#[from] anyhow::Error),
+}
+
+/// What a round decided and did.
+#[derive(Debug, Clone)]
+pub struct Round {
+    pub decided: Vec<Decided>,
+    pub pruned: Pruned,
+    pub dry_run: bool,
+}
+
+impl Pruner {
+    /// Decides, checks and prunes; `dry_run` only counts.
+    #[tracing::instrument(name = "prune", skip_all, fields(dry_run))]
+    pub async fn round(&self, dry_run: bool) -> Result<Round, RoundError> {
+        let seen = prune::sources(&self.pool).await?;
+        let decided = self.lifetimes.decide(&seen, self.allow_below_floor)?;
+        let below_topic = self.check_topic(&decided).await?;
+        if dry_run {
+            let pruned = prune::dry_run(&self.pool, &decided, &self.lifetimes).await?;
+            return Ok(Round {
+                decided,
+                pruned,
+                dry_run,
+            });
+        }
+        self.audit_overrides(&decided, below_topic).await?;
+        let mut pruned = Pruned::default();
+        for d in &decided {
+            prune::prune_source(&self.pool, d, self.batch, &mut pruned).await?;
+        }
+        prune::prune_by_age(&self.pool, &self.lifetimes, self.batch, &mut pruned).await?;
+        Ok(Round {
+            decided,
+            pruned,
+            dry_run,
+        })
+    }
+
+    /// Refuses a retention shorter than the topic's, unless allowed; returns whether one was.
+    async fn check_topic(&self, decided: &[Decided]) -> Result<bool, RoundError> {
+        let topic_retention = match &self.topic_retention {
+            TopicRetention::Stated(stated) => *stated,
+            TopicRetention::Broker { config, topic } => read_retention(config, topic).await?,
+        };
+        match super::check_topic(decided, &self.topic, topic_retention) {
+            Ok(()) => Ok(false),
+            Err(_) if self.allow_below_topic_retention => Ok(true),
+            Err(refusal) => Err(refusal.into()),
+        }
+    }
+
+    /// One audit row per override in force this round.
+    async fn audit_overrides(&self, decided: &[Decided], below_topic: bool) -> sqlx::Result<()> {
+        let mut conn = self.pool.acquire().await?;
+        for d in decided.iter().filter(|d| d.below_floor()) {
+            let reason = format!(
+                "--allow-below-floor: retention {} below the {} floor",
+                humantime::format_duration(d.retention),
+                humantime::format_duration(d.floor.unwrap_or_default())
+            );
+            self.audit(&mut conn, "prune.below_floor", &d.source, &reason)
+                .await?;
+        }
+        if below_topic {
+            let reason = "--allow-below-topic-retention: claims may go before the topic's messages";
+            self.audit(
+                &mut conn,
+                "prune.below_topic_retention",
+                &self.topic,
+                reason,
+            )
+            .await?;
+        }
+        Ok(())
+    }
+
+    async fn audit(
+        &self,
+        conn: &mut sqlx::PgConnection,
+        action: &str,
+        target: &str,
+        reason: &str,
+    ) -> sqlx::Result<()> {
+        let action = crate::audit::Action {
+            actor: &self.actor,
+            action,
+            target,
+            reason,
+            before: "",
+            after: "",
+        };
+        crate::audit::record(conn, action).await
+    }
+}
+
+/// The topic's `retention.ms`, from the broker; None when it keeps messages forever (-1).
+async fn read_retention(
+    config: &rdkafka::ClientConfig,
+    topic: &str,
+) -> anyhow::Result<Option<Duration>> {
+    use anyhow::Context as _;
+    use rdkafka::admin::{AdminClient, AdminOptions, ResourceSpecifier};
+    let admin: AdminClient<rdkafka::client::DefaultClientContext> =
+        config.create().context("creating a Kafka admin client")?;
+    let options = AdminOptions::new().request_timeout(Some(Duration::from_secs(10)));
+    let resource = ResourceSpecifier::Topic(topic);
+    let results = admin
+        .describe_configs([&resource], &options)
+        .await
+        .with_context(|| format!("reading the retention.ms of the topic {topic} from the broker (state it with --topic-retention when the broker cannot say)"))?;
+    let config = results
+        .into_iter()
+        .next()
+        .context("the broker returned no configuration")?
+        .map_err(|code| anyhow::anyhow!("the broker refused to describe {topic}: {code}"))?;
+    let ms = config
+        .get("retention.ms")
+        .and_then(|e| e.value.as_deref())
+        .with_context(|| format!("the broker did not say the retention.ms of {topic}"))?;
+    let ms: i64 = ms
+        .parse()
+        .with_context(|| format!("retention.ms of {topic} is {ms:?}"))?;
+    Ok(u64::try_from(ms).ok().map(Duration::from_millis))
+}

@@ -1,0 +1,435 @@
+//! Retention: prune deletes only settled claims past their source's retention (with their
+//! operations), refuses retentions its guard forbids, catches a redelivery of a pruned event as
+//! an expired replay instead of applying it twice, and erasure keeps dedupe.
+
+use crate::harness::{stdout_of, TestDb, TestKafka};
+use replayproof::consume::{BatchProcessor, EffectRetry, RawMessage};
+use replayproof::effect::{Ledger, Registry};
+use replayproof::envelope::Envelope;
+use replayproof::ingest::config::Kind;
+use replayproof::operator::{expired, Act};
+use replayproof::retention::round::{Pruner, RoundError, TopicRetention};
+use replayproof::retention::{Lifetimes, Refusal, SourceRetention};
+use serde_json::json;
+use std::sync::Arc;
+use std::time::Duration;
+
+const DAY: Duration = Duration::from_secs(24 * 3600);
+
+/// A Stripe event that happened `days_ago`, as the ingress writes it.
+fn stripe_event(id: &str, days_ago: i64) -> Vec<u8> {
+    let occurred = chrono::Utc::now() - chrono::Duration::days(days_ago);
+    Envelope {
+        key: format!("stripe:{id}"),
+        source: "stripe".into(),
+        event_type: Some("invoice.paid".into()),
+        received_at: None,
+        occurred_at: Some(occurred),
+        payload: json!({"id": id, "created": occurred.timestamp(), "customer": "cus_1"}),
+        unhashed: Vec::new(),
+        replay_window_secs: None,
+    }
+    .to_bytes()
+}
+
+fn raw(offset: i64, value: Vec<u8>) -> RawMessage {
+    RawMessage {
+        offset,
+        key: None,
+        value: Some(value),
+    }
+}
+
+async fn consume(db: &TestDb, messages: &[RawMessage]) -> replayproof::consume::BatchReport {
+    BatchProcessor::new(db.pool.clone(), Arc::new(Ledger))
+        .with_retry(EffectRetry {
+            attempts: 1,
+            backoff: Duration::ZERO,
+        })
+        .process("t", 0, messages)
+        .await
+        .unwrap()
+}
+
+/// A pruner keeping stripe's claims for `retention`, the topic keeping messages for a day.
+fn pruner(db: &TestDb, retention: Duration) -> Pruner {
+    let mut lifetimes = Lifetimes::default();
+    lifetimes.sources.insert(
+        "stripe".into(),
+        SourceRetention {
+            kind: Some(Kind::Stripe),
+            retention: Some(retention),
+            replay_window: None,
+        },
+    );
+    Pruner {
+        pool: db.pool.clone(),
+        lifetimes,
+        topic: "t".into(),
+        topic_retention: TopicRetention::Stated(Some(DAY)),
+        allow_below_floor: false,
+        allow_below_topic_retention: false,
+        batch: 2,
+        actor: "test".into(),
+    }
+}
+
+async fn backdate_claims(db: &TestDb, days: i64) {
+    sqlx::query("UPDATE processed_events SET claimed_at = now() - make_interval(days => $1)")
+        .bind(days as i32)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+}
+
+async fn ledger_rows(db: &TestDb, key: &str) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM ledger WHERE event_key = $1")
+        .bind(key)
+        .fetch_one(&db.pool)
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn a_redelivery_after_its_key_was_pruned_is_an_expired_replay_applied_once_by_hand() {
+    let db = TestDb::new().await;
+    let event = stripe_event("evt_old", 10);
+    assert_eq!(consume(&db, &[raw(0, event.clone())]).await.applied, 1);
+    backdate_claims(&db, 10).await;
+    let round = pruner(&db, 5 * DAY).round(false).await.unwrap();
+    assert_eq!(round.pruned.of("processed_events"), 1);
+    assert_eq!(
+        ledger_rows(&db, "stripe:evt_old").await,
+        0,
+        "pruned with its claim"
+    );
+
+    // The sender resends the 10-day-old event: its key is gone, and it is not applied again.
+    let report = consume(&db, &[raw(1, event.clone())]).await;
+    assert_eq!((report.applied, report.expired), (0, 1));
+    assert_eq!(
+        ledger_rows(&db, "stripe:evt_old").await,
+        0,
+        "no second effect"
+    );
+    assert_eq!(db.count("SELECT count(*) FROM processed_events").await, 0);
+    // Once more: the same expired replay, seen twice.
+    consume(&db, &[raw(2, event.clone())]).await;
+    let seen: Vec<(i64, Option<String>)> =
+        sqlx::query_as("SELECT times_seen, resolution FROM expired_replays")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(seen, [(2, None)]);
+
+    // A fresh event of the same source is applied as ever.
+    let fresh = consume(&db, &[raw(3, stripe_event("evt_new", 0))]).await;
+    assert_eq!((fresh.applied, fresh.expired), (1, 0));
+
+    // The operator applies it: once, audited; a later redelivery is a plain replay.
+    let act = Act::new("ops", "customer asked");
+    let changes = expired::apply(&db.pool, &Registry::default(), "stripe:evt_old", None, &act)
+        .await
+        .unwrap();
+    assert_eq!(changes[0].after, "done");
+    assert_eq!(ledger_rows(&db, "stripe:evt_old").await, 1);
+    let again = expired::apply(&db.pool, &Registry::default(), "stripe:evt_old", None, &act).await;
+    assert!(again.is_err(), "nothing left to apply");
+    let report = consume(&db, &[raw(4, event)]).await;
+    assert_eq!((report.duplicates, report.expired), (1, 0));
+    assert_eq!(ledger_rows(&db, "stripe:evt_old").await, 1);
+    let audited = db
+        .count("SELECT count(*) FROM operator_actions WHERE action = 'apply-expired'")
+        .await;
+    assert_eq!(audited, 1);
+}
+
+#[tokio::test]
+async fn a_dropped_expired_replay_is_never_applied_and_is_audited() {
+    let db = TestDb::new().await;
+    let event = stripe_event("evt_drop", 10);
+    consume(&db, &[raw(0, event.clone())]).await;
+    backdate_claims(&db, 10).await;
+    pruner(&db, 5 * DAY).round(false).await.unwrap();
+    assert_eq!(consume(&db, &[raw(1, event)]).await.expired, 1);
+    let act = Act::new("ops", "duplicate of a manual fix");
+    expired::drop(&db.pool, "stripe:evt_drop", &act)
+        .await
+        .unwrap();
+    let registry = Registry::default();
+    let applied = expired::apply(&db.pool, &registry, "stripe:evt_drop", None, &act).await;
+    assert!(applied.is_err());
+    assert_eq!(ledger_rows(&db, "stripe:evt_drop").await, 0);
+    let audited = db
+        .count("SELECT count(*) FROM operator_actions WHERE action = 'drop-expired'")
+        .await;
+    assert_eq!(audited, 1);
+}
+
+#[tokio::test]
+async fn prune_keeps_failed_deferred_and_unsettled_claims_and_takes_operations_with_the_rest() {
+    let db = TestDb::new().await;
+    let messages: Vec<RawMessage> = ["done", "failed", "deferred", "op_pending", "op_done"]
+        .iter()
+        .enumerate()
+        .map(|(i, id)| raw(i as i64, stripe_event(id, 10)))
+        .collect();
+    consume(&db, &messages).await;
+    sqlx::raw_sql(
+        "UPDATE processed_events SET status = 'failed', payload = '{}' WHERE event_key = 'stripe:failed';
+         UPDATE processed_events SET status = 'deferred', payload = '{}', due_at = now(),
+             deadline_at = now() + interval '1 day' WHERE event_key = 'stripe:deferred';
+         INSERT INTO outbox (operation_key, event_key, operation, destination, payload, state)
+         VALUES ('stripe:op_pending/http', 'stripe:op_pending', 'http', 'x', '', 'pending'),
+                ('stripe:op_done/http', 'stripe:op_done', 'http', 'x', '', 'done');
+         INSERT INTO outbox_attempts (outbox_id, fencing_token, worker, kind, idempotency_key,
+             payload_sha256, started_at, duration_ms, outcome, applied)
+         SELECT id, 1, 'w', 'deliver', operation_key, sha256(''), now(), 1, 'done', true FROM outbox",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    backdate_claims(&db, 10).await;
+
+    let dry = pruner(&db, 5 * DAY).round(true).await.unwrap();
+    assert_eq!(dry.pruned.of("processed_events"), 2);
+    assert_eq!(
+        db.count("SELECT count(*) FROM processed_events").await,
+        5,
+        "dry"
+    );
+
+    let round = pruner(&db, 5 * DAY).round(false).await.unwrap();
+    assert_eq!(round.pruned.of("processed_events"), 2);
+    assert_eq!(round.pruned.of("outbox"), 1);
+    assert_eq!(round.pruned.of("outbox_attempts"), 1);
+    let left: Vec<String> = sqlx::query_scalar("SELECT event_key FROM processed_events ORDER BY 1")
+        .fetch_all(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(
+        left,
+        ["stripe:deferred", "stripe:failed", "stripe:op_pending"]
+    );
+    assert_eq!(db.count("SELECT count(*) FROM outbox").await, 1);
+    assert_eq!(db.count("SELECT count(*) FROM outbox_attempts").await, 1);
+}
+
+#[tokio::test]
+async fn claims_younger_than_the_retention_stay() {
+    let db = TestDb::new().await;
+    consume(&db, &[raw(0, stripe_event("evt_1", 3))]).await;
+    backdate_claims(&db, 3).await;
+    let round = pruner(&db, 5 * DAY).round(false).await.unwrap();
+    assert_eq!(round.pruned.of("processed_events"), 0);
+    assert_eq!(db.count("SELECT count(*) FROM processed_events").await, 1);
+}
+
+#[tokio::test]
+async fn every_refusal_of_the_guard_deletes_nothing_and_an_allowed_one_is_audited() {
+    let db = TestDb::new().await;
+    consume(&db, &[raw(0, stripe_event("evt_1", 10))]).await;
+    backdate_claims(&db, 10).await;
+    let claims = || db.count("SELECT count(*) FROM processed_events");
+
+    let below_floor = pruner(&db, DAY);
+    let refused = below_floor.round(false).await.unwrap_err();
+    assert!(matches!(
+        refused,
+        RoundError::Refused(Refusal::BelowFloor { .. })
+    ));
+    assert_eq!(claims().await, 1);
+
+    let mut below_topic = pruner(&db, 5 * DAY);
+    below_topic.topic_retention = TopicRetention::Stated(Some(7 * DAY));
+    let refused = below_topic.round(false).await.unwrap_err();
+    assert!(matches!(
+        refused,
+        RoundError::Refused(Refusal::BelowTopic { .. })
+    ));
+    below_topic.topic_retention = TopicRetention::Stated(None);
+    assert!(
+        below_topic.round(false).await.is_err(),
+        "a topic kept forever"
+    );
+    assert_eq!(claims().await, 1);
+
+    let mut hmac = pruner(&db, 5 * DAY);
+    hmac.lifetimes.sources.insert(
+        "custom".into(),
+        SourceRetention {
+            kind: Some(Kind::Hmac),
+            retention: None,
+            replay_window: None,
+        },
+    );
+    let refused = hmac.round(false).await.unwrap_err();
+    assert!(matches!(refused, RoundError::Refused(Refusal::Unstated(_))));
+    assert_eq!(claims().await, 1);
+
+    let mut allowed = pruner(&db, DAY);
+    allowed.allow_below_floor = true;
+    allowed.round(false).await.unwrap();
+    assert_eq!(claims().await, 0);
+    let audited = db
+        .count("SELECT count(*) FROM operator_actions WHERE action = 'prune.below_floor' AND target = 'stripe'")
+        .await;
+    assert_eq!(audited, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_a_stated_topic_retention_prune_asks_the_broker_and_refuses_when_it_cannot_say() {
+    let (kafka, db) = (TestKafka::mock(), TestDb::new().await);
+    let mut p = pruner(&db, 5 * DAY);
+    p.topic_retention = TopicRetention::Broker {
+        config: replayproof::kafka::client_config(
+            replayproof::kafka::Role::Reader,
+            &kafka.brokers(),
+            None,
+            &[],
+            &[],
+        )
+        .unwrap(),
+        topic: "t".into(),
+    };
+    // librdkafka's mock cluster does not answer DescribeConfigs: nothing is pruned blind.
+    let refused = p.round(false).await.unwrap_err();
+    assert!(
+        format!("{refused}").contains("--topic-retention"),
+        "{refused}"
+    );
+}
+
+#[tokio::test]
+async fn erasure_removes_payloads_keeps_dedupe_and_refuses_unsettled_events() {
+    let db = TestDb::new().await;
+    let event = stripe_event("evt_pii", 0);
+    consume(
+        &db,
+        &[raw(0, event.clone()), raw(1, stripe_event("evt_failed", 0))],
+    )
+    .await;
+    sqlx::query("UPDATE processed_events SET status = 'failed', payload = '{\"customer\": \"cus_1\"}' WHERE event_key = 'stripe:evt_failed'")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let keys = replayproof::retention::erase::matching(&db.pool, "stripe", "customer", "cus_1")
+        .await
+        .unwrap();
+    assert_eq!(keys, ["stripe:evt_failed", "stripe:evt_pii"]);
+    let act = Act::new("dpo", "erasure request 42");
+    let erased = replayproof::retention::erase::erase(&db.pool, &keys, &act)
+        .await
+        .unwrap();
+    assert_eq!(erased.erased, ["stripe:evt_pii"]);
+    assert_eq!(
+        erased.refused.len(),
+        1,
+        "the failed claim still needs its payload"
+    );
+    let payload: serde_json::Value =
+        sqlx::query_scalar("SELECT payload FROM ledger WHERE event_key = 'stripe:evt_pii'")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(payload, serde_json::Value::Null);
+    // The key and hash stay: the redelivery is a replay, not a second effect.
+    let report = consume(&db, &[raw(2, event)]).await;
+    assert_eq!(
+        (report.duplicates, report.applied, report.conflicts),
+        (1, 0, 0)
+    );
+    assert_eq!(ledger_rows(&db, "stripe:evt_pii").await, 1);
+    let audited = db
+        .count("SELECT count(*) FROM operator_actions WHERE action = 'erase'")
+        .await;
+    assert_eq!(audited, 1);
+}
+
+#[tokio::test]
+async fn the_claims_table_and_its_index_stop_growing_once_retention_is_reached() {
+    let db = TestDb::new().await;
+    let mut p = pruner(&db, Duration::from_secs(1800));
+    p.allow_below_floor = true;
+    p.allow_below_topic_retention = true;
+    p.batch = 1000;
+    let mut sizes = Vec::new();
+    for round in 0..6 {
+        let messages: Vec<RawMessage> = (0..500)
+            .map(|i| raw(i, stripe_event(&format!("r{round}-{i}"), 0)))
+            .collect();
+        consume(&db, &messages).await;
+        // An hour passes between rounds: the previous round is past the 30 minutes.
+        sqlx::query("UPDATE processed_events SET claimed_at = claimed_at - interval '1 hour'")
+            .execute(&db.pool)
+            .await
+            .unwrap();
+        p.round(false).await.unwrap();
+        sqlx::query("VACUUM processed_events")
+            .execute(&db.pool)
+            .await
+            .unwrap();
+        let rows = db.count("SELECT count(*) FROM processed_events").await;
+        let index = db
+            .count("SELECT pg_relation_size('processed_events_pkey')")
+            .await;
+        sizes.push((rows, index));
+    }
+    assert!(sizes.iter().all(|(rows, _)| *rows == 0), "{sizes:?}");
+    let (first, last) = (sizes[1].1, sizes[5].1);
+    assert!(
+        last <= first,
+        "the index grew from {first} to {last} bytes: {sizes:?}"
+    );
+}
+
+#[tokio::test]
+async fn prune_dry_run_from_the_command_line_reads_the_file_and_changes_nothing() {
+    let db = TestDb::new().await;
+    consume(&db, &[raw(0, stripe_event("evt_1", 10))]).await;
+    backdate_claims(&db, 10).await;
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("replayproof.toml");
+    std::fs::write(
+        &file,
+        r#"
+[retention]
+default_retention = "9days"
+
+[[ingest.sources]]
+name = "stripe"
+kind = "stripe"
+secrets_env = ["STRIPE_SECRET"]
+retention = "6days"
+"#,
+    )
+    .unwrap();
+    let run = |extra: &[&str]| {
+        let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_replayproof"));
+        command
+            .args(["prune", "--config"])
+            .arg(&file)
+            .args(["--database-url", &db.url, "--brokers", "127.0.0.1:1"])
+            .args(["--topic-retention", "1day"])
+            .args(extra);
+        command
+    };
+    let text = String::from_utf8(stdout_of(&mut run(&["--dry-run"]))).unwrap();
+    assert!(
+        text.contains("stripe: kind stripe, retention 6days"),
+        "{text}"
+    );
+    assert!(
+        text.contains("would delete 1 processed_events rows (source stripe)"),
+        "{text}"
+    );
+    assert_eq!(db.count("SELECT count(*) FROM processed_events").await, 1);
+    let below = run(&["--source-retention", "stripe=1day"])
+        .output()
+        .unwrap();
+    assert!(!below.status.success());
+    let stderr = String::from_utf8_lossy(&below.stderr);
+    assert!(stderr.contains("--allow-below-floor"), "{stderr}");
+    assert!(run(&[]).status().unwrap().success());
+    assert_eq!(db.count("SELECT count(*) FROM processed_events").await, 0);
+}
