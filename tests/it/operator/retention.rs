@@ -2,7 +2,7 @@
 //! operations), refuses retentions its guard forbids, catches a redelivery of a pruned event as
 //! an expired replay instead of applying it twice, and erasure keeps dedupe.
 
-use crate::harness::{stdout_of, TestDb, TestKafka};
+use crate::harness::{metric_value, stdout_of, wait_for, TestDb, TestKafka};
 use replayproof::consume::{BatchProcessor, EffectRetry, RawMessage};
 use replayproof::effect::{Ledger, Registry};
 use replayproof::envelope::Envelope;
@@ -432,4 +432,63 @@ retention = "6days"
     assert!(stderr.contains("--allow-below-floor"), "{stderr}");
     assert!(run(&[]).status().unwrap().success());
     assert_eq!(db.count("SELECT count(*) FROM processed_events").await, 0);
+}
+
+#[tokio::test]
+async fn the_background_pruner_prunes_every_interval_and_counts_what_it_did() {
+    use replayproof::retention::background::Background;
+    let db = TestDb::new().await;
+    consume(&db, &[raw(0, stripe_event("evt_1", 10))]).await;
+    backdate_claims(&db, 10).await;
+    let registry = prometheus::Registry::new();
+    let metrics = replayproof::consume::ConsumeMetrics::new(&registry).unwrap();
+    let shutdown = tokio_util::sync::CancellationToken::new();
+
+    // A round the guard refuses deletes nothing, is counted, and the task goes on.
+    let refused = Background {
+        pruner: pruner(&db, DAY),
+        every: Duration::from_millis(50),
+        metrics: metrics.prune.clone(),
+    };
+    let task = tokio::spawn(refused.run(shutdown.clone()));
+    wait_for("a refused round", Duration::from_secs(10), || async {
+        metric_value(&registry, "replayproof_prune_rounds_total") >= 2.0
+    })
+    .await;
+    assert_eq!(db.count("SELECT count(*) FROM processed_events").await, 1);
+    shutdown.cancel();
+    task.await.unwrap();
+
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let background = Background {
+        pruner: pruner(&db, 5 * DAY),
+        every: Duration::from_millis(50),
+        metrics: metrics.prune.clone(),
+    };
+    let task = tokio::spawn(background.run(shutdown.clone()));
+    wait_for(
+        "the claim pruned and counted",
+        Duration::from_secs(10),
+        || async { metric_value(&registry, "replayproof_pruned_rows_total") >= 2.0 },
+    )
+    .await;
+    assert_eq!(db.count("SELECT count(*) FROM processed_events").await, 0);
+    assert_eq!(db.count("SELECT count(*) FROM ledger").await, 0);
+    assert_eq!(
+        metric_value(&registry, "replayproof_retention_seconds"),
+        (5 * DAY).as_secs_f64()
+    );
+    shutdown.cancel();
+    task.await.unwrap();
+    let text = prometheus::TextEncoder::new()
+        .encode_to_string(&registry.gather())
+        .unwrap();
+    assert!(
+        text.contains(r#"replayproof_prune_rounds_total{outcome="refused"}"#),
+        "{text}"
+    );
+    assert!(
+        text.contains(r#"replayproof_pruned_rows_total{table="processed_events"} 1"#),
+        "{text}"
+    );
 }
