@@ -186,72 +186,113 @@ pub async fn prune_source(
     }
 }
 
-/// The tables pruned by age alone, each statement deleting at most `$2` rows older than `$1`
-/// seconds.
-const BY_AGE: &[(&str, &str)] = &[
-    (
-        "key_conflicts",
-        "DELETE FROM key_conflicts WHERE ctid = ANY(ARRAY(SELECT ctid FROM key_conflicts \
-         WHERE last_seen_at < now() - make_interval(secs => $1) LIMIT $2 FOR UPDATE SKIP LOCKED))",
-    ),
-    (
-        "delivery_fingerprints",
-        "DELETE FROM delivery_fingerprints WHERE ctid = ANY(ARRAY(SELECT ctid FROM \
-         delivery_fingerprints WHERE first_seen_at < now() - make_interval(secs => $1) \
-         LIMIT $2 FOR UPDATE SKIP LOCKED))",
-    ),
-    (
-        "dead_letters",
-        "DELETE FROM dead_letters WHERE ctid = ANY(ARRAY(SELECT ctid FROM dead_letters \
-         WHERE replayed_at IS NOT NULL AND created_at < now() - make_interval(secs => $1) \
-         LIMIT $2 FOR UPDATE SKIP LOCKED))",
-    ),
-    (
-        "operator_actions",
-        "DELETE FROM operator_actions WHERE ctid = ANY(ARRAY(SELECT ctid FROM operator_actions \
-         WHERE at < now() - make_interval(secs => $1) LIMIT $2 FOR UPDATE SKIP LOCKED))",
-    ),
-    (
-        "outbox_attempts",
-        "DELETE FROM outbox_attempts WHERE ctid = ANY(ARRAY(SELECT a.ctid FROM outbox_attempts a \
-         JOIN outbox o ON o.id = a.outbox_id WHERE o.state IN ('done', 'dead') \
-         AND a.started_at < now() - make_interval(secs => $1) LIMIT $2 FOR UPDATE OF a SKIP LOCKED))",
-    ),
-    (
-        "expired_replays",
-        "DELETE FROM expired_replays WHERE ctid = ANY(ARRAY(SELECT ctid FROM expired_replays \
-         WHERE resolution IS NOT NULL AND resolved_at < now() - make_interval(secs => $1) \
-         LIMIT $2 FOR UPDATE SKIP LOCKED))",
-    ),
-];
+/// Rows kept by age: what happens to them (`change`), and the query that selects them by `key`,
+/// `$1` being their lifetime in seconds. A round changes them `$2` at a time
+/// ([`Rule::change_sql`]); a dry run counts them ([`Rule::count_sql`]).
+struct Rule {
+    /// The table, or `table.payload` for an erasure.
+    name: &'static str,
+    change: &'static str,
+    key: &'static str,
+    select: &'static str,
+    /// `FOR UPDATE OF …` when the selection joins another table.
+    lock_of: &'static str,
+}
 
-/// Settled payloads past the payload retention, erased (the rows, keys and hashes stay), each
-/// statement touching at most `$2` rows.
-const PAYLOADS: &[(&str, &str)] = &[
-    (
-        "ledger.payload",
-        "UPDATE ledger SET payload = 'null'::jsonb, payload_erased_at = now() \
-         WHERE ctid = ANY(ARRAY(SELECT ctid FROM ledger WHERE payload_erased_at IS NULL \
-         AND applied_at < now() - make_interval(secs => $1) LIMIT $2 FOR UPDATE SKIP LOCKED))",
-    ),
-    (
-        "outbox.payload",
-        "UPDATE outbox SET payload = ''::bytea, payload_erased_at = now() \
-         WHERE id = ANY(ARRAY(SELECT id FROM outbox WHERE state = 'done' \
-         AND payload_erased_at IS NULL AND completed_at < now() - make_interval(secs => $1) \
-         LIMIT $2 FOR UPDATE SKIP LOCKED))",
-    ),
-    (
-        "expired_replays.payload",
-        "UPDATE expired_replays SET payload = NULL WHERE id = ANY(ARRAY(SELECT id FROM \
-         expired_replays WHERE resolution IS NOT NULL AND payload IS NOT NULL \
-         AND resolved_at < now() - make_interval(secs => $1) LIMIT $2 FOR UPDATE SKIP LOCKED))",
-    ),
+impl Rule {
+    fn change_sql(&self) -> String {
+        format!(
+            "{} WHERE {} = ANY(ARRAY({} LIMIT $2 FOR UPDATE{} SKIP LOCKED))",
+            self.change, self.key, self.select, self.lock_of
+        )
+    }
+
+    fn count_sql(&self) -> String {
+        format!("SELECT count(*) FROM ({}) AS rows", self.select)
+    }
+}
+
+/// Every rule: the tables pruned by age alone, then the settled payloads erased past the
+/// payload retention (the rows, keys and hashes stay).
+const RULES: &[Rule] = &[
+    Rule {
+        name: "key_conflicts",
+        change: "DELETE FROM key_conflicts",
+        key: "ctid",
+        select: "SELECT ctid FROM key_conflicts \
+                 WHERE last_seen_at < now() - make_interval(secs => $1)",
+        lock_of: "",
+    },
+    Rule {
+        name: "delivery_fingerprints",
+        change: "DELETE FROM delivery_fingerprints",
+        key: "ctid",
+        select: "SELECT ctid FROM delivery_fingerprints \
+                 WHERE first_seen_at < now() - make_interval(secs => $1)",
+        lock_of: "",
+    },
+    Rule {
+        name: "dead_letters",
+        change: "DELETE FROM dead_letters",
+        key: "ctid",
+        select: "SELECT ctid FROM dead_letters WHERE replayed_at IS NOT NULL \
+                 AND created_at < now() - make_interval(secs => $1)",
+        lock_of: "",
+    },
+    Rule {
+        name: "operator_actions",
+        change: "DELETE FROM operator_actions",
+        key: "ctid",
+        select: "SELECT ctid FROM operator_actions \
+                 WHERE at < now() - make_interval(secs => $1)",
+        lock_of: "",
+    },
+    Rule {
+        name: "outbox_attempts",
+        change: "DELETE FROM outbox_attempts",
+        key: "ctid",
+        select: "SELECT a.ctid FROM outbox_attempts a JOIN outbox o ON o.id = a.outbox_id \
+                 WHERE o.state IN ('done', 'dead') \
+                 AND a.started_at < now() - make_interval(secs => $1)",
+        lock_of: " OF a",
+    },
+    Rule {
+        name: "expired_replays",
+        change: "DELETE FROM expired_replays",
+        key: "ctid",
+        select: "SELECT ctid FROM expired_replays WHERE resolution IS NOT NULL \
+                 AND resolved_at < now() - make_interval(secs => $1)",
+        lock_of: "",
+    },
+    Rule {
+        name: "ledger.payload",
+        change: "UPDATE ledger SET payload = 'null'::jsonb, payload_erased_at = now()",
+        key: "ctid",
+        select: "SELECT ctid FROM ledger WHERE payload_erased_at IS NULL \
+                 AND applied_at < now() - make_interval(secs => $1)",
+        lock_of: "",
+    },
+    Rule {
+        name: "outbox.payload",
+        change: "UPDATE outbox SET payload = ''::bytea, payload_erased_at = now()",
+        key: "id",
+        select: "SELECT id FROM outbox WHERE state = 'done' AND payload_erased_at IS NULL \
+                 AND completed_at < now() - make_interval(secs => $1)",
+        lock_of: "",
+    },
+    Rule {
+        name: "expired_replays.payload",
+        change: "UPDATE expired_replays SET payload = NULL",
+        key: "id",
+        select: "SELECT id FROM expired_replays WHERE resolution IS NOT NULL \
+                 AND payload IS NOT NULL AND resolved_at < now() - make_interval(secs => $1)",
+        lock_of: "",
+    },
 ];
 
 impl Lifetimes {
-    fn lifetime_of(&self, table: &str) -> Duration {
-        match table {
+    fn lifetime_of(&self, rule: &str) -> Duration {
+        match rule {
             "key_conflicts" => self.conflict,
             "delivery_fingerprints" => self.fingerprint,
             "dead_letters" => self.dead_letter,
@@ -270,16 +311,16 @@ pub async fn prune_by_age(
     batch: i64,
     pruned: &mut Pruned,
 ) -> sqlx::Result<()> {
-    for (table, sql) in BY_AGE.iter().chain(PAYLOADS) {
-        let age = secs(lifetimes.lifetime_of(table));
+    for rule in RULES {
+        let (sql, age) = (rule.change_sql(), secs(lifetimes.lifetime_of(rule.name)));
         loop {
-            let done = sqlx::query(sql)
+            let done = sqlx::query(&sql)
                 .bind(age)
                 .bind(batch)
                 .execute(pool)
                 .await?
                 .rows_affected() as i64;
-            pruned.add("*", table, done);
+            pruned.add("*", rule.name, done);
             if done < batch {
                 break;
             }
@@ -310,20 +351,12 @@ pub async fn dry_run(
         .await?;
         pruned.add(&d.source, "processed_events", n);
     }
-    for (table, sql) in BY_AGE.iter().chain(PAYLOADS) {
-        // The same rows as the delete, counted: its subquery with count(*) and no limit.
-        let inner = sql
-            .split_once("ARRAY(")
-            .and_then(|(_, rest)| rest.rsplit_once(" LIMIT"))
-            .map(|(select, _)| select)
-            .expect("every prune statement selects its rows in ARRAY(… LIMIT …)");
-        let (_, from) = inner.split_once(" FROM ").expect("a FROM");
-        let count = format!("SELECT count(*) FROM {from}");
-        let n: i64 = sqlx::query_scalar(&count)
-            .bind(secs(lifetimes.lifetime_of(table)))
+    for rule in RULES {
+        let n: i64 = sqlx::query_scalar(&rule.count_sql())
+            .bind(secs(lifetimes.lifetime_of(rule.name)))
             .fetch_one(pool)
             .await?;
-        pruned.add("*", table, n);
+        pruned.add("*", rule.name, n);
     }
     Ok(pruned)
 }
