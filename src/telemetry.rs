@@ -1,5 +1,5 @@
-//! Logging, the small HTTP server that exposes a process's `/metrics` and `/healthz`, and the
-//! probe that asks a `/healthz` from outside.
+//! Logging, the small HTTP server that exposes a process's `/metrics`, `/livez` and `/readyz`
+//! (`/healthz` is the old name of `/readyz`), and the probe that asks one of them from outside.
 
 use axum::{extract::State, http::StatusCode, routing::get, Router};
 use prometheus::{Encoder, Registry, TextEncoder};
@@ -63,32 +63,54 @@ pub fn register_process_metrics(registry: &Registry, role: &str) -> prometheus::
     Ok(())
 }
 
-/// Whether the process is doing its job. `/healthz` answers 503, naming each problem, while a
-/// check reports one or a heartbeat is overdue: a supervisor can restart what is stuck.
+/// What a process says to its two probes. `/readyz` (and its old name `/healthz`) answers 503,
+/// naming each problem, while any check reports one: the process cannot do its work now, for
+/// whatever reason, so a load balancer or a disruption budget should not count on it. `/livez`
+/// answers 503 only for what a restart of this process would mend: a loop that stopped
+/// turning (a stale heartbeat) or a problem reported as [`Probe::Live`]. A dependency that is
+/// down for everyone is never a liveness problem: restarting every member fixes nothing.
 #[derive(Clone, Default)]
 pub struct Health(Arc<Mutex<Checks>>);
 
+/// Which probes a reported problem fails.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Probe {
+    /// The process cannot do its work now (a dependency does not answer, it has not joined its
+    /// group yet, it is draining): `/readyz` fails, `/livez` does not.
+    Ready,
+    /// The process is wedged while its dependencies answer: `/livez` fails too, so a
+    /// supervisor restarts it.
+    Live,
+}
+
 #[derive(Default)]
 struct Checks {
-    /// Problems reported by name; a check clears its own with `None`.
-    problems: BTreeMap<&'static str, String>,
-    /// Heartbeats by name: the last beat and how old it may grow.
+    /// Problems reported by name, each with the probes it fails; a check clears its own with
+    /// `None`.
+    problems: BTreeMap<&'static str, (Probe, String)>,
+    /// Heartbeats by name: the last beat and how old it may grow. A stale one fails both
+    /// probes.
     beats: BTreeMap<&'static str, (Instant, Duration)>,
 }
 
 impl Health {
-    /// Records a check's finding: `Some(problem)` makes the process unhealthy until the same
+    /// Records a check's finding: `Some(problem)` makes the process not ready until the same
     /// check reports `None`.
     pub fn report(&self, check: &'static str, problem: Option<String>) {
+        self.report_as(check, Probe::Ready, problem);
+    }
+
+    /// Records a finding that fails the probes `probe` names.
+    pub fn report_as(&self, check: &'static str, probe: Probe, problem: Option<String>) {
         let mut checks = self.0.lock().expect("health lock");
         match problem {
-            Some(p) => checks.problems.insert(check, p),
+            Some(p) => checks.problems.insert(check, (probe, p)),
             None => checks.problems.remove(check),
         };
     }
 
     /// Records that a loop turned; once a beat is older than `max_age`, the process is
-    /// unhealthy until the next one.
+    /// neither live nor ready until the next one.
     pub fn beat(&self, check: &'static str, max_age: Duration) {
         let mut checks = self.0.lock().expect("health lock");
         checks.beats.insert(check, (Instant::now(), max_age));
@@ -99,8 +121,17 @@ impl Health {
         self.0.lock().expect("health lock").beats.remove(check);
     }
 
-    /// What is wrong now, one sentence each; empty when healthy.
+    /// What keeps the process from being ready now, one sentence each; empty when ready.
     pub fn problems(&self) -> Vec<String> {
+        self.named(|_| true)
+    }
+
+    /// What says the process is wedged, one sentence each; empty when live.
+    pub fn liveness_problems(&self) -> Vec<String> {
+        self.named(|probe| probe == Probe::Live)
+    }
+
+    fn named(&self, counts: impl Fn(Probe) -> bool) -> Vec<String> {
         let checks = self.0.lock().expect("health lock");
         let stale = checks.beats.iter().filter_map(|(name, (at, max))| {
             let age = at.elapsed();
@@ -109,12 +140,24 @@ impl Health {
         let reported = checks
             .problems
             .iter()
-            .map(|(name, problem)| format!("{name}: {problem}"));
+            .filter(|(_, (probe, _))| counts(*probe))
+            .map(|(name, (_, problem))| format!("{name}: {problem}"));
         reported.chain(stale).collect()
     }
 
-    pub fn is_healthy(&self) -> bool {
+    /// Whether `/readyz` answers 200.
+    pub fn is_ready(&self) -> bool {
         self.problems().is_empty()
+    }
+
+    /// Whether `/livez` answers 200.
+    pub fn is_live(&self) -> bool {
+        self.liveness_problems().is_empty()
+    }
+
+    /// The old name of [`Health::is_ready`].
+    pub fn is_healthy(&self) -> bool {
+        self.is_ready()
     }
 }
 
@@ -124,7 +167,7 @@ struct ServerState {
     health: Health,
 }
 
-/// Serves `/metrics` and `/healthz` until `shutdown` resolves. Returns the bound address, which
+/// Serves `/metrics`, `/livez`, `/readyz` and `/healthz` until `shutdown` resolves. Returns the bound address, which
 /// matters when the configured port is 0.
 pub async fn serve_metrics(
     addr: SocketAddr,
@@ -136,7 +179,9 @@ pub async fn serve_metrics(
     let bound = listener.local_addr()?;
     let app = Router::new()
         .route("/metrics", get(metrics))
-        .route("/healthz", get(healthz))
+        .route("/livez", get(livez))
+        .route("/readyz", get(readyz))
+        .route("/healthz", get(readyz))
         .with_state(ServerState { registry, health });
     tokio::spawn(async move {
         if let Err(e) = axum::serve(listener, app)
@@ -149,8 +194,8 @@ pub async fn serve_metrics(
     Ok(bound)
 }
 
-/// Serves `/metrics` and `/healthz` until `shutdown` is cancelled, and returns the [`Health`]
-/// that `/healthz` reads: the start of every long-running role.
+/// Serves `/metrics` and the probes until `shutdown` is cancelled, and returns the [`Health`]
+/// they read: the start of every long-running role.
 pub async fn serve(
     addr: SocketAddr,
     registry: Registry,
@@ -161,7 +206,7 @@ pub async fn serve(
     let addr = serve_metrics(addr, registry, health.clone(), stopped)
         .await
         .map_err(|e| e.context("starting the metrics server"))?;
-    tracing::info!(%addr, "Serving /metrics and /healthz.");
+    tracing::info!(%addr, "Serving /metrics, /livez and /readyz.");
     Ok(health)
 }
 
@@ -173,8 +218,16 @@ async fn metrics(State(state): State<ServerState>) -> (StatusCode, String) {
     }
 }
 
-async fn healthz(State(state): State<ServerState>) -> (StatusCode, String) {
-    let problems = state.health.problems();
+async fn readyz(State(state): State<ServerState>) -> (StatusCode, String) {
+    answer(state.health.problems())
+}
+
+async fn livez(State(state): State<ServerState>) -> (StatusCode, String) {
+    answer(state.health.liveness_problems())
+}
+
+/// 200 `ok`, or 503 with one line per problem.
+fn answer(problems: Vec<String>) -> (StatusCode, String) {
     if problems.is_empty() {
         (StatusCode::OK, "ok\n".into())
     } else {
@@ -184,7 +237,7 @@ async fn healthz(State(state): State<ServerState>) -> (StatusCode, String) {
     }
 }
 
-/// `replayproof probe`: succeeds when `url` (a `/healthz`) answers 2xx within five seconds, for
+/// `replayproof probe`: succeeds when `url` (a `/livez` or `/readyz`) answers 2xx within five seconds, for
 /// images without curl.
 pub async fn probe(url: &str) -> anyhow::Result<()> {
     let client = reqwest::Client::builder()

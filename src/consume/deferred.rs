@@ -16,7 +16,7 @@ use super::settle::{self, Next, Policy, Standing};
 use super::{BatchError, BatchProcessor, ConsumeMetrics};
 use crate::claims::{self, StoredClaim};
 use crate::effect::{self, EffectError};
-use crate::telemetry::Health;
+use crate::telemetry::{Health, Probe};
 use chrono::{DateTime, Utc};
 use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
@@ -173,7 +173,7 @@ impl DeferredApplier {
                     restarts.len(),
                     RESTART_WINDOW.as_secs()
                 );
-                self.health.report(HEARTBEAT, Some(problem));
+                self.health.report_as(HEARTBEAT, Probe::Live, Some(problem));
             }
             // Doubled for each restart within the window, so a panic that repeats is not
             // logged at the poll interval forever.

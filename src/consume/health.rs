@@ -1,9 +1,15 @@
 //! The consumer's watchdog: what the lanes, the poll loop and each partition report, judged
-//! every second against `--unhealthy-after-secs` and `--stall-exit-secs` for `/healthz`, and a
-//! probe that asks PostgreSQL whether it answers.
+//! every second against `--unhealthy-after` and `--stall-exit` for `/livez` and `/readyz`, and
+//! a probe that asks PostgreSQL whether it answers.
+//!
+//! A lane is only *stuck* for the time the database answers: while PostgreSQL is down for
+//! everyone, every member's batches wait, and restarting them mends nothing. So a lane waiting
+//! for the database makes the member not ready; a lane that has not committed for
+//! `--unhealthy-after` while the database answers makes it not live; and only one stuck that
+//! way for `--stall-exit` makes the process exit.
 
 use super::ConsumerSettings;
-use crate::telemetry::Health;
+use crate::telemetry::{Health, Probe};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -29,6 +35,8 @@ pub(super) struct Vitals {
     /// Each assigned partition's own errors and progress: a message of one partition says
     /// nothing of another.
     pub(super) partitions: Mutex<HashMap<i32, PartitionVitals>>,
+    /// Since when PostgreSQL has answered every probe; None while it does not.
+    pub(super) database_answering: Mutex<Option<Instant>>,
 }
 
 /// How one assigned partition is doing, as its fetches and the statistics tell.
@@ -106,7 +114,22 @@ impl Vitals {
             busy: Mutex::new(HashMap::new()),
             errors: Mutex::new(None),
             partitions: Mutex::new(HashMap::new()),
+            database_answering: Mutex::new(None),
         }
+    }
+
+    /// Records what the database probe found.
+    fn database_answered(&self, answered: bool) {
+        let mut since = self.database_answering.lock().expect("database lock");
+        if !answered {
+            *since = None;
+        } else if since.is_none() {
+            *since = Some(Instant::now());
+        }
+    }
+
+    fn database_answering_since(&self) -> Option<Instant> {
+        *self.database_answering.lock().expect("database lock")
     }
 
     /// Milliseconds since the epoch, never 0 (which means idle).
@@ -183,7 +206,9 @@ impl Vitals {
 /// What the watchdog concluded.
 #[derive(Debug, Default, PartialEq, Eq)]
 struct Assessment {
-    lanes: Option<String>,
+    /// A lane without a commit, and whether that makes the member not live (stuck while the
+    /// database answers) or only not ready (waiting for the database).
+    lanes: Option<(Probe, String)>,
     kafka: Option<String>,
     /// Partitions stuck on their own: fetch errors, or messages waiting that never arrive.
     partitions: Option<String>,
@@ -191,25 +216,40 @@ struct Assessment {
 }
 
 /// Judges the vitals against the limits; a pure function, so the thresholds can be tested.
+/// `oldest_batch` is the partition whose batch is oldest and how long it has been going;
+/// `database` since when PostgreSQL has answered, if it does.
 fn assess(
     oldest_batch: Option<(i32, Duration)>,
+    database: Option<Instant>,
     errors: Option<&ErrorStreak>,
     now: Instant,
     settings: &ConsumerSettings,
 ) -> Assessment {
     let mut verdict = Assessment::default();
     if let Some((partition, age)) = oldest_batch {
-        let said = format!(
-            "partition {partition} has not committed its batch for {} s (is the database \
-             reachable? is a batch stuck?)",
-            age.as_secs()
-        );
-        if age >= settings.stall_exit_after {
-            verdict.fatal = Some(said.clone());
-        }
-        if age >= settings.unhealthy_after {
-            verdict.lanes = Some(said);
-        }
+        // Only the time the database answered counts as stuck.
+        let stuck = database.map(|since| age.min(now.saturating_duration_since(since)));
+        verdict.lanes = match stuck {
+            Some(stuck) if stuck >= settings.unhealthy_after => {
+                let said = format!(
+                    "partition {partition} has not committed its batch for {} s while the \
+                     database answers (is a batch stuck?)",
+                    stuck.as_secs()
+                );
+                if stuck >= settings.stall_exit_after {
+                    verdict.fatal = Some(said.clone());
+                }
+                Some((Probe::Live, said))
+            }
+            None if age >= settings.unhealthy_after => Some((
+                Probe::Ready,
+                format!(
+                    "partition {partition} has waited {} s for the database to take its batch",
+                    age.as_secs()
+                ),
+            )),
+            _ => None,
+        };
     }
     verdict.kafka = errors.and_then(|streak| streak.lasting(now, settings.unhealthy_after));
     verdict
@@ -250,18 +290,22 @@ fn assess_partitions(
     })
 }
 
-/// Every second: reports stalled lanes and repeating Kafka errors to `/healthz`, and stops the
-/// process when a lane has stalled past the exit limit.
+/// Every second: reports stalled lanes and repeating Kafka errors to the probes, and stops the
+/// process when a lane has been stuck past the exit limit while the database answers.
 pub(super) async fn watch(vitals: Arc<Vitals>, health: Health, settings: ConsumerSettings) {
     while !vitals.stop.is_cancelled() {
         let streak = vitals.errors.lock().expect("errors lock").clone();
         let verdict = assess(
             vitals.oldest_batch(),
+            vitals.database_answering_since(),
             streak.as_ref(),
             Instant::now(),
             &settings,
         );
-        health.report("lanes", verdict.lanes);
+        match verdict.lanes {
+            Some((probe, said)) => health.report_as("lanes", probe, Some(said)),
+            None => health.report("lanes", None),
+        }
         health.report("kafka", verdict.kafka);
         let partitions = vitals.partitions.lock().expect("partitions lock").clone();
         health.report(
@@ -279,13 +323,21 @@ pub(super) async fn watch(vitals: Arc<Vitals>, health: Health, settings: Consume
 }
 
 /// Asks PostgreSQL whether it answers, every few seconds, so that an idle consumer whose
-/// database is gone fails `/healthz` too, not only one whose batches fail.
+/// database is gone is not ready either, not only one whose batches fail; and so the watchdog
+/// knows whether a lane without a commit is stuck or waiting for the database.
 pub(super) async fn probe_database(
     pool: sqlx::PgPool,
     health: Health,
-    stop: CancellationToken,
+    vitals: Arc<Vitals>,
     unhealthy_after: Duration,
 ) {
+    let stop = vitals.stop.clone();
+    // A connection of its own: lanes stuck holding every connection of the pool must not look
+    // like a database that does not answer.
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .acquire_timeout(Duration::from_secs(5))
+        .connect_lazy_with((*pool.connect_options()).clone());
     let every = (unhealthy_after / 2).clamp(Duration::from_millis(100), Duration::from_secs(5));
     let mut failing_since: Option<Instant> = None;
     while !stop.is_cancelled() {
@@ -293,9 +345,11 @@ pub(super) async fn probe_database(
         match tokio::time::timeout(every.max(Duration::from_secs(1)), asked).await {
             Ok(Ok(_)) => {
                 failing_since = None;
+                vitals.database_answered(true);
                 health.report("database", None);
             }
             _ => {
+                vitals.database_answered(false);
                 let since = *failing_since.get_or_insert_with(Instant::now);
                 if since.elapsed() >= unhealthy_after {
                     let problem = format!(
@@ -326,18 +380,57 @@ mod tests {
     }
 
     #[test]
-    fn a_lane_without_a_commit_is_unhealthy_then_fatal() {
+    fn a_lane_without_a_commit_while_the_database_answers_is_not_live_then_fatal() {
         let now = Instant::now();
-        let quiet = assess(Some((3, Duration::from_secs(59))), None, now, &limits());
-        assert_eq!(quiet, Assessment::default());
-        let stuck = assess(Some((3, Duration::from_secs(61))), None, now, &limits());
-        assert!(stuck
-            .lanes
-            .unwrap()
-            .starts_with("partition 3 has not committed"));
+        let answering = Some(now - Duration::from_secs(3600));
+        let at = |secs| {
+            assess(
+                Some((3, Duration::from_secs(secs))),
+                answering,
+                None,
+                now,
+                &limits(),
+            )
+        };
+        assert_eq!(at(59), Assessment::default());
+        let stuck = at(61);
+        let (probe, said) = stuck.lanes.unwrap();
+        assert_eq!(probe, Probe::Live);
+        assert!(said.starts_with("partition 3 has not committed"), "{said}");
         assert_eq!(stuck.fatal, None);
-        let stalled = assess(Some((3, Duration::from_secs(300))), None, now, &limits());
+        let stalled = at(300);
         assert!(stalled.fatal.is_some() && stalled.lanes.is_some());
+    }
+
+    #[test]
+    fn a_lane_waiting_for_a_database_that_does_not_answer_is_only_not_ready() {
+        let now = Instant::now();
+        let waiting = assess(
+            Some((1, Duration::from_secs(3600))),
+            None,
+            None,
+            now,
+            &limits(),
+        );
+        let (probe, said) = waiting.lanes.unwrap();
+        assert_eq!(probe, Probe::Ready);
+        assert!(said.contains("waited 3600 s for the database"), "{said}");
+        assert_eq!(
+            waiting.fatal, None,
+            "a shared outage never stops the process"
+        );
+    }
+
+    #[test]
+    fn only_the_time_since_the_database_came_back_counts_as_stuck() {
+        let now = Instant::now();
+        let back = |secs| Some(now - Duration::from_secs(secs));
+        // A batch that waited out an hour's outage; the database answers again since 10 s.
+        let batch = Some((0, Duration::from_secs(3600)));
+        let resuming = assess(batch, back(10), None, now, &limits());
+        assert_eq!(resuming, Assessment::default());
+        let wedged = assess(batch, back(301), None, now, &limits());
+        assert!(wedged.fatal.is_some(), "{wedged:?}");
     }
 
     #[test]
@@ -401,9 +494,11 @@ mod tests {
             error: "Decompression failed".into(),
         };
         let young = streak(30, 0);
-        assert_eq!(assess(None, Some(&young), now, &limits()).kafka, None);
+        assert_eq!(assess(None, None, Some(&young), now, &limits()).kafka, None);
         let lasting = streak(90, 1);
-        let said = assess(None, Some(&lasting), now, &limits()).kafka.unwrap();
+        let said = assess(None, None, Some(&lasting), now, &limits())
+            .kafka
+            .unwrap();
         assert!(
             said.contains("90 s") && said.contains("Decompression"),
             "{said}"
@@ -411,7 +506,7 @@ mod tests {
         // An old streak that stopped repeating (the broker came back, the topic is idle).
         let over = streak(90, 30);
         assert_eq!(
-            assess(None, Some(&over), now, &limits()),
+            assess(None, None, Some(&over), now, &limits()),
             Assessment::default()
         );
     }

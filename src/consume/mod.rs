@@ -40,7 +40,7 @@ pub use crate::shutdown::Running;
 use crate::telemetry::Health;
 use anyhow::Context as _;
 use health::Vitals;
-use poll::{LaneContext, POLL_LOOP};
+use poll::{LaneContext, GROUP, POLL_LOOP};
 use rdkafka::consumer::{BaseConsumer, Consumer as _};
 use std::sync::Arc;
 use tokio::runtime::Handle;
@@ -74,7 +74,7 @@ pub struct Consumer {
 impl Consumer {
     /// Creates the consumer and subscribes it; a refused option or a consumer that cannot be
     /// created is an error here, before anything runs. It will report to `health` what
-    /// `/healthz` should say.
+    /// `/livez` and `/readyz` should say.
     pub fn build(
         settings: ConsumerSettings,
         processor: BatchProcessor,
@@ -125,6 +125,8 @@ impl Consumer {
         } = self;
         let s = &settings;
         tracing::info!(topic = %s.topic, group = %s.group, brokers = %s.brokers, "Joining the consumer group.");
+        let joining = Some("has not joined the group yet".to_owned());
+        health.report(GROUP, joining);
         let stop = vitals.stop.clone();
         tokio::spawn(async move {
             tokio::select! {
@@ -133,8 +135,7 @@ impl Consumer {
             }
         });
         let unhealthy_after = settings.unhealthy_after;
-        let probe =
-            health::probe_database(pool, health.clone(), vitals.stop.clone(), unhealthy_after);
+        let probe = health::probe_database(pool, health.clone(), vitals.clone(), unhealthy_after);
         let probe = tokio::spawn(probe);
         let grace = settings.shutdown_grace;
         let watchdog = tokio::spawn(health::watch(vitals.clone(), health.clone(), settings));

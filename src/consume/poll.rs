@@ -22,8 +22,10 @@ use tokio::runtime::Handle;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-/// The poll loop's heartbeat, as `/healthz` names it.
+/// The poll loop's heartbeat, as the probes name it.
 pub(super) const POLL_LOOP: &str = "kafka poll loop";
+/// The check that keeps the member not ready until it first joined its group.
+pub(super) const GROUP: &str = "consumer group";
 
 /// Serves the consumer: events and rebalances from its own queue, then messages from each
 /// partition's queue while the partition's lane has room, then offsets.
@@ -84,6 +86,8 @@ pub(super) fn spawn_thread(
 /// Stops fetching, drains every lane, commits, and leaves the group.
 pub(super) fn leave(consumer: BaseConsumer<LaneContext>) {
     tracing::info!("Stopping: finishing the batches in flight.");
+    let leaving = Some("leaving the group".to_owned());
+    consumer.context().health.report(GROUP, leaving);
     consumer.context().stop_lanes(&consumer, None);
     consumer.unsubscribe();
     drop(consumer);
@@ -144,6 +148,8 @@ impl ConsumerContext for LaneContext {
         let Rebalance::Assign(tpl) = rebalance else {
             return;
         };
+        // In the group: ready, whether or not this assignment holds any partition.
+        self.health.report(GROUP, None);
         let Ok(topic) = CString::new(self.settings.topic.as_str()) else {
             return;
         };
@@ -193,7 +199,7 @@ impl LaneContext {
         }
     }
 
-    /// Counts and logs an error Kafka reported; a streak of them shows in `/healthz`.
+    /// Counts and logs an error Kafka reported; a streak of them shows in `/readyz`.
     fn kafka_error(&self, error: &KafkaError) {
         let partition = None;
         KafkaErrorReported { partition, error }.emit(&self.metrics);

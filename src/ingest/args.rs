@@ -5,7 +5,7 @@
 use super::config::FileConfig;
 use super::{
     IngestSettings, DEFAULT_BODY_TIMEOUT, DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_CONNECTIONS,
-    DEFAULT_MAX_IN_FLIGHT,
+    DEFAULT_MAX_IN_FLIGHT, DEFAULT_SHUTDOWN_DELAY,
 };
 use crate::args::KafkaOptions;
 use crate::kafka::DEFAULT_TOPIC;
@@ -22,7 +22,7 @@ pub const DEFAULT_METRICS_ADDR: &str = "127.0.0.1:9463";
 /// Its sources come from the configuration file's `[[ingest.sources]]` (`--config`).
 #[derive(Debug, Clone, Args)]
 pub struct IngestArgs {
-    /// Where to listen for webhooks (and /healthz, /readyz). [default: 0.0.0.0:8080]
+    /// Where to listen for webhooks (and /livez, /readyz, /healthz). [default: 0.0.0.0:8080]
     #[arg(long, env = "REPLAYPROOF_LISTEN")]
     pub listen: Option<SocketAddr>,
 
@@ -59,6 +59,12 @@ pub struct IngestArgs {
     /// The old spelling of `--header-timeout`, in milliseconds.
     #[arg(long, env = "REPLAYPROOF_HEADER_TIMEOUT_MS", value_parser = crate::args::ms(1), hide = true)]
     pub header_timeout_ms: Option<u64>,
+
+    /// After SIGTERM, how long /readyz answers 503 while webhooks are still accepted and
+    /// acknowledged, before the listener closes: long enough for the load balancer to stop
+    /// routing here (a Kubernetes Service takes a few seconds). 0s closes it at once.
+    #[arg(long, env = "REPLAYPROOF_SHUTDOWN_DELAY", value_name = "DURATION", default_value = crate::args::text(DEFAULT_SHUTDOWN_DELAY), value_parser = crate::args::wait(Duration::ZERO))]
+    pub shutdown_delay: Duration,
 
     /// Kafka bootstrap servers, comma-separated host:port.
     #[arg(long, env = "REPLAYPROOF_BROKERS")]
@@ -106,6 +112,7 @@ impl IngestArgs {
         settings.body_timeout = crate::args::or_old_ms(self.body_timeout, self.body_timeout_ms);
         settings.header_timeout =
             crate::args::or_old_ms(self.header_timeout, self.header_timeout_ms);
+        settings.shutdown_delay = self.shutdown_delay;
         if let Some(n) = self.max_body_bytes {
             anyhow::ensure!(
                 n > 0 && n <= 16 * 1024 * 1024,

@@ -49,6 +49,12 @@ struct AppState {
     settings: IngestSettings,
     metrics: IngestMetrics,
     ready: AtomicBool,
+    /// Set on SIGTERM: `/readyz` answers 503 while webhooks are still accepted, each answer
+    /// closing its connection, for the shutdown delay.
+    draining: AtomicBool,
+    /// Cancelled when the listener closes, after the shutdown delay: a body still arriving
+    /// then has [`IngestSettings::closing_body_timeout`] left at most.
+    closing: CancellationToken,
     /// One permit per webhook request being handled.
     in_flight: Arc<tokio::sync::Semaphore>,
 }
@@ -90,6 +96,8 @@ impl Ingress {
             in_flight: Arc::new(tokio::sync::Semaphore::new(settings.max_in_flight.max(1))),
             settings,
             ready: AtomicBool::new(false),
+            draining: AtomicBool::new(false),
+            closing: CancellationToken::new(),
         });
         Ok(Self {
             listener,
@@ -110,8 +118,10 @@ impl Ingress {
         self.metrics_addr
     }
 
-    /// Serves until `shutdown` is cancelled; then stops accepting, lets the requests in flight
-    /// finish (each acknowledged or answered 503) and flushes the producer.
+    /// Serves until `shutdown` is cancelled; then answers 503 at `/readyz` while it still
+    /// accepts webhooks for [`IngestSettings::shutdown_delay`], stops accepting, lets the
+    /// requests in flight finish (each acknowledged or answered 503) and flushes the producer.
+    /// The whole stop takes at most [`IngestSettings::worst_case_stop`].
     pub fn run_until_stopped(self, shutdown: CancellationToken) -> Running {
         let Self {
             listener,
@@ -130,10 +140,12 @@ impl Ingress {
             header_timeout: state.settings.header_timeout,
             drain_limit: state.settings.drain_limit(),
         };
+        tokio::spawn(drain_after(state.clone(), shutdown));
         Running::spawn(async move {
-            serve(listener, app, limits, shutdown).await;
+            serve(listener, app, limits, state.closing.clone()).await;
             let producer = state.producer.clone();
-            tokio::task::spawn_blocking(move || producer.flush(Duration::from_secs(10)))
+            let limit = state.settings.flush_limit();
+            tokio::task::spawn_blocking(move || producer.flush(limit))
                 .await?
                 .context("flushing the producer")?;
             drop(metrics_stop);
@@ -161,9 +173,27 @@ async fn serve_metrics(
 fn router(state: Arc<AppState>) -> Router {
     Router::new()
         .route("/webhooks/{source}", post(webhook))
-        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/livez", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
+        .route("/healthz", get(readyz))
         .with_state(state)
+}
+
+/// On `shutdown`: not ready at once, still accepting for the shutdown delay, then the
+/// listener closes.
+async fn drain_after(state: Arc<AppState>, shutdown: CancellationToken) {
+    shutdown.cancelled().await;
+    state.draining.store(true, Ordering::Relaxed);
+    let delay = state.settings.shutdown_delay;
+    if !delay.is_zero() {
+        tracing::info!(
+            delay_ms = delay.as_millis() as u64,
+            "Stopping: /readyz answers 503; webhooks are still accepted for the shutdown delay."
+        );
+        tokio::time::sleep(delay).await;
+    }
+    tracing::info!("Closing the listener; finishing the requests in flight.");
+    state.closing.cancel();
 }
 
 /// Keeps `ready` true while the producer can fetch the topic's metadata from the broker.
@@ -194,7 +224,9 @@ async fn watch_broker(state: Arc<AppState>, shutdown: CancellationToken) {
 }
 
 async fn readyz(State(state): State<Arc<AppState>>) -> (StatusCode, &'static str) {
-    if state.ready.load(Ordering::Relaxed) {
+    if state.draining.load(Ordering::Relaxed) {
+        (StatusCode::SERVICE_UNAVAILABLE, "shutting down\n")
+    } else if state.ready.load(Ordering::Relaxed) {
         (StatusCode::OK, "ready\n")
     } else {
         (
@@ -291,7 +323,14 @@ async fn webhook(
         .requests
         .with_label_values(&[label, outcome.label()])
         .inc();
-    outcome.into_response()
+    let mut response = outcome.into_response();
+    if state.draining.load(Ordering::Relaxed) {
+        // The sender's next request opens a new connection, which the load balancer sends to
+        // a member that is not stopping.
+        let close = HeaderValue::from_static("close");
+        response.headers_mut().insert(header::CONNECTION, close);
+    }
+    response
 }
 
 async fn accept(state: &AppState, source: &Source, request: Request) -> Outcome {
@@ -310,7 +349,16 @@ async fn accept(state: &AppState, source: &Source, request: Request) -> Outcome 
 async fn verify(state: &AppState, source: &Source, request: Request) -> Result<Envelope, Outcome> {
     let (parts, body) = request.into_parts();
     let reading = read_body(body, &parts.headers, state.settings.max_body_bytes);
-    let Ok(body) = tokio::time::timeout(state.settings.body_timeout, reading).await else {
+    // Once the listener closed, a body still arriving has a short while left: a stop is bounded.
+    let closing = async {
+        state.closing.cancelled().await;
+        tokio::time::sleep(state.settings.closing_body_timeout()).await;
+    };
+    let read = tokio::select! {
+        read = tokio::time::timeout(state.settings.body_timeout, reading) => read.ok(),
+        _ = closing => None,
+    };
+    let Some(body) = read else {
         return Err(Outcome::TimedOut);
     };
     let Some(body) = body else {

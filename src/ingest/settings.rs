@@ -35,6 +35,11 @@ pub struct IngestSettings {
     /// from the previous answer: a half-sent request, and a keep-alive connection idle that
     /// long, are closed, so they cannot hold connection places.
     pub header_timeout: Duration,
+    /// How long, after SIGTERM, `/readyz` answers 503 while webhooks are still accepted and
+    /// acknowledged, before the listener closes: the time a load balancer (a Kubernetes
+    /// Service) takes to stop routing here. Zero (the default of [`IngestSettings::new`];
+    /// `replayproof ingest` defaults to [`DEFAULT_SHUTDOWN_DELAY`]) closes the listener at once.
+    pub shutdown_delay: Duration,
 }
 
 /// Requests being written to Kafka at once before ingest answers 503 (`--max-in-flight`).
@@ -46,6 +51,14 @@ pub const DEFAULT_BODY_TIMEOUT: Duration = Duration::from_secs(30);
 /// A connection that has not sent a request's headers this long after it opened, or after its
 /// last answer, is closed (`--header-timeout-ms`).
 pub const DEFAULT_HEADER_TIMEOUT: Duration = Duration::from_secs(10);
+/// After SIGTERM, webhooks are still accepted this long while `/readyz` says 503
+/// (`--shutdown-delay`).
+pub const DEFAULT_SHUTDOWN_DELAY: Duration = Duration::from_secs(5);
+/// Once the listener closed, a body still arriving gets at most this long before its 408,
+/// whatever `--body-timeout` says, so that a stop is bounded.
+pub const SHUTDOWN_BODY_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long a stop waits for the producer's last records, once every request was answered.
+const FLUSH_LIMIT: Duration = Duration::from_secs(5);
 
 impl IngestSettings {
     pub fn new(listen: SocketAddr, brokers: &str, topic: &str) -> Self {
@@ -62,14 +75,33 @@ impl IngestSettings {
             max_connections: DEFAULT_MAX_CONNECTIONS,
             body_timeout: DEFAULT_BODY_TIMEOUT,
             header_timeout: DEFAULT_HEADER_TIMEOUT,
+            // The command's default is DEFAULT_SHUTDOWN_DELAY; a host embedding the ingress,
+            // and its tests, stop at once unless they ask.
+            shutdown_delay: Duration::ZERO,
         }
     }
 
-    /// The longest a stop waits for connections: a body still arriving, then the broker's
-    /// acknowledgement. Past it, what is left is closed; a request cut off then was never
-    /// answered 2xx, and its sender retries.
+    /// How long a body may still take once the listener closed.
+    pub(super) fn closing_body_timeout(&self) -> Duration {
+        self.body_timeout.min(SHUTDOWN_BODY_TIMEOUT)
+    }
+
+    /// The longest a stop waits for connections once the listener closed: a body still
+    /// arriving (capped), then the broker's acknowledgement. Past it, what is left is closed; a
+    /// request cut off then was never answered 2xx, and its sender retries.
     pub(super) fn drain_limit(&self) -> Duration {
-        self.body_timeout + self.produce_timeout + Duration::from_secs(1)
+        self.closing_body_timeout() + self.produce_timeout + Duration::from_secs(1)
+    }
+
+    /// How long the producer's last records may take once every request was answered.
+    pub(super) fn flush_limit(&self) -> Duration {
+        FLUSH_LIMIT
+    }
+
+    /// The longest a stop takes from SIGTERM to exit: the delay, the drain, the flush. A
+    /// deployment's grace period (Kubernetes' `terminationGracePeriodSeconds`) must be longer.
+    pub fn worst_case_stop(&self) -> Duration {
+        self.shutdown_delay + self.drain_limit() + self.flush_limit()
     }
 
     /// The most bytes one envelope may take: the body, JSON-escaped at worst, and the rest.

@@ -535,11 +535,12 @@ async fn an_unreadable_outbox_fails_health_until_it_is_back() {
             .any(|p| p.starts_with("database: the outbox has been unreadable"))
     })
     .await;
+    assert!(health.is_live(), "{:?}", health.liveness_problems());
     sqlx::query("ALTER TABLE outbox_away RENAME TO outbox")
         .execute(&db.pool)
         .await
         .unwrap();
-    wait_for("healthy again", WAIT, || async { health.is_healthy() }).await;
+    wait_for("ready again", WAIT, || async { health.is_ready() }).await;
     wait_for("the operation delivered", WAIT, || async {
         downstream.applied().len() == 1
     })

@@ -19,8 +19,20 @@ kind = "stripe"
 secrets_env = ["E2E_STRIPE_SECRET"]
 "#;
 
-/// One delivery: the event number decides the source and the id.
+/// One delivery: the event number decides the source and the id. 0: no answer.
 async fn deliver(http: &reqwest::Client, base: &str, n: usize) -> u16 {
+    sent(http, base, n)
+        .await
+        .map(|r| r.status().as_u16())
+        .unwrap_or(0)
+}
+
+/// One delivery, as the sender sees it: an answer or why there was none.
+async fn sent(
+    http: &reqwest::Client,
+    base: &str,
+    n: usize,
+) -> Result<reqwest::Response, reqwest::Error> {
     let response = if n.is_multiple_of(2) {
         let body = format!(r#"{{"action":"opened","number":{n}}}"#);
         http.post(format!("{base}/webhooks/github"))
@@ -45,11 +57,7 @@ async fn deliver(http: &reqwest::Client, base: &str, n: usize) -> u16 {
             .header("stripe-signature", format!("t={t},v1={sig}"))
             .body(body)
     };
-    response
-        .send()
-        .await
-        .map(|r| r.status().as_u16())
-        .unwrap_or(0)
+    response.send().await
 }
 
 /// A `replayproof ingest` process on a free port, with the two sources above.
@@ -60,6 +68,16 @@ impl Ingress {
         kafka: &TestKafka,
         topic: &str,
         failpoints: Option<&str>,
+    ) -> (tokio::process::Child, u16, tempfile::TempDir) {
+        Self::spawn_with(kafka, topic, failpoints, &[])
+    }
+
+    /// Like [`Ingress::spawn`], with more arguments for `ingest`.
+    fn spawn_with(
+        kafka: &TestKafka,
+        topic: &str,
+        failpoints: Option<&str>,
+        extra: &[&str],
     ) -> (tokio::process::Child, u16, tempfile::TempDir) {
         let dir = tempfile::tempdir().unwrap();
         let config = dir.path().join("replayproof.toml");
@@ -73,6 +91,7 @@ impl Ingress {
             .args(["--brokers", &kafka.brokers(), "--topic", topic])
             .args(["--kafka-option", "broker.address.family=v4"])
             .args(["--metrics-addr", "127.0.0.1:0"])
+            .args(extra)
             .env("E2E_GITHUB_SECRET", "gh-secret-for-the-e2e-test")
             .env("E2E_STRIPE_SECRET", "whsec_e2e-secret-for-the-test")
             .env("RUST_LOG", "warn")
@@ -217,4 +236,104 @@ async fn ingress_killed_after_the_ack_before_the_answer_makes_the_retry_a_harmle
     wait_committed_total(&kafka, &group, &topic, 1, 2).await;
     assert!(consumer.terminate(Duration::from_secs(30)).await.success());
     second.kill().await.unwrap();
+}
+
+/// What one sender saw of one delivery during a rolling update.
+#[derive(Debug)]
+enum Seen {
+    Answered(u16),
+    /// No answer: the connection was refused or closed before one came.
+    NoAnswer(String),
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deliveries_across_a_sigterm_are_accepted_for_the_shutdown_delay_and_never_get_a_5xx() {
+    let _heavy = heavy().await;
+    let delay = Duration::from_secs(3);
+    let kafka = TestKafka::for_processes();
+    let topic = kafka.topic(1).await;
+    let (mut ingest, port, _dir) =
+        Ingress::spawn_with(&kafka, &topic, None, &["--shutdown-delay", "3s"]);
+    let base = format!("http://127.0.0.1:{port}");
+    let http = reqwest::Client::new();
+    wait_ready(&http, &base).await;
+
+    // Four senders deliver without pause, on keep-alive connections, until the ingress is gone.
+    let done = tokio_util::sync::CancellationToken::new();
+    let senders: Vec<_> = (0..4)
+        .map(|client| {
+            let (http, base, done) = (http.clone(), base.clone(), done.clone());
+            tokio::spawn(async move {
+                let mut seen = Vec::new();
+                for n in (client..).step_by(4) {
+                    if done.is_cancelled() {
+                        break;
+                    }
+                    let outcome = match sent(&http, &base, n).await {
+                        Ok(response) => Seen::Answered(response.status().as_u16()),
+                        Err(e) => Seen::NoAnswer(format!("{e:?}")),
+                    };
+                    seen.push((std::time::Instant::now(), n, outcome));
+                }
+                seen
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let signalled = std::time::Instant::now();
+    let pid = nix::unistd::Pid::from_raw(ingest.id().unwrap() as i32);
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).unwrap();
+    wait_for("/readyz to answer 503 at once", delay / 2, || async {
+        http.get(format!("{base}/readyz"))
+            .send()
+            .await
+            .is_ok_and(|r| r.status() == 503)
+    })
+    .await;
+    let status = tokio::time::timeout(Duration::from_secs(30), ingest.wait())
+        .await
+        .expect("ingest stops within its worst-case stop")
+        .unwrap();
+    assert!(status.success(), "ingest exited with {status:?}");
+    done.cancel();
+
+    let mut accepted = HashSet::new();
+    let mut accepted_late = 0;
+    for sender in senders {
+        for (at, n, outcome) in sender.await.unwrap() {
+            match outcome {
+                Seen::Answered(200) => {
+                    accepted.insert(n);
+                    accepted_late += usize::from(at > signalled + delay / 2);
+                }
+                Seen::Answered(code) => panic!("delivery {n} answered {code}"),
+                Seen::NoAnswer(why) => assert!(
+                    at >= signalled + delay,
+                    "delivery {n} got no answer {:?} after the SIGTERM, within the delay: {why}",
+                    at - signalled
+                ),
+            }
+        }
+    }
+    assert!(
+        accepted_late > 0,
+        "deliveries are still accepted well into the delay"
+    );
+    // Every 2xx is a record on the topic: none was answered without the broker's ack.
+    let high = high_watermark(&kafka, &topic).await;
+    assert_eq!(high, accepted.len() as i64);
+}
+
+/// The high watermark of partition 0 of `topic`.
+async fn high_watermark(kafka: &TestKafka, topic: &str) -> i64 {
+    let (brokers, topic) = (kafka.brokers(), topic.to_owned());
+    tokio::task::spawn_blocking(move || {
+        use rdkafka::consumer::Consumer;
+        let c: rdkafka::consumer::BaseConsumer = client_config(&brokers).create().unwrap();
+        c.fetch_watermarks(&topic, 0, Duration::from_secs(5))
+            .map(|(_, high)| high)
+            .unwrap()
+    })
+    .await
+    .unwrap()
 }

@@ -561,6 +561,7 @@ async fn an_idle_consumer_whose_database_is_gone_fails_health() {
             .any(|p| p.starts_with("database: PostgreSQL has not answered"))
     })
     .await;
+    assert!(health.is_live(), "{:?}", health.liveness_problems());
     stop.cancel();
     running.stopped().await.unwrap();
 }

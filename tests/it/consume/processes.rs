@@ -851,3 +851,85 @@ async fn a_deferred_applier_that_cannot_run_fails_health() {
     .await;
     assert!(consumer.terminate(WAIT).await.success());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_database_down_for_longer_than_the_stall_limit_keeps_the_consumer_up_and_it_applies_the_backlog(
+) {
+    let _heavy = heavy().await;
+    let (kafka, db) = (TestKafka::for_processes(), TestDb::on_own_cluster().await);
+    let postgres = db.cluster.as_ref().unwrap();
+    let (topic, group) = (kafka.topic(1).await, unique("group"));
+    let port = free_port();
+    let addr = format!("127.0.0.1:{port}");
+    let stall_exit = Duration::from_secs(6);
+    let mut consumer = ConsumerProcess::spawn_with(
+        &kafka.brokers(),
+        &topic,
+        &group,
+        &db.url,
+        None,
+        &[
+            "--metrics-addr",
+            &addr,
+            "--unhealthy-after",
+            "2s",
+            "--stall-exit",
+            "6s",
+        ],
+    );
+    let status = |path: &'static str| async move { http_get(port, path).await.map(|(s, _)| s) };
+    wait_for("ready and live", WAIT, || async {
+        status("/readyz").await == Some(200) && status("/livez").await == Some(200)
+    })
+    .await;
+    let records = |range: std::ops::Range<usize>| -> Vec<Record> {
+        range
+            .map(|i| Record::event(&format!("evt-{i}"), json!({"n": i})))
+            .collect()
+    };
+    let producer = producer(&kafka.brokers());
+    produce(&producer, &topic, &records(0..50)).await;
+    wait_for("the first events applied", WAIT, || async {
+        db.count("SELECT count(*) FROM ledger").await == 50
+    })
+    .await;
+
+    postgres.stop().unwrap();
+    // A batch now waits for the database, longer than the stall limit.
+    produce(&producer, &topic, &records(50..100)).await;
+    wait_for("/readyz to name the database", WAIT, || async {
+        http_get(port, "/readyz")
+            .await
+            .is_some_and(|(s, body)| s == 503 && body.contains("database"))
+    })
+    .await;
+    let down_since = Instant::now();
+    while down_since.elapsed() < stall_exit * 3 {
+        assert!(
+            consumer.is_running(),
+            "the consumer exited during the outage"
+        );
+        assert_eq!(
+            status("/livez").await,
+            Some(200),
+            "not live during the outage"
+        );
+        assert_eq!(
+            status("/readyz").await,
+            Some(503),
+            "ready during the outage"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+
+    postgres.resume().unwrap();
+    let expected: HashSet<String> = (0..100).map(|i| format!("evt-{i}")).collect();
+    assert_exactly_once(&db, &expected, WAIT).await;
+    wait_committed_total(&kafka, &group, &topic, 1, 100).await;
+    wait_for("ready again", WAIT, || async {
+        status("/readyz").await == Some(200)
+    })
+    .await;
+    assert!(consumer.is_running());
+    assert!(consumer.terminate(WAIT).await.success());
+}

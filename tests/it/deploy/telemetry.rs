@@ -2,7 +2,7 @@
 
 use replayproof::consume::BatchReport;
 use replayproof::consume::ConsumeMetrics;
-use replayproof::telemetry::{serve_metrics, Health};
+use replayproof::telemetry::{serve_metrics, Health, Probe};
 
 #[tokio::test]
 async fn metrics_and_health_are_served() {
@@ -39,26 +39,41 @@ async fn metrics_and_health_are_served() {
     );
     assert!(body.contains(r#"replayproof_consume_events_total{outcome="duplicate"} 2"#));
     assert!(body.contains(r#"replayproof_consume_events_total{outcome="dead_letter"} 1"#));
-    assert_eq!(get("/healthz").await.0, 200);
+    for probe in ["/livez", "/readyz", "/healthz"] {
+        assert_eq!(get(probe).await.0, 200, "{probe}");
+    }
+    // A dependency down: not ready, still live (`/healthz` is `/readyz`).
     health.report("database", Some("unreachable for 61 s".into()));
-    let (status, body) = get("/healthz").await;
-    assert_eq!(
-        (status, body.as_str()),
-        (503, "database: unreachable for 61 s\n")
-    );
+    for probe in ["/readyz", "/healthz"] {
+        let (status, body) = get(probe).await;
+        assert_eq!(
+            (status, body.as_str()),
+            (503, "database: unreachable for 61 s\n"),
+            "{probe}"
+        );
+    }
+    assert_eq!(get("/livez").await, (200, "ok\n".to_owned()));
     health.report("database", None);
-    assert_eq!(get("/healthz").await.0, 200);
-    // A loop whose heartbeat is overdue is unhealthy until it beats again.
+    assert_eq!(get("/readyz").await.0, 200);
+    // A wedged part fails both.
+    health.report_as("lanes", Probe::Live, Some("stuck".into()));
+    assert_eq!(get("/livez").await, (503, "lanes: stuck\n".to_owned()));
+    assert_eq!(get("/readyz").await.0, 503);
+    health.report("lanes", None);
+    assert_eq!(get("/livez").await.0, 200);
+    // A loop whose heartbeat is overdue is neither live nor ready until it beats again.
     health.beat("poll loop", std::time::Duration::from_secs(30));
-    assert_eq!(get("/healthz").await.0, 200);
+    assert_eq!(get("/livez").await.0, 200);
     // A beat that may be 1 ms old at most is overdue once 20 ms have passed, however slow the
     // machine: no race with the request.
     health.beat("poll loop", std::time::Duration::from_millis(1));
     tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-    let (status, body) = get("/healthz").await;
-    assert_eq!(status, 503);
-    assert!(body.starts_with("poll loop: no progress"), "{body}");
+    for probe in ["/livez", "/readyz"] {
+        let (status, body) = get(probe).await;
+        assert_eq!(status, 503, "{probe}");
+        assert!(body.starts_with("poll loop: no progress"), "{body}");
+    }
     health.beat("poll loop", std::time::Duration::from_secs(60));
-    assert_eq!(get("/healthz").await.0, 200);
+    assert_eq!(get("/livez").await.0, 200);
     stop.cancel();
 }

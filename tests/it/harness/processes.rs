@@ -142,6 +142,11 @@ impl ConsumerProcess {
             .expect("exit status")
     }
 
+    /// Whether it is still running (it has not exited by itself).
+    pub fn is_running(&mut self) -> bool {
+        self.child.try_wait().expect("the child's status").is_none()
+    }
+
     /// Sends a signal, such as SIGSTOP or SIGCONT.
     pub fn signal(&self, signal: nix::sys::signal::Signal) {
         nix::sys::signal::kill(self.pid(), signal).expect("signal");

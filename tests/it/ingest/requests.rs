@@ -122,6 +122,15 @@ impl Ingress {
         self.stripe_request(secret, t, body).send().await.unwrap()
     }
 
+    async fn probe(&self, path: &str) -> u16 {
+        reqwest::Client::new()
+            .get(format!("{}{path}", self.base))
+            .send()
+            .await
+            .map(|r| r.status().as_u16())
+            .unwrap_or(0)
+    }
+
     async fn readyz(&self) -> u16 {
         let r = self
             .http
@@ -421,6 +430,9 @@ async fn broker_down_gives_503_with_retry_after_and_back_up_gives_2xx() {
         ingress.readyz().await == 503
     })
     .await;
+    // The broker is down for everyone: restarting the ingress mends nothing.
+    assert_eq!(ingress.probe("/livez").await, 200);
+    assert_eq!(ingress.probe("/healthz").await, 503, "/healthz is /readyz");
 
     kafka.set_broker_up(true).unwrap();
     // The sender retries until it gets a 2xx, as senders do.
@@ -632,7 +644,7 @@ async fn idle_connections_at_the_limit_are_closed_and_health_still_answers() {
     }
     idle.push(connection_sending(&addr, b"POST /webhooks/github HTTP/1.1\r\nHost: x\r\n").await);
     let asked = reqwest::Client::new()
-        .get(format!("{}/healthz", ingress.base))
+        .get(format!("{}/livez", ingress.base))
         .timeout(Duration::from_secs(10))
         .send()
         .await;
