@@ -337,6 +337,7 @@ impl ConsumeArgs {
     ) -> anyhow::Result<()> {
         let process = crate::shutdown::Process::start("consume", Some(self.metrics_addr)).await?;
         let metrics = ConsumeMetrics::new(&process.registry)?;
+        metrics.known_sources(self.known_sources(file)?.iter().map(String::as_str));
         let pool = self.database.pool(self.db_pool_size)?;
         if self.migrate {
             crate::db::migrate(&pool).await?;
@@ -373,6 +374,21 @@ impl ConsumeArgs {
 }
 
 impl ConsumeArgs {
+    /// The sources whose events this consumer expects: the configuration file's
+    /// `[[ingest.sources]]` and the `--defer-source` ones.
+    fn known_sources(
+        &self,
+        file: Option<&crate::config::ConfigFile>,
+    ) -> anyhow::Result<std::collections::BTreeSet<String>> {
+        let mut names: std::collections::BTreeSet<String> =
+            self.defer_settings()?.sources.into_keys().collect();
+        if let Some(file) = file {
+            let sources = crate::ingest::config::FileConfig::from_config(file)?.sources;
+            names.extend(sources.into_iter().map(|s| s.name));
+        }
+        Ok(names)
+    }
+
     /// The durations with flags of their own spelling, as given in either spelling.
     fn durations(&self) -> [(&'static str, Duration); 8] {
         use crate::args::{or_old_ms, or_old_secs};

@@ -44,6 +44,15 @@ pub enum Applied {
 }
 
 impl Applied {
+    /// Every outcome.
+    pub const ALL: [Applied; 5] = [
+        Self::Done,
+        Self::Deferred,
+        Self::Failed,
+        Self::Postponed,
+        Self::Skipped,
+    ];
+
     pub(super) fn as_str(self) -> &'static str {
         match self {
             Self::Done => "applied",

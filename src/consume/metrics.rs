@@ -1,16 +1,19 @@
 //! The consumer's metrics.
 
+use super::batch::{Outcome, UNKNOWN_SOURCE};
+use super::deferred::Applied;
 use super::BatchReport;
 use prometheus::{
     Gauge, GaugeVec, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec,
     Opts, Registry,
 };
 
-/// The consumer's metrics. Labels are bounded: an outcome from a fixed list, a partition.
+/// The consumer's metrics. Labels are bounded: an outcome from a fixed list, a configured
+/// source, the topic and a partition.
 #[derive(Clone)]
 pub struct ConsumeMetrics {
-    /// Events by outcome: applied, duplicate, conflict, dead_letter, failed, deferred,
-    /// expired_replay.
+    /// Events by source and outcome (applied, duplicate, conflict, dead_letter, failed,
+    /// deferred, expired_replay); dead letters count under the source `unknown`.
     pub events: IntCounterVec,
     /// Effect attempts that returned an error, retried or not.
     pub effect_failures: IntCounter,
@@ -20,11 +23,11 @@ pub struct ConsumeMetrics {
     pub batch_size: Histogram,
     /// Time from the start of a batch to its commit.
     pub batch_seconds: Histogram,
-    /// The last offset committed to Kafka, per partition.
+    /// The last offset committed to Kafka, per topic and partition.
     pub committed_offset: IntGaugeVec,
     /// Partitions this member owns now.
     pub assigned_partitions: IntGauge,
-    /// Messages after the last applied batch, per partition.
+    /// Messages after the last applied batch, per topic and partition.
     pub consumer_lag: IntGaugeVec,
     /// Lanes that panicked; each stops the process so its partitions move on.
     pub lane_panics: IntCounter,
@@ -88,7 +91,10 @@ impl Maker<'_> {
     }
 
     fn per_partition(&self, name: &str, help: &str) -> prometheus::Result<IntGaugeVec> {
-        self.keep(IntGaugeVec::new(Opts::new(name, help), &["partition"]))
+        self.keep(IntGaugeVec::new(
+            Opts::new(name, help),
+            &["topic", "partition"],
+        ))
     }
 
     fn histogram(
@@ -129,6 +135,11 @@ impl PruneMetrics {
                 "How long each source's claims are kept.",
             )?,
         })
+        .inspect(|made: &Self| {
+            for outcome in crate::retention::background::ROUND_OUTCOMES {
+                made.rounds.with_label_values(&[outcome]);
+            }
+        })
     }
 }
 
@@ -157,6 +168,12 @@ impl DeferredMetrics {
                 "Age of the oldest deferred event of the topic, from its first deferral.",
             ))?,
         })
+        .inspect(|made: &Self| {
+            // Every outcome's series from the start, at 0 (see `known_sources`).
+            for outcome in Applied::ALL {
+                made.attempts.with_label_values(&[outcome.as_str()]);
+            }
+        })
     }
 }
 
@@ -165,11 +182,13 @@ impl ConsumeMetrics {
     pub fn new(registry: &Registry) -> prometheus::Result<Self> {
         let m = Maker(registry);
         Ok(Self {
-            events: m.by(
-                "replayproof_consume_events_total",
-                "Events consumed, by outcome.",
-                "outcome",
-            )?,
+            events: m.keep(IntCounterVec::new(
+                Opts::new(
+                    "replayproof_consume_events_total",
+                    "Events consumed, by source and outcome.",
+                ),
+                &["source", "outcome"],
+            ))?,
             effect_failures: m.counter(
                 "replayproof_effect_failures_total",
                 "Effect attempts that failed.",
@@ -211,27 +230,40 @@ impl ConsumeMetrics {
         })
     }
 
+    /// Creates every series the consumer may count at 0, for each of `sources` (and
+    /// `unknown`): a counter whose series is born at its first increment hides that increment
+    /// from `increase()`, and an alert on it misses the first dead letter after a restart.
+    pub fn known_sources<'s>(&self, sources: impl IntoIterator<Item = &'s str>) {
+        let sources = sources.into_iter().chain([UNKNOWN_SOURCE]);
+        for source in sources {
+            for outcome in Outcome::ALL {
+                self.events.with_label_values(&[source, outcome.label()]);
+            }
+        }
+    }
+
+    /// Creates an assigned partition's series, at 0 where they count.
+    pub fn known_partition(&self, topic: &str, partition: i32) {
+        let labels = [topic, &partition.to_string()];
+        self.committed_offset.with_label_values(&labels);
+        self.consumer_lag.with_label_values(&labels);
+    }
+
     /// Removes a revoked partition's series.
-    pub fn forget_partition(&self, partition: i32) {
-        let label = partition.to_string();
-        let _ = self.consumer_lag.remove_label_values(&[&label]);
-        let _ = self.committed_offset.remove_label_values(&[&label]);
+    pub fn forget_partition(&self, topic: &str, partition: i32) {
+        let labels = [topic, &partition.to_string()];
+        let _ = self.consumer_lag.remove_label_values(&labels);
+        let _ = self.committed_offset.remove_label_values(&labels);
     }
 
     /// Counts what one committed batch did.
     pub fn record(&self, report: &BatchReport) {
-        let outcomes = [
-            ("applied", report.applied),
-            ("duplicate", report.duplicates),
-            ("conflict", report.conflicts),
-            ("dead_letter", report.dead_letters.len()),
-            ("failed", report.failed),
-            ("deferred", report.deferred),
-            ("expired_replay", report.expired),
-        ];
-        for (outcome, n) in outcomes {
-            if n > 0 {
-                self.events.with_label_values(&[outcome]).inc_by(n as u64);
+        for (source, counts) in &report.by_source {
+            for (outcome, n) in Outcome::ALL.into_iter().zip(counts) {
+                if *n > 0 {
+                    let labels = [source.as_str(), outcome.label()];
+                    self.events.with_label_values(&labels).inc_by(*n as u64);
+                }
             }
         }
         self.effect_failures.inc_by(report.effect_errors as u64);

@@ -54,7 +54,7 @@ impl ClientContext for LaneContext {
             if lag >= 0 {
                 self.metrics
                     .consumer_lag
-                    .with_label_values(&[&partition.to_string()])
+                    .with_label_values(&[&self.settings.topic, &partition.to_string()])
                     .set(lag);
             }
         }
@@ -171,7 +171,7 @@ impl LaneContext {
             if let Offset::Offset(o) = e.offset() {
                 self.metrics
                     .committed_offset
-                    .with_label_values(&[&e.partition().to_string()])
+                    .with_label_values(&[&self.settings.topic, &e.partition().to_string()])
                     .set(o);
             }
         }

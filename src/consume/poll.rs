@@ -137,7 +137,8 @@ impl ConsumerContext for LaneContext {
             // A partition this member no longer owns has no lag or offset here: its series go,
             // so a dashboard does not show a stale number next to the new owner's.
             for e in tpl.elements_for_topic(&self.settings.topic) {
-                self.metrics.forget_partition(e.partition());
+                self.metrics
+                    .forget_partition(&self.settings.topic, e.partition());
                 self.vitals.revoked(e.partition());
             }
             return;
@@ -164,6 +165,8 @@ impl ConsumerContext for LaneContext {
             }
             feeds.insert(e.partition(), feed);
             self.vitals.assigned(e.partition());
+            self.metrics
+                .known_partition(&self.settings.topic, e.partition());
         }
         self.metrics.assigned_partitions.set(feeds.len() as i64);
     }

@@ -47,6 +47,11 @@ impl DispatchMetrics {
                 "In-progress operations whose lease expired: their worker is gone.",
             )?,
         };
+        // Every outcome's series from the start, at 0: one born at its first increment hides
+        // that increment from `increase()`.
+        for outcome in outbox::Outcome::ALL {
+            m.attempts.with_label_values(&[outcome.as_str()]);
+        }
         registry.register(Box::new(m.attempts.clone()))?;
         registry.register(Box::new(m.latency.clone()))?;
         registry.register(Box::new(m.operations.clone()))?;

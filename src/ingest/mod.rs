@@ -87,6 +87,16 @@ impl Ingress {
             .with_context(|| format!("listening on {}", settings.listen))?;
         let addr = listener.local_addr()?;
         let metrics = IngestMetrics::new(&registry)?;
+        // Every series at 0 from the start: one born at its first increment hides that
+        // increment from `increase()`, and an alert on it misses the first one after a restart.
+        for name in sources.keys() {
+            for outcome in Outcome::LABELS {
+                metrics.requests.with_label_values(&[name, outcome]);
+            }
+        }
+        metrics
+            .requests
+            .with_label_values(&["unknown", "not_found"]);
         let metrics_stop = CancellationToken::new();
         let metrics_addr = serve_metrics(settings.metrics_listen, registry, &metrics_stop).await?;
         let state = Arc::new(AppState {
@@ -256,6 +266,18 @@ enum Outcome {
 }
 
 impl Outcome {
+    /// Every label a known source's requests may end with.
+    const LABELS: [&'static str; 8] = [
+        "accepted",
+        "challenge",
+        "too_large",
+        "unauthorized",
+        "bad_request",
+        "unavailable",
+        "overloaded",
+        "timed_out",
+    ];
+
     fn label(&self) -> &'static str {
         match self {
             Self::Accepted { .. } => "accepted",
@@ -468,5 +490,32 @@ async fn produce(state: &AppState, envelope: Envelope) -> Outcome {
             tracing::warn!(source = %envelope.source, "No delivery report in time; answered 503.");
             Outcome::Unavailable(state.settings.retry_after_secs)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Outcome;
+
+    #[test]
+    fn every_outcome_of_a_known_source_is_created_at_start() {
+        let every = [
+            Outcome::Accepted {
+                key: String::new(),
+                partition: 0,
+                offset: 0,
+            },
+            Outcome::Challenge(String::new()),
+            Outcome::TooLarge,
+            Outcome::Unauthorized,
+            Outcome::BadRequest(String::new()),
+            Outcome::Unavailable(1),
+            Outcome::Overloaded(1),
+            Outcome::TimedOut,
+        ];
+        let labels: Vec<&str> = every.iter().map(Outcome::label).collect();
+        assert_eq!(labels, Outcome::LABELS);
+        // An unknown source's only outcome is counted under `unknown`.
+        assert_eq!(Outcome::NotFound.label(), "not_found");
     }
 }

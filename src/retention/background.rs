@@ -7,6 +7,9 @@ use crate::consume::PruneMetrics;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
+/// The outcomes of a background prune round, as `replayproof_prune_rounds_total` labels them.
+pub const ROUND_OUTCOMES: [&str; 3] = ["done", "refused", "error"];
+
 pub struct Background {
     pub pruner: Pruner,
     pub every: Duration,

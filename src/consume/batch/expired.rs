@@ -2,27 +2,28 @@
 //! horizon, so their claim may have been pruned. They are recorded, not applied (see
 //! [`crate::retention::expired`] for why none slips between this check and the claim).
 
-use super::{BatchProcessor, RunError};
+use super::{BatchProcessor, BatchReport, Outcome, RunError};
 use crate::claims::Origin;
 use crate::envelope::Event;
 use crate::retention::expired::{self, Caught};
 use sqlx::{Postgres, Transaction};
 
 impl BatchProcessor {
-    /// Takes the expired replays out of `firsts`, records them, and returns how many there were.
+    /// Takes the expired replays out of `firsts`, records them, and counts them in `report`.
     pub(super) async fn sort_out_expired(
         &self,
         tx: &mut Transaction<'static, Postgres>,
         origin: Origin<'_>,
         firsts: &mut Vec<(i64, &Event)>,
-    ) -> Result<usize, RunError> {
+        report: &mut BatchReport,
+    ) -> Result<(), RunError> {
         let mut sources: Vec<&str> = firsts
             .iter()
             .filter(|(_, e)| e.occurred_at.is_some())
             .map(|(_, e)| e.source.as_str())
             .collect();
         if sources.is_empty() {
-            return Ok(0);
+            return Ok(());
         }
         sources.sort_unstable();
         sources.dedup();
@@ -37,7 +38,7 @@ impl BatchProcessor {
             .map(|(_, e)| e.key.as_str())
             .collect();
         if candidates.is_empty() {
-            return Ok(0);
+            return Ok(());
         }
         let known = expired::lock_known(tx, &candidates).await?;
         let mut caught = Vec::new();
@@ -55,6 +56,9 @@ impl BatchProcessor {
         if !caught.is_empty() {
             expired::record(tx, origin, &caught, self.effect.spec().as_ref()).await?;
         }
-        Ok(caught.len())
+        for c in &caught {
+            report.tally(&c.event.source, Outcome::ExpiredReplay);
+        }
+        Ok(())
     }
 }

@@ -2,7 +2,7 @@
 //! ([`crate::consume::settle::next`]) in the batch's transaction.
 
 use super::guarded::EffectFailure;
-use super::{Attempts, BatchProcessor, BatchReport, RunError};
+use super::{Attempts, BatchProcessor, BatchReport, Outcome, RunError};
 use crate::claims::{self, Deferral, Failure};
 use crate::consume::settle::{self, Next, Policy, Standing};
 use crate::effect::EffectError;
@@ -47,8 +47,12 @@ impl BatchProcessor {
     ) -> Result<Vec<Again>, RunError> {
         let sorted = self.sort_failures(failures, attempts)?;
         report.effect_errors += failures.len() - sorted.deferred.len();
-        report.failed += sorted.failed.len();
-        report.deferred += sorted.deferred.len();
+        for f in &sorted.failed {
+            report.tally(&f.event.source, Outcome::Failed);
+        }
+        for d in &sorted.deferred {
+            report.tally(&d.event.source, Outcome::Deferred);
+        }
         let spec = self.effect.spec();
         if !sorted.failed.is_empty() {
             claims::fail(tx, &sorted.failed, spec.as_ref()).await?;

@@ -32,7 +32,7 @@ use failures::Again;
 use plan::Plan;
 use retrying::{Held, GUARDED_PASSES};
 use sqlx::{PgPool, Postgres, Transaction};
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -74,6 +74,57 @@ pub struct BatchReport {
     /// Events whose key is unknown and that are older than their source's prune horizon:
     /// recorded in `expired_replays`, not applied.
     pub expired: usize,
+    /// The same events by source, for the events counter's labels; a dead letter, which may
+    /// not be an envelope at all, counts under [`UNKNOWN_SOURCE`].
+    pub by_source: BTreeMap<String, [usize; Outcome::ALL.len()]>,
+}
+
+/// The source label of what has no source.
+pub const UNKNOWN_SOURCE: &str = "unknown";
+
+/// What became of one consumed event, as `replayproof_consume_events_total` labels it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// Claimed here, its effect committed.
+    Applied,
+    /// A replay of a key claimed before with the same payload.
+    Duplicate,
+    /// A key claimed before with another payload.
+    Conflict,
+    /// Not an envelope, or a value PostgreSQL refused.
+    DeadLetter,
+    /// Its effect failed every attempt.
+    Failed,
+    /// Its effect said "not yet".
+    Deferred,
+    /// Its key unknown and older than its source's prune horizon.
+    ExpiredReplay,
+}
+
+impl Outcome {
+    /// Every outcome, in the order of [`BatchReport::by_source`]'s counts.
+    pub const ALL: [Outcome; 7] = [
+        Outcome::Applied,
+        Outcome::Duplicate,
+        Outcome::Conflict,
+        Outcome::DeadLetter,
+        Outcome::Failed,
+        Outcome::Deferred,
+        Outcome::ExpiredReplay,
+    ];
+
+    /// The `outcome` label.
+    pub fn label(self) -> &'static str {
+        match self {
+            Outcome::Applied => "applied",
+            Outcome::Duplicate => "duplicate",
+            Outcome::Conflict => "conflict",
+            Outcome::DeadLetter => "dead_letter",
+            Outcome::Failed => "failed",
+            Outcome::Deferred => "deferred",
+            Outcome::ExpiredReplay => "expired_replay",
+        }
+    }
 }
 
 impl BatchReport {
@@ -87,6 +138,34 @@ impl BatchReport {
         self.deferred += other.deferred;
         self.effect_errors += other.effect_errors;
         self.expired += other.expired;
+        for (source, counts) in other.by_source {
+            let mine = self.by_source.entry(source).or_default();
+            for (n, more) in mine.iter_mut().zip(counts) {
+                *n += more;
+            }
+        }
+    }
+
+    /// Counts one event of `source`, in its total and by source.
+    fn tally(&mut self, source: &str, outcome: Outcome) {
+        let total = match outcome {
+            Outcome::Applied => Some(&mut self.applied),
+            Outcome::Duplicate => Some(&mut self.duplicates),
+            Outcome::Conflict => Some(&mut self.conflicts),
+            // Listed one by one in `dead_letters`.
+            Outcome::DeadLetter => None,
+            Outcome::Failed => Some(&mut self.failed),
+            Outcome::Deferred => Some(&mut self.deferred),
+            Outcome::ExpiredReplay => Some(&mut self.expired),
+        };
+        if let Some(total) = total {
+            *total += 1;
+        }
+        let counts = match self.by_source.get_mut(source) {
+            Some(counts) => counts,
+            None => self.by_source.entry(source.to_owned()).or_default(),
+        };
+        counts[outcome as usize] += 1;
     }
 }
 
@@ -417,15 +496,21 @@ impl BatchProcessor {
         if !plan.dead.is_empty() {
             dead_letters::insert(tx, origin, &plan.dead).await?;
             report.dead_letters = plan.dead.iter().map(DeadLettered::from).collect();
+            for _ in &plan.dead {
+                report.tally(UNKNOWN_SOURCE, Outcome::DeadLetter);
+            }
         }
         let mut firsts: Vec<(i64, &Event)> = plan.firsts.iter().map(|(o, e)| (*o, e)).collect();
         if !firsts.is_empty() {
             let replays = self.sort_out_captures(tx, &mut firsts).await?;
             if !replays.is_empty() {
-                report.conflicts += replays.len();
+                for (_, event, _) in &replays {
+                    report.tally(&event.source, Outcome::Conflict);
+                }
                 conflicts::record(tx, origin, &replays).await?;
             }
-            report.expired = self.sort_out_expired(tx, origin, &mut firsts).await?;
+            self.sort_out_expired(tx, origin, &mut firsts, &mut report)
+                .await?;
         }
         if firsts.is_empty() {
             return Ok(Pass::reporting(report));
@@ -463,13 +548,14 @@ impl BatchProcessor {
         let again = self
             .settle_failures(tx, &failures, attempts, &mut report)
             .await?;
-        report.applied += claimed.len() - failures.len();
+        let failed: HashSet<i64> = failures.iter().map(|f| f.offset).collect();
+        let succeeded = claimed.iter().filter(|(o, _)| !failed.contains(o));
+        for (_, event) in succeeded.clone() {
+            report.tally(&event.source, Outcome::Applied);
+        }
         let mut applied = Vec::new();
         if tracing::enabled!(target: APPLIED_LOG, tracing::Level::DEBUG) {
-            let failed: HashSet<i64> = failures.iter().map(|f| f.offset).collect();
-            applied = claimed
-                .iter()
-                .filter(|(o, _)| !failed.contains(o))
+            applied = succeeded
                 .map(|(_, e)| Applied {
                     key: e.key.to_string(),
                     event_type: e.event_type.clone(),

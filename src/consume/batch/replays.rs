@@ -3,7 +3,7 @@
 //! window.
 
 use super::plan::Plan;
-use super::{BatchProcessor, BatchReport, RunError};
+use super::{BatchProcessor, BatchReport, Outcome, RunError};
 use crate::claims::{self, conflicts};
 use crate::envelope::Event;
 use sqlx::{Postgres, Transaction};
@@ -88,12 +88,12 @@ impl BatchProcessor {
         for (offset, event) in losers {
             match winners.get(event.key.as_str()) {
                 Some(hash) if hash[..] != event.payload_sha256[..] => {
+                    report.tally(&event.source, Outcome::Conflict);
                     conflicts.push((*offset, event, None))
                 }
-                _ => report.duplicates += 1,
+                _ => report.tally(&event.source, Outcome::Duplicate),
             }
         }
-        report.conflicts += conflicts.len();
         if !conflicts.is_empty() {
             conflicts::record(tx, plan.origin, &conflicts).await?;
         }

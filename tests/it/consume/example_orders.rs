@@ -145,7 +145,7 @@ async fn payments_pay_once_wait_for_a_late_order_and_refusals_keep_their_reasons
     assert_eq!(
         metric(
             port,
-            "replayproof_consume_events_total{outcome=\"deferred\"}"
+            "replayproof_consume_events_total{outcome=\"deferred\""
         )
         .await,
         1.0

@@ -561,11 +561,10 @@ async fn consumer_cut_off_from_its_group_keeps_its_claims_and_the_new_owner_repl
     assert_exactly_once(&db, &expected, WAIT).await;
     // The new owner replayed what the cut-off member had committed to the database.
     let (_, page) = http_get(ports[1], "/metrics").await.unwrap();
-    let duplicates: f64 = page
-        .lines()
-        .find_map(|l| l.strip_prefix(r#"replayproof_consume_events_total{outcome="duplicate"} "#))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0.0);
+    let duplicates = scraped(
+        &page,
+        r#"replayproof_consume_events_total{outcome="duplicate""#,
+    );
     assert!(
         duplicates > 0.0,
         "the survivor replayed the cut-off member's batch: {page}"
@@ -931,5 +930,46 @@ async fn a_database_down_for_longer_than_the_stall_limit_keeps_the_consumer_up_a
     })
     .await;
     assert!(consumer.is_running());
+    assert!(consumer.terminate(WAIT).await.success());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_counter_an_alert_reads_is_exported_at_zero_before_anything_happens() {
+    let (kafka, db) = (TestKafka::for_processes(), TestDb::new().await);
+    let (topic, group) = (kafka.topic(2).await, unique("group"));
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("replayproof.toml");
+    let sources = "[[ingest.sources]]\nname = \"github\"\nkind = \"github\"\nsecrets_env = [\"UNSET_GITHUB_SECRET\"]\n";
+    std::fs::write(&config, sources).unwrap();
+    let port = free_port();
+    let addr = format!("127.0.0.1:{port}");
+    let config = config.to_str().unwrap();
+    let consumer = ConsumerProcess::spawn_with(
+        &kafka.brokers(),
+        &topic,
+        &group,
+        &db.url,
+        None,
+        &["--metrics-addr", &addr, "--config", config],
+    );
+    wait_for("both partitions assigned", WAIT, || async {
+        assigned(port).await == Some(2.0)
+    })
+    .await;
+    let (_, page) = http_get(port, "/metrics").await.unwrap();
+    let zero = [
+        r#"replayproof_consume_events_total{outcome="dead_letter",source="github"}"#,
+        r#"replayproof_consume_events_total{outcome="dead_letter",source="unknown"}"#,
+        r#"replayproof_consume_events_total{outcome="failed",source="github"}"#,
+        r#"replayproof_consume_events_total{outcome="conflict",source="github"}"#,
+        r#"replayproof_consume_events_total{outcome="expired_replay",source="github"}"#,
+        r#"replayproof_deferred_attempts_total{outcome="failed"}"#,
+        r#"replayproof_committed_offset{partition="0",topic="TOPIC"}"#,
+        r#"replayproof_committed_offset{partition="1",topic="TOPIC"}"#,
+    ];
+    for series in zero {
+        let line = format!("{} 0", series.replace("TOPIC", &topic));
+        assert!(page.lines().any(|l| l == line), "{line} in {page}");
+    }
     assert!(consumer.terminate(WAIT).await.success());
 }

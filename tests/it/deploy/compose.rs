@@ -175,9 +175,18 @@ fn dashboard_and_scrape_config_name_real_metrics() {
     replayproof::ingest::IngestMetrics::new(&registry).unwrap();
     let dispatch = replayproof::dispatch::DispatchMetrics::new(&registry).unwrap();
     // Vectors appear in a gather only once they have a sample.
-    consume.events.with_label_values(&["applied"]).inc();
-    consume.committed_offset.with_label_values(&["0"]).set(1);
-    consume.consumer_lag.with_label_values(&["0"]).set(1);
+    consume
+        .events
+        .with_label_values(&["github", "applied"])
+        .inc();
+    consume
+        .committed_offset
+        .with_label_values(&["webhooks", "0"])
+        .set(1);
+    consume
+        .consumer_lag
+        .with_label_values(&["webhooks", "0"])
+        .set(1);
     consume
         .deferred
         .attempts

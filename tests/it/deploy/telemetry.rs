@@ -8,6 +8,7 @@ use replayproof::telemetry::{serve_metrics, Health, Probe};
 async fn metrics_and_health_are_served() {
     let registry = prometheus::Registry::new();
     let metrics = ConsumeMetrics::new(&registry).unwrap();
+    metrics.known_sources(["github"]);
     metrics.record(&BatchReport {
         applied: 3,
         duplicates: 2,
@@ -15,6 +16,12 @@ async fn metrics_and_health_are_served() {
             offset: 7,
             reason: "the message has no value".into(),
         }],
+        // applied, duplicate, conflict, dead letter, failed, deferred, expired replay
+        by_source: [
+            ("github".to_owned(), [3, 2, 0, 0, 0, 0, 0]),
+            ("unknown".to_owned(), [0, 0, 0, 1, 0, 0, 0]),
+        ]
+        .into(),
         ..BatchReport::default()
     });
     let health = Health::default();
@@ -33,12 +40,18 @@ async fn metrics_and_health_are_served() {
     };
     let (status, body) = get("/metrics").await;
     assert_eq!(status, 200);
-    assert!(
-        body.contains(r#"replayproof_consume_events_total{outcome="applied"} 3"#),
-        "{body}"
-    );
-    assert!(body.contains(r#"replayproof_consume_events_total{outcome="duplicate"} 2"#));
-    assert!(body.contains(r#"replayproof_consume_events_total{outcome="dead_letter"} 1"#));
+    let events = |labels: &str| format!("replayproof_consume_events_total{{{labels}}}");
+    for (labels, n) in [
+        (r#"outcome="applied",source="github""#, 3),
+        (r#"outcome="duplicate",source="github""#, 2),
+        (r#"outcome="dead_letter",source="unknown""#, 1),
+        // Known before anything happened: born at 0, so the first one is an increase.
+        (r#"outcome="failed",source="github""#, 0),
+        (r#"outcome="dead_letter",source="github""#, 0),
+    ] {
+        let line = format!("{} {n}", events(labels));
+        assert!(body.lines().any(|l| l == line), "{line} in {body}");
+    }
     for probe in ["/livez", "/readyz", "/healthz"] {
         assert_eq!(get(probe).await.0, 200, "{probe}");
     }

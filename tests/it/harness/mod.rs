@@ -81,11 +81,12 @@ pub async fn http_get(port: u16, path: &str) -> Option<(u16, String)> {
     Some((r.status().as_u16(), r.text().await.ok()?))
 }
 
-/// The value of an unlabelled (or summed) metric in a Prometheus text page.
+/// The value of an unlabelled (or summed) metric in a Prometheus text page. `name` may hold
+/// the first labels too (`x{outcome="a"`): the series with more labels after them are summed.
 pub fn scraped(page: &str, name: &str) -> f64 {
     page.lines()
         .filter(|l| l.starts_with(name) && !l.starts_with('#'))
-        .filter(|l| l[name.len()..].starts_with([' ', '{']))
+        .filter(|l| l[name.len()..].starts_with([' ', '{', ',']))
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum()
 }

@@ -491,6 +491,20 @@ async fn metrics_are_served_on_their_own_listener_not_the_webhook_port() {
         s.metrics_listen = Some("127.0.0.1:0".parse().unwrap())
     })
     .await;
+    let at = ingress.metrics_addr.unwrap();
+    let scrape = || async move {
+        let page = reqwest::get(format!("http://{at}/metrics")).await.unwrap();
+        page.text().await.unwrap()
+    };
+    // Before any request, every series a known source may count is there at 0: the first
+    // unauthorized request after a restart is an increase an alert sees.
+    let page = scrape().await;
+    for outcome in ["accepted", "unauthorized", "unavailable", "timed_out"] {
+        let line = format!(
+            r#"replayproof_ingest_requests_total{{outcome="{outcome}",source="github"}} 0"#
+        );
+        assert!(page.lines().any(|l| l == line), "{line} in {page}");
+    }
     assert_eq!(ingress.github("m-1", b"{}").await.status(), 200);
     let public = ingress
         .http
@@ -499,13 +513,7 @@ async fn metrics_are_served_on_their_own_listener_not_the_webhook_port() {
         .await
         .unwrap();
     assert_eq!(public.status(), 404, "no metrics on the public port");
-    let at = ingress.metrics_addr.unwrap();
-    let page = reqwest::get(format!("http://{at}/metrics"))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let page = scrape().await;
     assert!(
         page.contains(r#"replayproof_ingest_requests_total{outcome="accepted",source="github"} 1"#),
         "{page}"
