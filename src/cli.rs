@@ -112,7 +112,16 @@ pub enum ConfigCommand {
     /// Read the file (--config or REPLAYPROOF_CONFIG), replace its ${VARIABLES}, check every
     /// setting, and print the effective settings with where each came from. Exits non-zero
     /// when the file or a setting is wrong.
-    Check,
+    ///
+    /// Then it connects as the commands would: each database answers and has every migration
+    /// applied, each broker answers (with TLS and SASL as configured) and has the topic, the
+    /// consumer's target URL resolves. It reports every problem, not the first, and exits
+    /// non-zero when any command would not be ready.
+    Check {
+        /// Only the static check: read and parse, connect to nothing.
+        #[arg(long)]
+        no_connect: bool,
+    },
 }
 
 /// The whole command line, with an application's own effects registered by name:
@@ -176,13 +185,15 @@ impl Cli {
             Command::DeadLetters(command) => command.run().await,
             Command::Status(args) => args.run().await,
             Command::Prune(prune) => prune.run(args.file.as_ref()).await,
-            Command::Config(ConfigCommand::Check) => {
+            Command::Config(ConfigCommand::Check { no_connect }) => {
                 use clap::CommandFactory as _;
-                let report = crate::config_check::check(
-                    &Args::command(),
-                    args.file.as_ref(),
-                    &crate::config::ProcessEnv,
-                )?;
+                let env = &crate::config::ProcessEnv;
+                let file = args.file.as_ref();
+                let mut report = crate::config_check::check(&Args::command(), file, env)?;
+                if !no_connect {
+                    report.problems +=
+                        crate::config_check::connect(file, env, &mut report.text).await;
+                }
                 print!("{}", crate::secrets::scrub(&report.text));
                 anyhow::ensure!(
                     report.problems == 0,

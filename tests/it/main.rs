@@ -31,6 +31,7 @@ mod operator {
 /// `dev` and `demo`.
 mod deploy {
     mod compose;
+    mod config_check;
     mod dev_and_demo;
     mod schema;
     mod secrets;

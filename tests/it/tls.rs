@@ -197,7 +197,28 @@ secrets_env = ["TEST_GITHUB_SECRET"]
         "{check_text}"
     );
     assert!(check_text.contains("consume: ready"), "{check_text}");
+    // It connected as the commands do: over TLS, logged in with SCRAM.
+    let connected = format!(
+        "kafka 127.0.0.1:{} topic {topic} (consume, ingest): the brokers answer",
+        broker.port
+    );
+    assert!(check_text.contains(&connected), "{check_text}");
     seen.push(check_text);
+    // A wrong password: the check says the broker does not let it in, and fails.
+    let refused = replayproof()
+        .args(["config", "check"])
+        .envs(env.iter().map(|(k, v)| (k, v)))
+        .env("REPLAYPROOF_KAFKA_SASL_PASSWORD", "not-the-password")
+        .output()
+        .unwrap();
+    let refused_text = String::from_utf8_lossy(&refused.stdout).into_owned();
+    assert!(!refused.status.success(), "{refused_text}");
+    let line = refused_text
+        .lines()
+        .find(|l| l.starts_with("kafka ") && l.contains("problem"))
+        .unwrap_or_else(|| panic!("no Kafka problem in {refused_text}"));
+    assert!(line.to_lowercase().contains("auth"), "{line}");
+    seen.push(refused_text);
     ingest.kill().await.unwrap();
     consume.kill().await.unwrap();
     for command in ["ingest", "consume"] {

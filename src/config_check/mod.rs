@@ -1,6 +1,10 @@
 //! `replayproof config check`: the effective settings of every section with where each came
-//! from (secrets redacted), the ingest sources with their secrets resolved, and whether each
-//! command would start from the file and the environment alone.
+//! from (secrets redacted), the ingest sources with their secrets resolved, whether each
+//! command would start from the file and the environment alone, and (unless `--no-connect`)
+//! whether what they would connect to answers ([`connect`]).
+
+mod connect;
+pub use connect::connect;
 
 use crate::config::{
     file_flags, kafka_env_properties, layered_over, render_clap_error, ConfigFile, Env, LayerError,
@@ -272,7 +276,13 @@ impl Report {
                         let problem = anyhow::anyhow!("{}", refused.problem);
                         self.command_refused(command, &LayerError::Config(problem))?
                     }
-                    None => writeln!(self.text, "{command}: ready")?,
+                    None => match own_problem(command, file, env) {
+                        Some(problem) => {
+                            let problem = LayerError::Config(problem);
+                            self.command_refused(command, &problem)?
+                        }
+                        None => writeln!(self.text, "{command}: ready")?,
+                    },
                 },
                 Err(e) => self.command_refused(command, &e)?,
             }
@@ -304,6 +314,25 @@ impl Report {
             .unwrap_or_default()
             .trim_start_matches("error: ");
         writeln!(self.text, "{command}: problem: {first}")
+    }
+}
+
+/// What stops a command whose flags all parse: ingest without its sources, or with a secret
+/// variable unset.
+fn own_problem(command: &str, file: Option<&ConfigFile>, env: &dyn Env) -> Option<anyhow::Error> {
+    if command != "ingest" {
+        return None;
+    }
+    let Some(file) = file else {
+        return Some(anyhow::anyhow!(
+            "ingest reads its sources from the configuration file"
+        ));
+    };
+    let sources = FileConfig::from_config(file).and_then(|c| c.sources_with(|n| env.var(n)));
+    match sources {
+        Ok(sources) if sources.is_empty() => Some(anyhow::anyhow!("no [[ingest.sources]]")),
+        Ok(_) => None,
+        Err(e) => Some(anyhow::anyhow!("[ingest] sources: {e:#}")),
     }
 }
 
