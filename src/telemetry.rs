@@ -34,7 +34,9 @@ pub fn init_logging_with(default: &str, format: LogFormat) {
         // Every line passes through the scrubber: a registered secret never reaches the log.
         .with_writer(crate::secrets::scrubbing_stderr);
     let _ = match format {
-        LogFormat::Json => builder.json().try_init(),
+        // `message` and the event's fields at the top level of each object, as log pipelines
+        // expect them.
+        LogFormat::Json => builder.json().flatten_event(true).try_init(),
         LogFormat::Text => builder
             .with_ansi(std::io::stderr().is_terminal())
             .try_init(),

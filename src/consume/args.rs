@@ -42,8 +42,10 @@ pub struct ConsumeArgs {
     #[arg(long, env = "REPLAYPROOF_ASSIGNOR", value_enum, default_value_t = Assignor::Roundrobin)]
     pub assignor: Assignor,
 
-    /// Static membership: a name unique to this member (a pod name, say). Restarted within the
-    /// session timeout under the same name, it gets its partitions back with no rebalance.
+    /// Static membership: a name unique to this member and stable across its restarts, such
+    /// as a StatefulSet pod's name (consume-0, consume-1); not a Deployment pod's, which changes
+    /// on every rollout. Restarted within the session timeout under the same name, it gets its
+    /// partitions back with no rebalance.
     #[arg(long, env = "REPLAYPROOF_GROUP_INSTANCE_ID")]
     pub group_instance_id: Option<String>,
 

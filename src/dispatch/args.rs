@@ -93,13 +93,23 @@ pub struct DispatchArgs {
     pub signing_secret: Option<outbound::SigningSecret>,
 }
 
+/// `$HOSTNAME` when set, else the kernel's host name, with the process id.
+fn default_worker(hostname: Option<String>, pid: u32) -> String {
+    let host = hostname
+        .filter(|h| !h.trim().is_empty())
+        .unwrap_or_else(|| gethostname::gethostname().to_string_lossy().into_owned());
+    format!("{}-{pid}", host.trim())
+}
+
 impl DispatchArgs {
-    /// The worker's name: the flag, or the host name and process id.
+    /// The worker's name: the flag, or the host name and process id. The host name is
+    /// `$HOSTNAME` (a Kubernetes pod's name), else the kernel's (`gethostname`): a container's
+    /// `/etc/hostname` may be the image's, the same in every replica.
     fn worker(&self) -> String {
-        self.worker.clone().unwrap_or_else(|| {
-            let host = std::fs::read_to_string("/etc/hostname").unwrap_or_else(|_| "host".into());
-            format!("{}-{}", host.trim(), std::process::id())
-        })
+        let hostname = std::env::var("HOSTNAME").ok();
+        self.worker
+            .clone()
+            .unwrap_or_else(|| default_worker(hostname, std::process::id()))
     }
 
     pub fn settings(&self) -> anyhow::Result<DispatchSettings> {
@@ -132,5 +142,21 @@ impl DispatchArgs {
             .run_until_stopped(process.shutdown)
             .stopped()
             .await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::default_worker;
+
+    #[test]
+    fn the_worker_is_named_after_the_pod_else_the_kernels_host_name() {
+        assert_eq!(
+            default_worker(Some("dispatch-7d9f".into()), 42),
+            "dispatch-7d9f-42"
+        );
+        let kernel = gethostname::gethostname().to_string_lossy().into_owned();
+        assert_eq!(default_worker(None, 7), format!("{kernel}-7"));
+        assert_eq!(default_worker(Some(" ".into()), 7), format!("{kernel}-7"));
     }
 }

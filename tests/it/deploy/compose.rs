@@ -228,3 +228,23 @@ fn dashboard_and_scrape_config_name_real_metrics() {
         );
     }
 }
+
+#[test]
+fn the_image_ships_a_stripped_binary_with_oci_labels_of_this_version() {
+    let dockerfile =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/Dockerfile")).unwrap();
+    let cook = dockerfile.find("cargo chef cook").unwrap();
+    let strip = dockerfile
+        .find("CARGO_PROFILE_RELEASE_STRIP=symbols")
+        .expect("the release build is stripped");
+    assert!(
+        strip < cook,
+        "the dependencies are built with the same profile"
+    );
+    let version = format!("ARG VERSION={}", env!("CARGO_PKG_VERSION"));
+    assert!(dockerfile.contains(&version), "{version}");
+    for label in ["title", "description", "version", "revision", "licenses"] {
+        let label = format!("org.opencontainers.image.{label}=");
+        assert!(dockerfile.contains(&label), "{label}");
+    }
+}

@@ -90,3 +90,34 @@ async fn metrics_and_health_are_served() {
     assert_eq!(get("/livez").await.0, 200);
     stop.cancel();
 }
+
+#[test]
+fn json_logs_put_the_message_and_the_event_fields_at_the_top_level() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_replayproof"))
+        .args(["--log-format", "json", "migrate", "--database-url"])
+        .arg(format!(
+            "postgres://nobody@127.0.0.1:{}/none",
+            crate::harness::free_port()
+        ))
+        .env_remove("REPLAYPROOF_CONFIG")
+        .env("RUST_LOG", "info")
+        .stdin(std::process::Stdio::null())
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let line: serde_json::Value = stderr
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .find(|l: &serde_json::Value| l["level"] == "ERROR")
+        .unwrap_or_else(|| panic!("no JSON error line in {stderr}"));
+    assert_eq!(
+        line["message"], "replayproof stopped on an error.",
+        "{line}"
+    );
+    assert!(
+        line["error"].is_string(),
+        "the event's field at the top level: {line}"
+    );
+    assert!(line.get("fields").is_none(), "{line}");
+}
