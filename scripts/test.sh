@@ -11,6 +11,9 @@
 #     rules in deploy/ and run their unit tests.
 #   - sqlx-cli (pinned), installed with `cargo install` when missing, to check that the
 #     committed `.sqlx/` query data matches the queries and migrations.
+#   - kubernetes-validate and checkov (pinned, from PyPI, installed when missing), to check the
+#     manifests of deploy/kubernetes/ against the Kubernetes schemas and a security linter;
+#     both run offline.
 # Then: formatting, the query data, clippy with warnings denied, a library build without the
 # default features, and `cargo test` with the failpoints compiled in.
 set -euo pipefail
@@ -147,6 +150,29 @@ ensure_python_modules() {
   fi
 }
 
+# ------------------------------------------------------------------------- Kubernetes checkers
+KUBERNETES_VALIDATE_VERSION=1.37.0
+CHECKOV_VERSION=3.3.30
+
+ensure_kubernetes_checkers() {
+  if ! python3 -m pip show kubernetes-validate 2>/dev/null | grep -q "^Version: $KUBERNETES_VALIDATE_VERSION" \
+    || ! python3 -m pip show checkov 2>/dev/null | grep -q "^Version: $CHECKOV_VERSION"; then
+    log "Installing kubernetes-validate $KUBERNETES_VALIDATE_VERSION and checkov $CHECKOV_VERSION (once)"
+    python3 -m pip install --quiet "kubernetes-validate==$KUBERNETES_VALIDATE_VERSION" "checkov==$CHECKOV_VERSION"
+  fi
+}
+
+# The manifests, each against the schemas of its Kubernetes version (the Prometheus Operator's
+# kinds have none there: their content is checked by tests/it/deploy/kubernetes.rs), then the
+# security linter over all of them.
+check_kubernetes_manifests() {
+  local manifests
+  manifests=$(ls deploy/kubernetes/*.yaml | grep -v -e kustomization.yaml -e servicemonitor.yaml -e prometheusrule.yaml)
+  # shellcheck disable=SC2086
+  python3 -m kubernetes_validate --strict --quiet $manifests
+  python3 -m checkov.main -d deploy/kubernetes --framework kubernetes --quiet --compact --skip-download
+}
+
 # ------------------------------------------------------------------------------------ promtool
 ensure_promtool() {
   if ! command -v promtool >/dev/null; then
@@ -192,11 +218,15 @@ ensure_postgres_binaries
 [ -n "${KAFKA_BROKERS:-}" ] || start_nisshi
 ensure_sqlx_cli
 ensure_promtool
+ensure_kubernetes_checkers
 export SQLX_OFFLINE=true
 
 log "The alert rules (promtool check rules, promtool test rules)"
 promtool check rules deploy/alerts.yml
 promtool test rules deploy/alerts.test.yml
+
+log "The Kubernetes manifests (kubernetes-validate, checkov)"
+check_kubernetes_manifests
 
 log "cargo fmt --check"
 cargo fmt --all -- --check

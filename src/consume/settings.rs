@@ -108,6 +108,14 @@ pub struct ConsumerSettings {
 }
 
 impl ConsumerSettings {
+    /// The longest a stop takes from SIGTERM to exit: the lanes' batches within the grace,
+    /// then the deferred event being applied within the same grace, then the final offset
+    /// commit and leaving the group (bounded by librdkafka's own timeouts, a few seconds). A
+    /// deployment's grace period (Kubernetes' `terminationGracePeriodSeconds`) must be longer.
+    pub fn worst_case_stop(&self) -> Duration {
+        self.shutdown_grace * 2 + Duration::from_secs(10)
+    }
+
     /// Settings with the defaults of the command line.
     pub fn new(brokers: &str, topic: &str, group: &str) -> Self {
         Self {

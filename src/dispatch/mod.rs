@@ -67,6 +67,13 @@ pub struct DispatchSettings {
 }
 
 impl DispatchSettings {
+    /// The longest a stop takes from SIGTERM to exit: the requests in flight (a reconcile and
+    /// a delivery, each under the request timeout), then their records. A deployment's grace
+    /// period (Kubernetes' `terminationGracePeriodSeconds`) must be longer.
+    pub fn worst_case_stop(&self) -> Duration {
+        self.request_timeout * 2 + Duration::from_secs(5)
+    }
+
     pub fn new(worker: &str) -> Self {
         Self {
             worker: worker.into(),

@@ -33,6 +33,7 @@ mod deploy {
     mod compose;
     mod config_check;
     mod dev_and_demo;
+    mod kubernetes;
     mod schema;
     mod secrets;
     mod telemetry;
