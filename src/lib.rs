@@ -39,6 +39,10 @@ pub mod testing;
 #[cfg(feature = "cli")]
 pub use cli::Cli;
 
+/// The attribute an [`effect::Effect`] implementation carries (`#[replayproof::async_trait]`),
+/// re-exported so that an application needs no dependency of its own on `async-trait`.
+pub use async_trait::async_trait;
+
 /// A `fail` failpoint, compiled in only with the `failpoints` feature. Tests use them to stop a
 /// real process at a chosen step (for example between the claim and COMMIT) and kill it there.
 #[macro_export]

@@ -27,8 +27,8 @@ mod settings;
 pub mod settle;
 
 pub use batch::{
-    BatchError, BatchProcessor, BatchReport, DeadLettered, EffectRetry, RawMessage, Retrying,
-    APPLIED_LOG, MAX_EFFECT_ATTEMPTS, MAX_EFFECT_BACKOFF,
+    BatchError, BatchProcessor, BatchReport, DeadLettered, EffectRetry, Outcome, RawMessage,
+    Retrying, APPLIED_LOG, MAX_EFFECT_ATTEMPTS, MAX_EFFECT_BACKOFF, UNKNOWN_SOURCE,
 };
 pub use deferred::{Applied, DeferredApplier, Round};
 pub(crate) use lane::panic_message;

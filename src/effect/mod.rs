@@ -19,7 +19,7 @@
 //!
 //! ```
 //! use anyhow::Context as _;
-//! use async_trait::async_trait;
+//! use replayproof::async_trait;
 //! use replayproof::effect::{Deferred, Effect, EffectError, Tx};
 //! use replayproof::envelope::Event;
 //!

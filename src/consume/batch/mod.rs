@@ -75,7 +75,8 @@ pub struct BatchReport {
     /// recorded in `expired_replays`, not applied.
     pub expired: usize,
     /// The same events by source, for the events counter's labels; a dead letter, which may
-    /// not be an envelope at all, counts under [`UNKNOWN_SOURCE`].
+    /// not be an envelope at all, counts under the source `unknown`. The counts are in the
+    /// order of [`Outcome::ALL`].
     pub by_source: BTreeMap<String, [usize; Outcome::ALL.len()]>,
 }
 
