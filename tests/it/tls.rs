@@ -248,13 +248,13 @@ struct HttpsReceiver {
 
 impl HttpsReceiver {
     async fn start(cert_pem: &str, key_pem: &str) -> Self {
+        use rustls_pki_types::pem::PemObject as _;
+        use rustls_pki_types::{CertificateDer, PrivateKeyDer};
         use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
-        let certs: Vec<_> = rustls_pemfile::certs(&mut cert_pem.as_bytes())
+        let certs: Vec<_> = CertificateDer::pem_slice_iter(cert_pem.as_bytes())
             .collect::<Result<_, _>>()
             .unwrap();
-        let key = rustls_pemfile::private_key(&mut key_pem.as_bytes())
-            .unwrap()
-            .unwrap();
+        let key = PrivateKeyDer::from_pem_slice(key_pem.as_bytes()).unwrap();
         let provider = std::sync::Arc::new(tokio_rustls::rustls::crypto::ring::default_provider());
         let config = tokio_rustls::rustls::ServerConfig::builder_with_provider(provider)
             .with_safe_default_protocol_versions()
