@@ -155,9 +155,12 @@ impl Ingress {
             serve(listener, app, limits, state.closing.clone()).await;
             let producer = state.producer.clone();
             let limit = state.settings.flush_limit();
-            tokio::task::spawn_blocking(move || producer.flush(limit))
-                .await?
-                .context("flushing the producer")?;
+            let flushed = tokio::task::spawn_blocking(move || producer.flush(limit)).await?;
+            if let Err(e) = flushed {
+                // Every 2xx was answered after its record's acknowledgement: what is still
+                // queued belongs to requests answered 503 or cut off, whose senders retry.
+                tracing::warn!(error = %e, "Records were still queued at the flush limit; their requests were not acknowledged.");
+            }
             drop(metrics_stop);
             tracing::info!("The ingress stopped.");
             Ok(())
