@@ -105,12 +105,13 @@ impl Workload {
 
 /// A payload of about `size` bytes whose padding does not compress (as real payloads mostly
 /// do not), so the WAL and TOAST costs are those of `size` bytes.
-fn payload(i: usize, size: usize) -> serde_json::Value {
+fn payload(i: usize, size: usize) -> Box<serde_json::value::RawValue> {
     let mut rng = fastrand::Rng::with_seed(i as u64);
     let pad: String = (0..size.saturating_sub(60))
         .map(|_| rng.alphanumeric())
         .collect();
-    serde_json::json!({ "id": format!("evt_{i}"), "amount": i % 10_000, "pad": pad })
+    let value = serde_json::json!({ "id": format!("evt_{i}"), "amount": i % 10_000, "pad": pad });
+    serde_json::value::to_raw_value(&value).expect("a JSON value serialises")
 }
 
 fn fxhash(s: &str) -> u64 {

@@ -117,8 +117,10 @@ fn batch(lane: i32, n: u64, timed: bool) -> Vec<RawMessage> {
                 event_type: Some("invoice.paid".into()),
                 received_at: Some(now),
                 occurred_at: timed.then_some(now),
-                payload: serde_json::json!({"id": id, "object": "event", "amount": 1999,
-                                            "customer": "cus_0123456789"}),
+                payload: serde_json::value::to_raw_value(&serde_json::json!({
+                    "id": id, "object": "event", "amount": 1999, "customer": "cus_0123456789"
+                }))
+                .expect("a JSON value serialises"),
                 unhashed: Vec::new(),
                 replay_window_secs: None,
             };

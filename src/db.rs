@@ -8,6 +8,11 @@ use std::fmt;
 use std::str::FromStr;
 use std::time::Duration;
 
+/// A JSON column (a payload) read as the text PostgreSQL holds rather than as a value, so its
+/// numbers stay exact whatever `serde_json` features the application is built with; it
+/// serialises as that same JSON. Queries name it with `payload AS "payload: JsonText"`.
+pub type JsonText = sqlx::types::Json<Box<serde_json::value::RawValue>>;
+
 /// The embedded migrations from `migrations/`.
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
 

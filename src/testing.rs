@@ -92,8 +92,9 @@ impl TestDatabase {
     }
 }
 
-/// An envelope as a source writes it.
+/// An envelope as a source writes it, its payload the JSON text of `payload`.
 pub fn envelope(key: &str, source: &str, event_type: &str, payload: serde_json::Value) -> Envelope {
+    let payload = serde_json::value::to_raw_value(&payload).expect("a JSON value serialises");
     Envelope {
         key: key.into(),
         source: source.into(),

@@ -2,6 +2,7 @@
 //! and the replay guard's `delivery_fingerprints`.
 
 use super::Origin;
+use crate::db::JsonText;
 use crate::envelope::Event;
 use chrono::{DateTime, Utc};
 use serde::Serialize;
@@ -147,7 +148,7 @@ pub struct ConflictRow {
     pub reason: Option<String>,
     pub first_seen_at: DateTime<Utc>,
     pub last_seen_at: DateTime<Utc>,
-    pub payload: serde_json::Value,
+    pub payload: JsonText,
 }
 
 /// The conflicting payloads seen for `key`, oldest first.
@@ -155,7 +156,7 @@ pub async fn of_event(pool: &PgPool, key: &str) -> sqlx::Result<Vec<ConflictRow>
     sqlx::query_as!(
         ConflictRow,
         r#"SELECT encode(payload_sha256, 'hex') AS "payload_sha256!", times_seen, reason,
-                  first_seen_at, last_seen_at, payload
+                  first_seen_at, last_seen_at, payload AS "payload: JsonText"
            FROM key_conflicts WHERE event_key = $1 ORDER BY first_seen_at"#,
         key
     )

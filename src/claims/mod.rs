@@ -8,6 +8,7 @@
 pub mod conflicts;
 pub mod dead_letters;
 
+use crate::db::JsonText;
 use crate::effect::DeferPolicy;
 use crate::envelope::Event;
 use chrono::{DateTime, Utc};
@@ -269,7 +270,7 @@ pub async fn deferred_overview(
 pub async fn lock_due(conn: &mut PgConnection, key: &str) -> sqlx::Result<Option<StoredClaim>> {
     sqlx::query_as!(
         StoredClaim,
-        r#"SELECT source, event_type, received_at, payload, payload_sha256,
+        r#"SELECT source, event_type, received_at, payload AS "payload: JsonText", payload_sha256,
                   status AS "status: ClaimStatus", effect_spec, attempts, deadline_at, defer_policy
            FROM processed_events
            WHERE event_key = $1 AND status = 'deferred' AND due_at <= now()
@@ -362,7 +363,7 @@ pub struct ClaimRow {
     /// Why the effect deferred, the last time it did.
     pub deferred_reason: Option<String>,
     /// Kept only on claims that are not settled `done` (see [`claim`]).
-    pub payload: Option<serde_json::Value>,
+    pub payload: Option<JsonText>,
 }
 
 /// One claim, if the key was ever claimed.
@@ -372,7 +373,8 @@ pub async fn find(pool: &PgPool, key: &str) -> sqlx::Result<Option<ClaimRow>> {
         r#"SELECT event_key, source, event_type, status AS "status: ClaimStatus", attempts,
                   last_error, encode(payload_sha256, 'hex') AS "payload_sha256!",
                   kafka_topic || '/' || kafka_partition || '@' || kafka_offset AS "first_seen_at!",
-                  claimed_at, completed_at, due_at, deadline_at, deferred_reason, payload
+                  claimed_at, completed_at, due_at, deadline_at, deferred_reason,
+                  payload AS "payload: JsonText"
            FROM processed_events WHERE event_key = $1"#,
         key
     )
@@ -387,7 +389,7 @@ pub struct StoredClaim {
     pub event_type: Option<String>,
     pub received_at: Option<DateTime<Utc>>,
     /// None on a claim settled `done`, which keeps only the hash.
-    pub payload: Option<serde_json::Value>,
+    pub payload: Option<JsonText>,
     pub payload_sha256: Vec<u8>,
     pub status: ClaimStatus,
     pub effect_spec: Option<serde_json::Value>,
@@ -411,7 +413,8 @@ impl StoredClaim {
         use anyhow::Context as _;
         let payload = self
             .payload
-            .clone()
+            .as_ref()
+            .map(|json| json.0.clone())
             .with_context(|| format!("the claim of {key} did not keep its payload"))?;
         Ok(Event::stored(
             crate::envelope::EventKey::try_from(key.to_owned())?,
@@ -431,7 +434,7 @@ impl StoredClaim {
 pub async fn lock(conn: &mut PgConnection, key: &str) -> sqlx::Result<Option<StoredClaim>> {
     sqlx::query_as!(
         StoredClaim,
-        r#"SELECT source, event_type, received_at, payload, payload_sha256,
+        r#"SELECT source, event_type, received_at, payload AS "payload: JsonText", payload_sha256,
                   status AS "status: ClaimStatus", effect_spec, attempts, deadline_at, defer_policy
            FROM processed_events WHERE event_key = $1 FOR UPDATE"#,
         key

@@ -1,11 +1,12 @@
 //! The built-in `ledger` effect and all SQL on its table.
 
 use super::{Effect, EffectError, Tx};
+use crate::db::JsonText;
 use crate::envelope::Event;
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use serde::Serialize;
-use serde_json::{json, Value};
+use serde_json::json;
 use sqlx::PgPool;
 
 /// The built-in demo effect: one `ledger` row per applied event.
@@ -45,7 +46,7 @@ impl Effect for Ledger {
         Ok(())
     }
 
-    fn spec(&self) -> Option<Value> {
+    fn spec(&self) -> Option<serde_json::Value> {
         Some(json!({ "effect": "ledger" }))
     }
 }
@@ -61,14 +62,15 @@ pub struct LedgerRow {
     /// When the transaction that wrote it started.
     pub applied_at: DateTime<Utc>,
     /// The event's payload.
-    pub payload: Value,
+    pub payload: JsonText,
 }
 
 /// The ledger rows an event wrote.
 pub async fn of_event(pool: &PgPool, key: &str) -> sqlx::Result<Vec<LedgerRow>> {
     sqlx::query_as!(
         LedgerRow,
-        "SELECT id, event_type, applied_at, payload FROM ledger WHERE event_key = $1 ORDER BY id",
+        r#"SELECT id, event_type, applied_at, payload AS "payload: JsonText"
+           FROM ledger WHERE event_key = $1 ORDER BY id"#,
         key
     )
     .fetch_all(pool)

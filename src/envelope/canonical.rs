@@ -13,11 +13,11 @@ use std::fmt;
 /// the exact text they arrived with, so two payloads differing in a digit past f64's precision
 /// never hash the same.
 ///
-/// It reads the payload's JSON text and builds no `serde_json::Value`. Containers are read one level at a time (members and items kept as
-/// borrowed text), strings are borrowed unless they hold escapes, and numbers are copied as the
-/// text they arrived as, the exponent normalised as `arbitrary_precision` does. On the way it refuses
-/// what PostgreSQL would refuse, as [`check_storable`] does for a value, including inside the
-/// fields left out of the hash.
+/// It reads the payload's JSON text and builds no `serde_json::Value`. Containers are read one
+/// level at a time (members and items kept as borrowed text), strings are borrowed unless they
+/// hold escapes, and numbers are copied as the text they arrived as, the exponent written `e`
+/// and signed. On the way it refuses what PostgreSQL would refuse, including inside the fields
+/// left out of the hash: [`super::check_storable`] is this walk writing nowhere.
 pub(super) fn write_canonical_text(
     text: &str,
     skip: &[String],
@@ -96,8 +96,8 @@ fn write_canonical_array(text: &str, out: &mut impl std::io::Write) -> Result<()
     out.write_all(b"]").map_err(written)
 }
 
-/// A number as `arbitrary_precision` keeps it: its text, with the exponent written `e` and
-/// signed; refused beyond PostgreSQL's `numeric` range.
+/// A number as it arrived: its text, with the exponent written `e` and signed; refused beyond
+/// PostgreSQL's `numeric` range.
 fn write_canonical_number(text: &str, out: &mut impl std::io::Write) -> Result<(), Malformed> {
     if !NUMBER_EXPONENT_RANGE.contains(&decimal_exponent(text)) {
         return Err(Malformed::Unstorable(
@@ -119,10 +119,10 @@ fn write_canonical_number(text: &str, out: &mut impl std::io::Write) -> Result<(
 /// A JSON string, borrowed from the text unless it holds escapes.
 #[derive(Deserialize)]
 #[serde(transparent)]
-pub(super) struct Text<'a>(#[serde(borrow)] pub(super) std::borrow::Cow<'a, str>);
+pub(crate) struct Text<'a>(#[serde(borrow)] pub(crate) std::borrow::Cow<'a, str>);
 
 /// A JSON object's members in the order written, duplicates included, values as text.
-pub(super) struct Members<'a>(pub(super) Vec<(std::borrow::Cow<'a, str>, &'a RawValue)>);
+pub(crate) struct Members<'a>(pub(crate) Vec<(std::borrow::Cow<'a, str>, &'a RawValue)>);
 
 impl<'de> Deserialize<'de> for Members<'de> {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {

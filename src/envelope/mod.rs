@@ -16,6 +16,7 @@ use std::fmt;
 
 mod canonical;
 use canonical::write_canonical_text;
+pub(crate) use canonical::{Members, Text};
 
 /// The longest key accepted, in bytes. Keys longer than this are a producer bug, not data.
 pub const MAX_KEY_BYTES: usize = 512;
@@ -139,21 +140,22 @@ fn nests_deeper_than(text: &str, limit: usize) -> bool {
 const EARLIEST_STORABLE_YEAR: i32 = -4712;
 
 /// Refuses what PostgreSQL would refuse inside the batch transaction: a NUL character in any
-/// text (PostgreSQL's `text` and `jsonb` cannot hold one, though JSON may carry it as `\u0000`)
-/// and a `received_at` before 4713 BC. Checked by the ingress before producing and by the
-/// consumer when parsing, so such an event is refused or dead-lettered, never retried forever.
+/// text (PostgreSQL's `text` and `jsonb` cannot hold one, though JSON may carry it as `\u0000`),
+/// a number beyond `numeric`'s range, and a `received_at` before 4713 BC. Checked by the
+/// ingress before producing and by the consumer when parsing (the same walk over the payload's
+/// text), so such an event is refused or dead-lettered, never retried forever.
 pub fn check_storable(
     key: &str,
     source: &str,
     event_type: Option<&str>,
     received_at: Option<DateTime<Utc>>,
-    payload: &serde_json::Value,
+    payload: &RawValue,
 ) -> Result<(), Malformed> {
     check_fields(key, source, event_type, received_at)?;
-    match unstorable_in(payload) {
-        Some(why) => Err(Malformed::Unstorable(why)),
-        None => Ok(()),
+    if nests_deeper_than(payload.get(), MAX_NESTING) {
+        return Err(Malformed::TooDeep);
     }
+    write_canonical_text(payload.get(), &[], &mut std::io::sink())
 }
 
 /// [`check_storable`] for everything but the payload.
@@ -186,28 +188,8 @@ const NUMBER_EXPONENT_RANGE: std::ops::RangeInclusive<i64> = -16_000..=130_000;
 
 const NUL_IN_PAYLOAD: &str = "the payload holds a NUL character (\\u0000)";
 
-/// Why PostgreSQL would refuse something inside a payload, if it would.
-fn unstorable_in(value: &serde_json::Value) -> Option<&'static str> {
-    use serde_json::Value;
-    match value {
-        Value::String(s) if s.contains('\0') => Some(NUL_IN_PAYLOAD),
-        Value::Number(n) if !NUMBER_EXPONENT_RANGE.contains(&decimal_exponent(&n.to_string())) => {
-            Some("the payload holds a number beyond PostgreSQL's numeric range")
-        }
-        Value::Array(items) => items.iter().find_map(unstorable_in),
-        Value::Object(map) => map.iter().find_map(|(k, v)| {
-            if k.contains('\0') {
-                Some(NUL_IN_PAYLOAD)
-            } else {
-                unstorable_in(v)
-            }
-        }),
-        _ => None,
-    }
-}
-
 /// The power of ten of a JSON number's leading digit, from its text: 1234.5 is 3, 0.01 is -2,
-/// 5e7 is 7. Numbers keep their text exactly (serde_json's `arbitrary_precision`).
+/// 5e7 is 7, read from the text as it arrived.
 fn decimal_exponent(text: &str) -> i64 {
     let text = text.trim_start_matches('-');
     let (mantissa, exponent) = match text.find(['e', 'E']) {
@@ -246,8 +228,9 @@ pub struct Envelope {
     /// prune horizon whose key is unknown is an expired replay, not applied.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub occurred_at: Option<DateTime<Utc>>,
-    /// The event as the source sent it.
-    pub payload: serde_json::Value,
+    /// The event as the source sent it: its JSON text, kept as it arrived (numbers exact, keys
+    /// in their order). `serde_json::value::to_raw_value(&json!(…))` makes one from a value.
+    pub payload: Box<RawValue>,
     /// Top-level payload fields the sender changes between deliveries of one event (Stripe's
     /// `pending_webhooks`): left out of the payload hash, so a redelivery is a replay and not a
     /// key conflict. They are still stored with the payload.
@@ -375,7 +358,7 @@ impl Event {
         source: String,
         event_type: Option<String>,
         received_at: Option<DateTime<Utc>>,
-        payload: serde_json::Value,
+        payload_json: Box<RawValue>,
         payload_sha256: [u8; 32],
     ) -> Self {
         Self {
@@ -384,18 +367,20 @@ impl Event {
             event_type,
             received_at,
             occurred_at: None,
-            payload_json: Self::json_of(&payload),
+            payload_json,
             payload_sha256,
             replay_window_secs: None,
-            payload: std::sync::OnceLock::from(Ok(payload)),
+            payload: std::sync::OnceLock::new(),
         }
     }
 
-    /// The payload as a JSON value, parsed from [`Event::payload_json`] on first use. Numbers
-    /// keep their exact text (serde_json's `arbitrary_precision`). An event read from a message
-    /// was checked when it was parsed, so this does not fail for one; it never panics. Its
-    /// error, returned with `?` from an effect, settles the event `failed` at once: a payload
-    /// that cannot be read now never will be.
+    /// The payload as a JSON value, parsed from [`Event::payload_json`] on first use, with the
+    /// `serde_json` features of the application it runs in: without `arbitrary_precision` a
+    /// number past `f64`'s precision is rounded here (never in what is stored or sent, which is
+    /// [`Event::payload_json`]). For exact amounts, deserialise `payload_json` into a type of
+    /// your own. An event read from a message was checked when it was parsed, so this does not
+    /// fail for one; it never panics. Its error, returned with `?` from an effect, settles the
+    /// event `failed` at once: a payload that cannot be read now never will be.
     pub fn payload(&self) -> Result<&serde_json::Value, Malformed> {
         self.payload
             .get_or_init(|| {
@@ -407,11 +392,6 @@ impl Event {
             })
             .as_ref()
             .map_err(Clone::clone)
-    }
-
-    /// The JSON text of a payload that was not read from a message (a stored claim's).
-    fn json_of(payload: &serde_json::Value) -> Box<RawValue> {
-        serde_json::value::to_raw_value(payload).expect("a JSON value always serialises")
     }
 
     /// The envelope to send downstream for this event, its payload copied as it arrived.
@@ -441,89 +421,37 @@ impl Event {
 mod tests {
 
     #[test]
-    fn key_order_never_changes_the_payload_hash() {
-        // This crate builds serde_json with `preserve_order`, so these two values keep their
-        // keys as written: only a canonical form makes them hash the same.
-        let a: serde_json::Value =
-            serde_json::from_str(r#"{"b":1,"a":{"y":[1,2],"x":"é"}}"#).unwrap();
-        let b: serde_json::Value =
-            serde_json::from_str(r#"{"a":{"x":"é","y":[1,2]},"b":1}"#).unwrap();
-        assert_ne!(
-            serde_json::to_vec(&a).unwrap(),
-            serde_json::to_vec(&b).unwrap()
+    fn key_order_and_white_space_never_change_the_payload_hash() {
+        let a = parse(r#"{"key":"k","source":"s","payload":{"b":1,"a":{"y":[1,2],"x":"é"}}}"#);
+        let b = parse(
+            r#"{"key":"k","source":"s","payload":{ "a" : {"x":"\u00e9","y":[1, 2]}, "b":1 }}"#,
         );
-        assert_eq!(payload_hash(&a), payload_hash(&b));
-        let c: serde_json::Value =
-            serde_json::from_str(r#"{"a":{"x":"é","y":[2,1]},"b":1}"#).unwrap();
+        let c = parse(r#"{"key":"k","source":"s","payload":{"a":{"x":"é","y":[2,1]},"b":1}}"#);
+        let (a, b, c) = (a.unwrap(), b.unwrap(), c.unwrap());
+        assert_ne!(a.payload_json.get(), b.payload_json.get());
+        assert_eq!(a.payload_sha256, b.payload_sha256);
         assert_ne!(
-            payload_hash(&a),
-            payload_hash(&c),
+            a.payload_sha256, c.payload_sha256,
             "array order is meaningful"
         );
     }
 
-    use super::canonical::{Members, Text};
     use super::*;
 
-    /// [`payload_hash`] of the payload without the top-level fields named in `unhashed`.
-    fn payload_hash_without(payload: &serde_json::Value, unhashed: &[String]) -> [u8; 32] {
-        // Written to a buffer and hashed once: cheaper than many small writes into the hasher.
-        let mut canonical = Vec::with_capacity(256);
-        write_canonical(payload, unhashed, &mut canonical).expect("a Vec never fails to write");
-        Sha256::digest(&canonical).into()
-    }
-
-    /// The payload hash of a parsed value: the reference [`write_canonical_text`] is held to.
-    fn payload_hash(payload: &serde_json::Value) -> [u8; 32] {
-        payload_hash_without(payload, &[])
-    }
-
-    /// Writes a parsed `value` in canonical form, as the consumer hashed payloads before it read
-    /// them as text.
-    fn write_canonical(
-        value: &serde_json::Value,
-        skip: &[String],
-        out: &mut impl std::io::Write,
-    ) -> std::io::Result<()> {
-        use serde_json::Value;
-        match value {
-            Value::Object(map) => {
-                let mut entries: Vec<(&String, &Value)> =
-                    map.iter().filter(|(k, _)| !skip.contains(k)).collect();
-                entries.sort_by(|(a, _), (b, _)| a.encode_utf16().cmp(b.encode_utf16()));
-                out.write_all(b"{")?;
-                for (i, (k, v)) in entries.into_iter().enumerate() {
-                    if i > 0 {
-                        out.write_all(b",")?;
-                    }
-                    serde_json::to_writer(&mut *out, k)?;
-                    out.write_all(b":")?;
-                    write_canonical(v, &[], out)?;
-                }
-                out.write_all(b"}")
-            }
-            Value::Array(items) => {
-                out.write_all(b"[")?;
-                for (i, v) in items.iter().enumerate() {
-                    if i > 0 {
-                        out.write_all(b",")?;
-                    }
-                    write_canonical(v, &[], out)?;
-                }
-                out.write_all(b"]")
-            }
-            other => Ok(serde_json::to_writer(out, other)?),
-        }
+    /// The canonical form of a payload's text, without the top-level fields in `skip`.
+    fn canonical_text(text: &str, skip: &[String]) -> String {
+        let mut canonical = Vec::new();
+        write_canonical_text(text, skip, &mut canonical).unwrap();
+        String::from_utf8(canonical).unwrap()
     }
 
     #[test]
     fn the_canonical_form_is_compact_sorted_json() {
-        let v: serde_json::Value =
-            serde_json::from_str(r#"{ "b" : [1, {"d":null,"c":"x"}], "a" : 1.50, "skip": 0 }"#)
-                .unwrap();
-        let canonical = br#"{"a":1.50,"b":[1,{"c":"x","d":null}]}"#;
-        let expected: [u8; 32] = Sha256::digest(canonical).into();
-        assert_eq!(payload_hash_without(&v, &["skip".into()]), expected);
+        let text = r#"{ "b" : [1, {"d":null,"c":"x"}], "a" : 1.50, "skip": 0 }"#;
+        assert_eq!(
+            canonical_text(text, &["skip".into()]),
+            r#"{"a":1.50,"b":[1,{"c":"x","d":null}]}"#
+        );
     }
 
     #[test]
@@ -712,21 +640,66 @@ mod tests {
 
     #[test]
     fn numbers_keep_their_exact_text() {
-        let e = parse(
-            r#"{"key":"k","source":"s","payload":{"amount":123456789012345678901234567890,
-               "rate":0.1000000000000000055511151231257827,"tiny":1.5e-300}}"#,
-        )
-        .unwrap();
-        let text = serde_json::to_string(e.payload().unwrap()).unwrap();
-        assert!(text.contains("123456789012345678901234567890"), "{text}");
-        assert!(
-            text.contains("0.1000000000000000055511151231257827"),
-            "{text}"
-        );
+        let value = |rate: &str| {
+            format!(
+                r#"{{"key":"k","source":"s","payload":{{"amount":123456789012345678901234567890,
+                   "rate":{rate},"tiny":1.5e-300}}}}"#
+            )
+        };
+        let e = parse(&value("0.1000000000000000055511151231257827")).unwrap();
+        // What is stored and sent is the text as it arrived, whatever serde_json's features.
+        let sent = String::from_utf8(e.envelope_bytes()).unwrap();
+        for text in [e.payload_json.get(), &sent] {
+            assert!(text.contains("123456789012345678901234567890"), "{text}");
+            assert!(
+                text.contains("0.1000000000000000055511151231257827"),
+                "{text}"
+            );
+            assert!(text.contains("1.5e-300"), "{text}");
+        }
+        // Two payloads a digit apart past f64's precision are different payloads.
+        let other = parse(&value("0.1000000000000000055511151231257828")).unwrap();
+        assert_ne!(e.payload_sha256, other.payload_sha256);
         assert_eq!(decimal_exponent("1234.5"), 3);
         assert_eq!(decimal_exponent("-0.01"), -2);
         assert_eq!(decimal_exponent("5e7"), 7);
         assert_eq!(decimal_exponent("0.00E0"), 0);
+    }
+
+    /// serde_json is built with the features of whoever depends on it: this crate switches on
+    /// none that change how a host application's own types read JSON. With
+    /// `arbitrary_precision`, a float inside an untagged or internally tagged enum, or a
+    /// flattened struct, is refused ("invalid type: map"); with `preserve_order`, a `Value`'s
+    /// keys come out as written instead of sorted.
+    #[test]
+    fn the_host_applications_serde_json_reads_floats_in_untagged_tagged_and_flattened_types() {
+        #[derive(Deserialize, Debug, PartialEq)]
+        #[serde(untagged)]
+        enum Untagged {
+            Amount { amount: f64 },
+        }
+        #[derive(Deserialize, Debug, PartialEq)]
+        #[serde(tag = "kind")]
+        enum Tagged {
+            Price { price: f64 },
+        }
+        #[derive(Deserialize, Debug, PartialEq)]
+        struct Outer {
+            #[serde(flatten)]
+            inner: Inner,
+        }
+        #[derive(Deserialize, Debug, PartialEq)]
+        struct Inner {
+            rate: f64,
+        }
+        let untagged: Untagged = serde_json::from_str(r#"{"amount":1.5}"#).unwrap();
+        assert_eq!(untagged, Untagged::Amount { amount: 1.5 });
+        let tagged: Tagged = serde_json::from_str(r#"{"kind":"Price","price":2.5}"#).unwrap();
+        assert_eq!(tagged, Tagged::Price { price: 2.5 });
+        let outer: Outer = serde_json::from_str(r#"{"rate":0.25}"#).unwrap();
+        assert_eq!(outer.inner.rate, 0.25);
+        let value: serde_json::Value = serde_json::from_str(r#"{"b":1,"a":2}"#).unwrap();
+        assert_eq!(value.to_string(), r#"{"a":2,"b":1}"#);
     }
 
     #[test]
@@ -755,84 +728,154 @@ mod tests {
         );
     }
 
-    /// Random JSON text: nested, with whitespace, escapes, astral characters, exact numbers and
-    /// repeated keys.
-    fn random_json(rng: &mut fastrand::Rng, depth: u32, out: &mut String) {
-        const STRINGS: [&str; 10] = [
-            r#""""#,
-            r#""plain""#,
-            r#""caf\u00e9""#,
-            r#""é""#,
-            r#""\ud83d\ude00 \"quoted\" \\ \/ \b\f\n\r\t""#,
-            r#""\u001f\u007f""#,
-            r#""😀""#,
-            "\"\u{e000}\"",
-            r#""a""#,
-            r#""b""#,
-        ];
-        const NUMBERS: [&str; 8] = [
-            "0",
-            "-0",
-            "1.50",
+    /// A JSON document as a tree, from which both a random text and its expected canonical form
+    /// are written: the reference the text canonicaliser is held to, independent of how any
+    /// parsed value would read its numbers.
+    enum Node {
+        /// `true`, `false`, `null`, or a string literal as written.
+        Atom(&'static str),
+        /// A number as written, and as the canonical form writes it.
+        Number(&'static str, &'static str),
+        Array(Vec<Node>),
+        /// Members as written: keys may repeat, and the last one wins.
+        Object(Vec<(&'static str, Node)>),
+    }
+
+    /// String literals with escapes, astral characters and keys that repeat once decoded.
+    const STRINGS: [&str; 11] = [
+        r#""""#,
+        r#""plain""#,
+        r#""caf\u00e9""#,
+        r#""café""#,
+        r#""\ud83d\ude00 \"quoted\" \\ \/ \b\f\n\r\t""#,
+        r#""\u001f\u007f""#,
+        r#""😀""#,
+        "\"\u{e000}\"",
+        r#""a""#,
+        r#""\u0061""#,
+        r#""b""#,
+    ];
+
+    /// Numbers as written and as canonicalised: the text kept, the exponent written `e` and
+    /// signed.
+    const NUMBERS: [(&str, &str); 8] = [
+        ("0", "0"),
+        ("-0", "-0"),
+        ("1.50", "1.50"),
+        (
             "123456789012345678901234567890",
-            "1e5",
-            "-2.5E-300",
-            "1E+2",
-            "0.000",
-        ];
-        let ws = |rng: &mut fastrand::Rng| [" ", "", "\n\t", ""][rng.usize(..4)];
+            "123456789012345678901234567890",
+        ),
+        ("1e5", "1e+5"),
+        ("-2.5E-300", "-2.5e-300"),
+        ("1E+2", "1e+2"),
+        ("0.000", "0.000"),
+    ];
+
+    fn random_node(rng: &mut fastrand::Rng, depth: u32) -> Node {
+        let pick = |rng: &mut fastrand::Rng| STRINGS[rng.usize(..STRINGS.len())];
         match rng.u32(..if depth == 0 { 5 } else { 7 }) {
-            0 => out.push_str(["true", "false", "null"][rng.usize(..3)]),
-            1 | 2 => out.push_str(NUMBERS[rng.usize(..NUMBERS.len())]),
-            3 | 4 => out.push_str(STRINGS[rng.usize(..STRINGS.len())]),
-            5 => {
-                out.push('[');
-                for i in 0..rng.usize(..4) {
-                    if i > 0 {
-                        out.push(',');
-                    }
-                    out.push_str(ws(rng));
-                    random_json(rng, depth - 1, out);
-                }
-                out.push(']');
+            0 => Node::Atom(["true", "false", "null"][rng.usize(..3)]),
+            1 | 2 => {
+                let (text, canonical) = NUMBERS[rng.usize(..NUMBERS.len())];
+                Node::Number(text, canonical)
             }
-            _ => {
-                out.push('{');
-                for i in 0..rng.usize(..5) {
-                    if i > 0 {
-                        out.push(',');
+            3 | 4 => Node::Atom(pick(rng)),
+            5 => Node::Array(
+                (0..rng.usize(..4))
+                    .map(|_| random_node(rng, depth - 1))
+                    .collect(),
+            ),
+            _ => Node::Object(
+                (0..rng.usize(..5))
+                    .map(|_| (pick(rng), random_node(rng, depth - 1)))
+                    .collect(),
+            ),
+        }
+    }
+
+    impl Node {
+        /// The node as JSON text, with random white space between tokens.
+        fn text(&self, rng: &mut fastrand::Rng, out: &mut String) {
+            let ws = |rng: &mut fastrand::Rng| [" ", "", "\n\t", ""][rng.usize(..4)];
+            match self {
+                Node::Atom(text) | Node::Number(text, _) => out.push_str(text),
+                Node::Array(items) => {
+                    out.push('[');
+                    for (i, item) in items.iter().enumerate() {
+                        out.push_str(if i > 0 { "," } else { "" });
+                        out.push_str(ws(rng));
+                        item.text(rng, out);
+                    }
+                    out.push(']');
+                }
+                Node::Object(members) => {
+                    out.push('{');
+                    for (i, (key, value)) in members.iter().enumerate() {
+                        out.push_str(if i > 0 { "," } else { "" });
+                        out.push_str(ws(rng));
+                        out.push_str(key);
+                        out.push_str(ws(rng));
+                        out.push(':');
+                        out.push_str(ws(rng));
+                        value.text(rng, out);
                     }
                     out.push_str(ws(rng));
-                    out.push_str(STRINGS[rng.usize(..STRINGS.len())]);
-                    out.push_str(ws(rng));
-                    out.push(':');
-                    out.push_str(ws(rng));
-                    random_json(rng, depth - 1, out);
+                    out.push('}');
                 }
-                out.push_str(ws(rng));
-                out.push('}');
+            }
+        }
+
+        /// The node's canonical form, the top-level members named in `skip` left out.
+        fn canonical(&self, skip: &[String], out: &mut String) {
+            let decoded = |literal: &str| serde_json::from_str::<String>(literal).unwrap();
+            match self {
+                Node::Atom(text) if text.starts_with('"') => {
+                    out.push_str(&serde_json::to_string(&decoded(text)).unwrap())
+                }
+                Node::Atom(text) | Node::Number(_, text) => out.push_str(text),
+                Node::Array(items) => {
+                    out.push('[');
+                    for (i, item) in items.iter().enumerate() {
+                        out.push_str(if i > 0 { "," } else { "" });
+                        item.canonical(&[], out);
+                    }
+                    out.push(']');
+                }
+                Node::Object(members) => {
+                    let mut kept: Vec<(String, &Node)> = Vec::new();
+                    for (key, value) in members {
+                        let key = decoded(key);
+                        kept.retain(|(seen, _)| *seen != key);
+                        kept.push((key, value));
+                    }
+                    kept.retain(|(key, _)| !skip.contains(key));
+                    kept.sort_by(|(a, _), (b, _)| a.encode_utf16().cmp(b.encode_utf16()));
+                    out.push('{');
+                    for (i, (key, value)) in kept.iter().enumerate() {
+                        out.push_str(if i > 0 { "," } else { "" });
+                        out.push_str(&serde_json::to_string(key).unwrap());
+                        out.push(':');
+                        value.canonical(&[], out);
+                    }
+                    out.push('}');
+                }
             }
         }
     }
 
     #[test]
-    fn hashing_the_text_gives_the_hash_of_the_parsed_value() {
+    fn hashing_the_text_gives_the_canonical_form_of_the_document() {
         let mut rng = fastrand::Rng::with_seed(7);
         let skip = ["a".to_owned(), "é".to_owned()];
         for _ in 0..20_000 {
+            let node = random_node(&mut rng, 4);
             let mut text = String::new();
-            random_json(&mut rng, 4, &mut text);
-            let value: serde_json::Value = serde_json::from_str(&text).unwrap();
+            node.text(&mut rng, &mut text);
             for skip in [&skip[..], &[]] {
-                let mut canonical = Vec::new();
-                write_canonical_text(&text, skip, &mut canonical).unwrap();
-                let mut expected = Vec::new();
-                write_canonical(&value, skip, &mut expected).unwrap();
-                assert_eq!(
-                    String::from_utf8(canonical).unwrap(),
-                    String::from_utf8(expected).unwrap(),
-                    "{text}"
-                );
+                let mut expected = String::new();
+                node.canonical(skip, &mut expected);
+                assert_eq!(canonical_text(&text, skip), expected, "{text}");
             }
         }
     }
@@ -851,16 +894,7 @@ mod tests {
     fn a_payload_is_parsed_only_when_asked_for() {
         let e = parse(r#"{"key":"k","source":"s","payload":{"n":1.50,"a":[true]}}"#).unwrap();
         assert!(e.payload.get().is_none());
-        assert_eq!(e.payload().unwrap()["n"].to_string(), "1.50");
+        assert_eq!(e.payload().unwrap()["n"], 1.5);
         assert_eq!(e.payload().unwrap()["a"][0], true);
-    }
-
-    #[test]
-    fn reserialised_payload_hashes_the_same() {
-        let a = parse(r#"{"key":"k","source":"s","payload":{"b":1,"a":[1,2]}}"#).unwrap();
-        let b = parse(r#"{"key":"k","source":"s","payload":{ "a" : [1, 2], "b" : 1 }}"#).unwrap();
-        let c = parse(r#"{"key":"k","source":"s","payload":{"a":[2,1],"b":1}}"#).unwrap();
-        assert_eq!(a.payload_sha256, b.payload_sha256);
-        assert_ne!(a.payload_sha256, c.payload_sha256);
     }
 }

@@ -4,12 +4,14 @@
 //! which is constant-time and checks the length, so an empty or truncated signature never
 //! passes. Several secrets may be valid at once (rotation): any of them verifying is enough.
 
+use crate::envelope::{Members, Text};
 use base64::engine::general_purpose::STANDARD as BASE64;
 use base64::Engine as _;
 use chrono::{DateTime, Utc};
 use hmac::{Hmac, Mac};
 use http::HeaderMap;
 use serde::Deserialize;
+use serde_json::value::RawValue;
 use sha2::Sha256;
 use std::fmt;
 
@@ -117,7 +119,7 @@ pub enum Rejection {
 use Rejection::{BadRequest, Unauthorized};
 
 /// What a verified request is.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone)]
 pub enum Verified {
     /// An event to produce.
     Event(Identity),
@@ -126,12 +128,14 @@ pub enum Verified {
 }
 
 /// A verified event's identity and content.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone)]
 pub struct Identity {
     /// The stable id within the source, before namespacing by the source's name.
     pub id: String,
     pub event_type: Option<String>,
-    pub payload: serde_json::Value,
+    /// The body as it arrived when it is JSON (numbers exact, keys in their order), otherwise a
+    /// JSON string of its text.
+    pub payload: Box<RawValue>,
     /// When the event happened at its source, for kinds whose deliveries carry it unchanged
     /// from one delivery to the next: Stripe's body `created`, Shopify's
     /// `X-Shopify-Triggered-At`, Slack's body `event_time`. GitHub's deliveries and Standard
@@ -157,10 +161,18 @@ impl Request<'_> {
             .map_err(|e| BadRequest(format!("the body is not JSON: {e}")))
     }
 
-    /// The body as JSON when it is JSON, otherwise as a JSON string of its text.
-    fn payload(&self) -> serde_json::Value {
-        serde_json::from_slice(self.body).unwrap_or_else(|_| {
-            serde_json::Value::String(String::from_utf8_lossy(self.body).into_owned())
+    /// The body's JSON text, checked to be JSON.
+    fn json_text(&self) -> Result<&RawValue, Rejection> {
+        serde_json::from_slice(self.body)
+            .map_err(|e| BadRequest(format!("the body is not JSON: {e}")))
+    }
+
+    /// The body's text when it is JSON, otherwise a JSON string of its text: never parsed into
+    /// a value and written again, so what is produced is what the sender signed.
+    fn payload(&self) -> Box<RawValue> {
+        self.json_text().map(ToOwned::to_owned).unwrap_or_else(|_| {
+            serde_json::value::to_raw_value(&String::from_utf8_lossy(self.body))
+                .expect("a string always serialises")
         })
     }
 }
@@ -218,7 +230,7 @@ fn check_timestamp(timestamp: &str, tolerance: i64, now: i64) -> Result<(), Reje
 fn event(
     id: String,
     event_type: Option<String>,
-    payload: serde_json::Value,
+    payload: Box<RawValue>,
 ) -> Result<Verified, Rejection> {
     Ok(Verified::Event(Identity {
         id,
@@ -304,7 +316,7 @@ fn stripe(secrets: &[Secret], tolerance: i64, req: &Request<'_>) -> Result<Verif
     };
     let event_type = string_at(&body, "type");
     let created = unix_time_at(&body, "created");
-    occurred(event(id, event_type, body), created)
+    occurred(event(id, event_type, req.payload()), created)
 }
 
 /// `X-Hub-Signature-256: sha256=<hex>` over the body; the id is `X-GitHub-Delivery`, which a
@@ -353,9 +365,8 @@ fn standard_webhooks(
         &[id.as_bytes(), b".", timestamp.as_bytes(), b".", req.body],
         &signatures,
     ))?;
-    let body = req.payload();
-    let event_type = string_at(&body, "type");
-    event(id.to_owned(), event_type, body)
+    let event_type = req.json().ok().and_then(|body| string_at(&body, "type"));
+    event(id.to_owned(), event_type, req.payload())
 }
 
 /// `X-Shopify-Hmac-Sha256`: HMAC-SHA256 of the body, base64. The id is `X-Shopify-Event-Id`
@@ -419,7 +430,7 @@ fn slack(secrets: &[Secret], tolerance: i64, req: &Request<'_>) -> Result<Verifi
     let event_type = event_type.or_else(|| string_at(&body, "type"));
     let event_time = unix_time_at(&body, "event_time");
     occurred(
-        event(format!("{team}:{event_id}"), event_type, body),
+        event(format!("{team}:{event_id}"), event_type, req.payload()),
         event_time,
     )
 }
@@ -452,14 +463,49 @@ fn generic(
             )
         }
         KeyFrom::JsonPointer(pointer) => {
-            let body = req.json()?;
-            let id = match body.pointer(pointer) {
-                Some(serde_json::Value::String(s)) if !s.is_empty() => s.clone(),
-                Some(serde_json::Value::Number(n)) => n.to_string(),
-                _ => return Err(BadRequest(format!("the body has no id at {pointer}"))),
-            };
-            (id, body)
+            let body = req.json_text()?;
+            let id = raw_at(body, pointer)
+                .and_then(id_of)
+                .ok_or_else(|| BadRequest(format!("the body has no id at {pointer}")))?;
+            (id, body.to_owned())
         }
     };
     event(id, None, payload)
+}
+
+/// The JSON text at `pointer` (RFC 6901) inside `json`, read one level at a time without
+/// building a value, so a number comes back exactly as it was written. A key given twice
+/// means its last value, as a parsed value would.
+fn raw_at<'a>(json: &'a RawValue, pointer: &str) -> Option<&'a RawValue> {
+    let mut at = json;
+    if pointer.is_empty() {
+        return Some(at);
+    }
+    for token in pointer.strip_prefix('/')?.split('/') {
+        let token = token.replace("~1", "/").replace("~0", "~");
+        at = match at.get().as_bytes().first()? {
+            b'{' => {
+                let Members(members) = serde_json::from_str(at.get()).ok()?;
+                members.into_iter().rev().find(|(key, _)| *key == token)?.1
+            }
+            b'[' => {
+                let items: Vec<&RawValue> = serde_json::from_str(at.get()).ok()?;
+                *items.get(token.parse::<usize>().ok()?)?
+            }
+            _ => return None,
+        };
+    }
+    Some(at)
+}
+
+/// An id from its JSON text: a non-empty string, or a number as written.
+fn id_of(json: &RawValue) -> Option<String> {
+    match json.get().as_bytes().first()? {
+        b'"' => {
+            let Text(id) = serde_json::from_str(json.get()).ok()?;
+            Some(id.into_owned()).filter(|id| !id.is_empty())
+        }
+        b'-' | b'0'..=b'9' => Some(json.get().to_owned()),
+        _ => None,
+    }
 }

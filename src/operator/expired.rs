@@ -70,12 +70,16 @@ pub async fn drop(pool: &PgPool, key: &str, act: &Act) -> Result<Vec<Change>, Op
 }
 
 fn event_of(row: &Locked) -> Result<Event, OperatorError> {
-    let payload = row.payload.clone().ok_or_else(|| {
-        anyhow::anyhow!(
-            "the expired replay of {} no longer keeps its payload",
-            row.event_key
-        )
-    })?;
+    let payload = row
+        .payload
+        .as_ref()
+        .map(|json| json.0.clone())
+        .ok_or_else(|| {
+            anyhow::anyhow!(
+                "the expired replay of {} no longer keeps its payload",
+                row.event_key
+            )
+        })?;
     let hash: [u8; 32] = row
         .payload_sha256
         .as_slice()

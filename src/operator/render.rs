@@ -4,9 +4,9 @@
 use super::events::EventDetail;
 use super::status::Status;
 use super::Change;
+use crate::envelope::{Members, Text};
 use comfy_table::{presets, CellAlignment, Table};
 use serde::Serialize;
-use serde_json::Value;
 
 /// The longest cell shown in a table; longer ones are cut, whole values are in `--json`.
 const MAX_CELL_CHARS: usize = 60;
@@ -23,17 +23,25 @@ pub fn print<T: Serialize>(json: bool, value: &T, text: impl FnOnce(&T) -> Strin
 
 /// Rows of a view as a table, one column per field in the field's order.
 pub fn rows<T: Serialize>(rows: &[T]) -> String {
-    let values: Vec<Value> = rows
+    // Serialised as text, whose members come in the fields' order, and read back as members.
+    let texts: Vec<String> = rows
         .iter()
-        .map(|r| serde_json::to_value(r).expect("operator views serialise"))
+        .map(|r| serde_json::to_string(r).expect("operator views serialise"))
         .collect();
-    let Some(Value::Object(first)) = values.first() else {
+    let views: Vec<Members> = texts
+        .iter()
+        .map(|t| serde_json::from_str(t).expect("an operator view is an object"))
+        .collect();
+    let Some(Members(first)) = views.first() else {
         return "(none)\n".into();
     };
-    let columns: Vec<&String> = first.keys().collect();
-    let mut table = plain_table(columns.iter().map(|c| c.as_str()));
-    for value in &values {
-        table.add_row(columns.iter().map(|c| cell(&value[c.as_str()])));
+    let columns: Vec<&str> = first.iter().map(|(name, _)| name.as_ref()).collect();
+    let mut table = plain_table(columns.iter().copied());
+    for Members(members) in &views {
+        table.add_row(columns.iter().map(|c| {
+            let value = members.iter().find(|(name, _)| name == c);
+            cell(value.map(|(_, v)| v.get()).unwrap_or("null"))
+        }));
     }
     format!("{table}\n")
 }
@@ -49,12 +57,16 @@ fn plain_table<'a>(header: impl IntoIterator<Item = &'a str>) -> Table {
     table
 }
 
-/// A value as one line of at most [`MAX_CELL_CHARS`] characters.
-fn cell(value: &Value) -> String {
-    let text = match value {
-        Value::Null => "-".to_owned(),
-        Value::String(s) => s.clone(),
-        other => other.to_string(),
+/// A value's JSON text as one line of at most [`MAX_CELL_CHARS`] characters: a string without
+/// its quotes, null as `-`.
+fn cell(json: &str) -> String {
+    let text = match json {
+        "null" => "-".to_owned(),
+        _ if json.starts_with('"') => match serde_json::from_str::<Text>(json) {
+            Ok(Text(s)) => s.into_owned(),
+            Err(_) => json.to_owned(),
+        },
+        other => other.to_owned(),
     };
     let text = text.replace('\n', " ");
     if text.chars().count() > MAX_CELL_CHARS {
@@ -166,6 +178,43 @@ fn estimated_done(rows: &[(String, i64)]) -> String {
 mod tests {
     use super::*;
     use crate::operator::status::PartitionLag;
+
+    #[test]
+    fn a_table_has_one_column_per_field_in_the_fields_order_with_exact_values() {
+        #[derive(Serialize)]
+        struct View {
+            zeta: &'static str,
+            alpha: Option<i64>,
+            payload: Box<serde_json::value::RawValue>,
+        }
+        let payload = |text: &str| serde_json::value::RawValue::from_string(text.into()).unwrap();
+        let text = rows(&[
+            View {
+                zeta: "a \"quoted\"\nline",
+                alpha: None,
+                payload: payload(r#"{"amount":123456789012345678901234567890}"#),
+            },
+            View {
+                zeta: "z",
+                alpha: Some(2),
+                payload: payload("0.1000000000000000055511151231257827"),
+            },
+        ]);
+        let lines: Vec<&str> = text.lines().collect();
+        let header: Vec<&str> = lines[0].split_whitespace().collect();
+        assert_eq!(header, ["zeta", "alpha", "payload"], "{text}");
+        assert!(lines[1].contains(r#"a "quoted" line"#), "{text}");
+        assert!(lines[1].contains(" - "), "null is shown as -: {text}");
+        assert!(
+            lines[1].contains("123456789012345678901234567890"),
+            "{text}"
+        );
+        assert!(
+            lines[2].contains("0.1000000000000000055511151231257827"),
+            "{text}"
+        );
+        assert_eq!(rows::<View>(&[]), "(none)\n");
+    }
 
     #[test]
     fn lag_columns_line_up_past_offset_999() {

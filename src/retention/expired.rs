@@ -11,6 +11,7 @@
 //! deletes nothing claimed after the horizon it committed.
 
 use crate::claims::Origin;
+use crate::db::JsonText;
 use crate::envelope::Event;
 use chrono::{DateTime, Utc};
 use serde::Serialize;
@@ -157,7 +158,7 @@ pub struct Locked {
     pub occurred_at: DateTime<Utc>,
     pub received_at: Option<DateTime<Utc>>,
     pub payload_sha256: Vec<u8>,
-    pub payload: Option<serde_json::Value>,
+    pub payload: Option<JsonText>,
     pub effect_spec: Option<serde_json::Value>,
     pub kafka_topic: String,
     pub kafka_partition: i32,
@@ -169,7 +170,8 @@ pub async fn lock_open(conn: &mut PgConnection, key: &str) -> sqlx::Result<Vec<L
     sqlx::query_as!(
         Locked,
         r#"SELECT id, event_key, source, event_type, occurred_at, received_at, payload_sha256,
-                  payload, effect_spec, kafka_topic, kafka_partition, kafka_offset
+                  payload AS "payload: JsonText", effect_spec, kafka_topic, kafka_partition,
+                  kafka_offset
            FROM expired_replays WHERE event_key = $1 AND resolution IS NULL
            ORDER BY id FOR UPDATE"#,
         key

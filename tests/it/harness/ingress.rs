@@ -10,7 +10,7 @@ pub fn envelope(key: &str, payload: serde_json::Value) -> Vec<u8> {
         event_type: Some("test.event".into()),
         received_at: None,
         occurred_at: None,
-        payload,
+        payload: serde_json::value::to_raw_value(&payload).unwrap(),
         unhashed: Vec::new(),
         replay_window_secs: None,
     }

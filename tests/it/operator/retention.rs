@@ -25,7 +25,10 @@ fn stripe_event(id: &str, days_ago: i64) -> Vec<u8> {
         event_type: Some("invoice.paid".into()),
         received_at: None,
         occurred_at: Some(occurred),
-        payload: json!({"id": id, "created": occurred.timestamp(), "customer": "cus_1"}),
+        payload: serde_json::value::to_raw_value(
+            &json!({"id": id, "created": occurred.timestamp(), "customer": "cus_1"}),
+        )
+        .unwrap(),
         unhashed: Vec::new(),
         replay_window_secs: None,
     }
