@@ -14,6 +14,7 @@
 #   - kubernetes-validate and checkov (pinned, from PyPI, installed when missing), to check the
 #     manifests of deploy/kubernetes/ against the Kubernetes schemas and a security linter;
 #     both run offline.
+#   - groff (Debian's groff-base, installed when missing), which renders the manual pages.
 # Then: formatting, the query data, clippy with warnings denied, a library build without the
 # default features, and `cargo test` with the failpoints compiled in.
 set -euo pipefail
@@ -183,6 +184,16 @@ ensure_promtool() {
   fi
 }
 
+# ------------------------------------------------------------------------------------- groff
+# The manual pages are rendered by groff, as man(1) renders them, to catch a page it cannot read.
+ensure_groff() {
+  if ! command -v groff >/dev/null || ! command -v preconv >/dev/null; then
+    log "Installing Debian's groff-base package (renders the manual pages; once)"
+    as_root apt-get update -qq
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends groff-base >/dev/null
+  fi
+}
+
 # ------------------------------------------------------------------------------------ sqlx-cli
 ensure_sqlx_cli() {
   if ! cargo sqlx --version 2>/dev/null | grep -q "$SQLX_CLI_VERSION"; then
@@ -218,6 +229,7 @@ ensure_postgres_binaries
 [ -n "${KAFKA_BROKERS:-}" ] || start_nisshi
 ensure_sqlx_cli
 ensure_promtool
+ensure_groff
 ensure_kubernetes_checkers
 export SQLX_OFFLINE=true
 

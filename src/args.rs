@@ -117,6 +117,7 @@ pub fn or_old_secs(new: Duration, old: Option<u64>) -> Duration {
 /// Where PostgreSQL is, which schema holds replayproof's tables, and the time limits every
 /// session runs under.
 #[derive(Debug, Clone, Args)]
+#[command(next_help_heading = "Database")]
 pub struct DatabaseArgs {
     /// PostgreSQL URL, for example postgres://user:password@localhost:5432/replayproof.
     #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
@@ -128,6 +129,7 @@ pub struct DatabaseArgs {
 
 /// The session settings of [`DatabaseArgs`], for commands whose database is optional.
 #[derive(Debug, Clone, Args)]
+#[command(next_help_heading = "Database")]
 pub struct SessionArgs {
     /// The PostgreSQL schema of replayproof's tables and migrations; `public` for an
     /// installation made before schemas were configurable.
@@ -206,6 +208,7 @@ impl DatabaseArgs {
 
 /// The Kafka brokers and the librdkafka properties passed through to every client.
 #[derive(Debug, Clone, Args)]
+#[command(next_help_heading = "Kafka")]
 pub struct KafkaArgs {
     /// Kafka bootstrap servers, comma-separated host:port.
     #[arg(long, env = "REPLAYPROOF_BROKERS")]
@@ -217,6 +220,7 @@ pub struct KafkaArgs {
 
 /// `--kafka-option`, for commands whose brokers come from elsewhere or are optional.
 #[derive(Debug, Clone, Default, Args)]
+#[command(next_help_heading = "Kafka")]
 pub struct KafkaOptions {
     /// A librdkafka property, KEY=VALUE; repeatable. Applied last, so it overrides the defaults
     /// (for example session.timeout.ms=6000 or security.protocol=ssl).

@@ -80,8 +80,23 @@ pub enum Command {
     Config(ConfigCommand),
     /// Exit 0 when the URL answers 2xx: a health check for images without curl.
     Probe {
-        /// For example http://127.0.0.1:9464/healthz.
+        /// The URL to ask, for example http://127.0.0.1:9464/readyz.
         url: String,
+    },
+    /// Print the completion script of a shell for this command line, for example
+    /// `replayproof completions bash > /etc/bash_completion.d/replayproof`.
+    Completions {
+        /// The shell the script is for.
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
+    /// Write the manual pages, replayproof(1) and one for each command
+    /// (replayproof-consume(1), replayproof-events-retry(1), …), into a directory; without
+    /// --out-dir, print replayproof(1) to stdout.
+    Man {
+        /// The directory the pages are written into, for example /usr/local/share/man/man1.
+        #[arg(long, value_name = "DIR")]
+        out_dir: Option<std::path::PathBuf>,
     },
     /// The whole promise end to end with no services: a storm of signed webhooks, a consumer
     /// killed mid-stream, a flaky downstream, and a report that every event had one effect.
@@ -164,7 +179,7 @@ impl Cli {
                 std::process::ExitCode::from(e.exit_code().clamp(0, 255) as u8)
             }
             Err(e @ LayerError::Config(_)) => {
-                eprintln!("replayproof: {e}");
+                eprintln!("error: {}", crate::secrets::scrub(&e.to_string()));
                 std::process::ExitCode::from(2)
             }
         }
@@ -203,6 +218,11 @@ impl Cli {
                 Ok(())
             }
             Command::Probe { url } => crate::telemetry::probe(&url).await,
+            Command::Completions { shell } => {
+                completions(shell, &program_name(), &mut std::io::stdout().lock());
+                Ok(())
+            }
+            Command::Man { out_dir } => man(out_dir.as_deref()),
             #[cfg(feature = "devkit")]
             Command::Demo(args) => args.run().await,
             #[cfg(feature = "devkit")]
@@ -211,6 +231,69 @@ impl Cli {
             }
         }
     }
+}
+
+/// The completion script of `shell` for the whole command line, for the program `name`.
+pub fn completions(shell: clap_complete::Shell, name: &str, out: &mut dyn std::io::Write) {
+    use clap::CommandFactory as _;
+    clap_complete::generate(shell, &mut Args::command(), name, out);
+}
+
+/// The name this binary was run as (`replayproof`, or an application's own built on [`Cli`]).
+fn program_name() -> String {
+    std::env::args_os()
+        .next()
+        .as_deref()
+        .and_then(|path| std::path::Path::new(path).file_name())
+        .map(|name| name.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "replayproof".into())
+}
+
+/// Writes the manual pages into `out_dir`, or replayproof(1) to stdout.
+pub fn man(out_dir: Option<&std::path::Path>) -> anyhow::Result<()> {
+    use anyhow::Context as _;
+    use clap::CommandFactory as _;
+    let command = Args::command();
+    match out_dir {
+        Some(dir) => {
+            std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+            clap_mangen::generate_to(command, dir)
+                .with_context(|| format!("writing the manual pages into {}", dir.display()))
+        }
+        None => clap_mangen::Man::new(command)
+            .render(&mut std::io::stdout().lock())
+            .context("writing the manual page to stdout"),
+    }
+}
+
+/// What a command that failed prints: one line, `error:` then the error and its causes, with
+/// no secret in it. With `--log-format json` it is one JSON log object instead, for a log
+/// pipeline.
+pub fn report_error(error: &anyhow::Error, format: LogFormat) {
+    match format {
+        LogFormat::Json => {
+            tracing::error!(
+                error = format!("{error:#}"),
+                "replayproof stopped on an error."
+            )
+        }
+        LogFormat::Text => eprintln!("{}", error_line(error)),
+    }
+}
+
+/// `error: what failed: why: …`, secrets scrubbed. A cause that its error's own message already
+/// ends with (sqlx's "error communicating with database: Connection refused", then the I/O
+/// error again) is said once.
+pub fn error_line(error: &anyhow::Error) -> String {
+    let mut said: Vec<String> = Vec::new();
+    for cause in error.chain() {
+        let text = cause.to_string().replace('\n', " ");
+        if said.last().is_some_and(|last| last.ends_with(&text)) {
+            continue;
+        }
+        said.push(text);
+    }
+    format!("error: {}", crate::secrets::scrub(&said.join(": ")))
 }
 
 /// Sets up logging and the runtime, runs the command and turns its result into an exit code.
@@ -230,17 +313,18 @@ fn main_with(cli: Cli, args: Args) -> std::process::ExitCode {
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(rt) => rt,
         Err(e) => {
-            eprintln!("replayproof: cannot start the async runtime: {e}");
+            eprintln!("error: cannot start the async runtime: {e}");
             return std::process::ExitCode::FAILURE;
         }
     };
+    let log_format = args.log_format;
     let result = runtime.block_on(cli.execute(args));
     // A worker thread stuck in a call that never returns must not keep the process alive.
     runtime.shutdown_timeout(std::time::Duration::from_secs(5));
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
-            tracing::error!(error = format!("{e:#}"), "replayproof stopped on an error.");
+            report_error(&e, log_format);
             std::process::ExitCode::FAILURE
         }
     }
@@ -298,6 +382,104 @@ mod tests {
             checked += 1;
         }
         assert!(checked >= 45, "only {checked} duration flags found");
+    }
+
+    /// Every command, with its path, the whole tree built as the binary builds it.
+    fn commands() -> Vec<(Vec<String>, clap::Command)> {
+        let mut root = Args::command();
+        root.build();
+        let mut out = Vec::new();
+        let mut stack = vec![(Vec::new(), root)];
+        while let Some((path, cmd)) = stack.pop() {
+            for sub in cmd.get_subcommands() {
+                let mut p = path.clone();
+                p.push(sub.get_name().to_owned());
+                stack.push((p, sub.clone()));
+            }
+            out.push((path, cmd));
+        }
+        out
+    }
+
+    #[test]
+    fn every_command_and_every_argument_says_what_it_is_for() {
+        let mut missing = Vec::new();
+        let mut seen = 0;
+        for (path, cmd) in commands() {
+            if !path.is_empty() && cmd.get_about().is_none() && !cmd.is_hide_set() {
+                missing.push(format!("{path:?}: the command"));
+            }
+            for arg in cmd.get_arguments().filter(|a| !a.is_hide_set()) {
+                seen += 1;
+                let help = arg.get_help().or(arg.get_long_help());
+                if help.is_none_or(|h| h.to_string().trim().is_empty()) {
+                    missing.push(format!("{path:?}: {}", arg.get_id()));
+                }
+            }
+        }
+        assert!(seen > 200, "only {seen} arguments found");
+        assert!(missing.is_empty(), "no help text: {missing:#?}");
+    }
+
+    #[test]
+    fn consume_groups_its_flags_under_headings() {
+        let (_, consume) = commands()
+            .into_iter()
+            .find(|(path, _)| path == &["consume"])
+            .expect("consume");
+        let headings = [
+            "Kafka",
+            "Database",
+            "Effects",
+            "Batches",
+            "Deferral",
+            "Retention",
+            "Process",
+        ];
+        let mut used = std::collections::BTreeSet::new();
+        for arg in consume.get_arguments().filter(|a| !a.is_hide_set()) {
+            let id = arg.get_id().as_str();
+            // The global flags, and clap's own --help, stay under the plain "Options".
+            if ["config", "log_format", "help"].contains(&id) {
+                continue;
+            }
+            let heading = arg.get_help_heading();
+            assert!(
+                heading.is_some_and(|h| headings.contains(&h)),
+                "--{id} is under {heading:?}"
+            );
+            used.insert(heading.unwrap());
+        }
+        assert_eq!(used.len(), headings.len(), "{used:?}");
+        // The help shows them in that order, each once.
+        let help = consume.clone().render_help().to_string();
+        let at: Vec<usize> = headings
+            .iter()
+            .map(|h| help.find(&format!("\n{h}:\n")).expect(h))
+            .collect();
+        assert!(at.windows(2).all(|w| w[0] < w[1]), "{help}");
+    }
+
+    #[test]
+    fn an_error_is_one_line_with_its_causes_and_no_secret() {
+        crate::secrets::register("hunter2-in-an-error");
+        let error = anyhow::anyhow!("connection refused")
+            .context("connecting as postgres://app:hunter2-in-an-error@db/x")
+            .context("applying the migrations");
+        let line = error_line(&error);
+        assert_eq!(
+            line,
+            "error: applying the migrations: connecting as postgres://app:<redacted>@db/x: \
+             connection refused"
+        );
+        let multi = error_line(&anyhow::anyhow!("first\nsecond"));
+        assert_eq!(multi.lines().count(), 1, "{multi}");
+        let io = std::io::Error::new(std::io::ErrorKind::ConnectionRefused, "refused");
+        let repeated = anyhow::Error::new(sqlx::Error::Io(io)).context("connecting");
+        assert_eq!(
+            error_line(&repeated),
+            "error: connecting: error communicating with database: refused"
+        );
     }
 
     #[test]

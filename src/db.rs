@@ -239,12 +239,29 @@ impl Schema {
     }
 }
 
+/// An error from a pool, with the reason when it is only "timed out": the pool keeps no
+/// connection's error, so one direct connection asks PostgreSQL why (refused, no such host, a
+/// password it did not take). For a command's first statement, so its error names the cause.
+pub async fn with_cause(pool: &PgPool, error: sqlx::Error) -> anyhow::Error {
+    use sqlx::Connection as _;
+    if matches!(error, sqlx::Error::PoolTimedOut) {
+        let options = pool.connect_options();
+        if let Err(direct) = sqlx::PgConnection::connect_with(&options).await {
+            return anyhow::Error::new(direct).context("PostgreSQL did not answer");
+        }
+    }
+    error.into()
+}
+
 /// Creates the pool's schema when missing and applies every pending migration there.
 pub async fn migrate(pool: &PgPool) -> anyhow::Result<()> {
-    let search_path: String = sqlx::query_scalar("SELECT current_setting('search_path')")
+    let search_path: String = match sqlx::query_scalar("SELECT current_setting('search_path')")
         .fetch_one(pool)
         .await
-        .context("reading the search_path")?;
+    {
+        Ok(path) => path,
+        Err(e) => return Err(with_cause(pool, e).await.context("reading the search_path")),
+    };
     let schema: Schema = search_path
         .split(',')
         .next()

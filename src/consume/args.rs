@@ -29,24 +29,24 @@ pub struct ConsumeArgs {
     pub kafka: KafkaArgs,
 
     /// The topic the envelopes are written to.
-    #[arg(long, env = "REPLAYPROOF_TOPIC", default_value = DEFAULT_TOPIC)]
+    #[arg(help_heading = "Kafka", long, env = "REPLAYPROOF_TOPIC", default_value = DEFAULT_TOPIC)]
     pub topic: String,
 
     /// The consumer group; start more consumers with the same group to share the partitions.
-    #[arg(long, env = "REPLAYPROOF_GROUP", default_value = DEFAULT_GROUP)]
+    #[arg(help_heading = "Kafka", long, env = "REPLAYPROOF_GROUP", default_value = DEFAULT_GROUP)]
     pub group: String,
 
     /// How the group spreads partitions: roundrobin (eager: every rebalance stops every
     /// member) or cooperative-sticky (only the partitions that move stop). The same for every
     /// member: a group switches only once all its members have stopped.
-    #[arg(long, env = "REPLAYPROOF_ASSIGNOR", value_enum, default_value_t = Assignor::Roundrobin)]
+    #[arg(help_heading = "Kafka", long, env = "REPLAYPROOF_ASSIGNOR", value_enum, default_value_t = Assignor::Roundrobin)]
     pub assignor: Assignor,
 
     /// Static membership: a name unique to this member and stable across its restarts, such
     /// as a StatefulSet pod's name (consume-0, consume-1); not a Deployment pod's, which changes
     /// on every rollout. Restarted within the session timeout under the same name, it gets its
     /// partitions back with no rebalance.
-    #[arg(long, env = "REPLAYPROOF_GROUP_INSTANCE_ID")]
+    #[arg(help_heading = "Kafka", long, env = "REPLAYPROOF_GROUP_INSTANCE_ID")]
     pub group_instance_id: Option<String>,
 
     /// The PostgreSQL URL, schema and session timeouts.
@@ -56,7 +56,7 @@ pub struct ConsumeArgs {
     /// The effect applied to each event, in the same transaction as its claim: ledger, http, or
     /// one the binary registered. Repeat it (or separate with commas) to apply several in
     /// order, for example ledger,http.
-    #[arg(long = "effect", env = "REPLAYPROOF_EFFECT", value_delimiter = ',', default_value = DEFAULT_EFFECT)]
+    #[arg(help_heading = "Effects", long = "effect", env = "REPLAYPROOF_EFFECT", value_delimiter = ',', default_value = DEFAULT_EFFECT)]
     pub effects: Vec<String>,
 
     /// The `http` effect's target.
@@ -64,56 +64,57 @@ pub struct ConsumeArgs {
     pub http: HttpEffectArgs,
 
     /// The most messages of one partition applied in one transaction.
-    #[arg(long, env = "REPLAYPROOF_BATCH_SIZE", default_value_t = DEFAULT_BATCH_SIZE, value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    #[arg(help_heading = "Batches", long, env = "REPLAYPROOF_BATCH_SIZE", default_value_t = DEFAULT_BATCH_SIZE, value_parser = clap::value_parser!(u32).range(1..=100_000))]
     pub batch_size: u32,
 
     /// How long to wait for more messages once a batch has its first one.
     /// A duration such as 250ms, 30s or 5m; `--linger-ms` (milliseconds) is its old spelling.
-    #[arg(long, env = "REPLAYPROOF_LINGER", value_name = "DURATION", default_value = crate::args::text(DEFAULT_LINGER), value_parser = crate::args::wait(Duration::ZERO), conflicts_with = "linger_ms")]
+    #[arg(help_heading = "Batches", long, env = "REPLAYPROOF_LINGER", value_name = "DURATION", default_value = crate::args::text(DEFAULT_LINGER), value_parser = crate::args::wait(Duration::ZERO), conflicts_with = "linger_ms")]
     pub linger: Duration,
 
     /// The old spelling of `--linger`, in milliseconds.
-    #[arg(long, env = "REPLAYPROOF_LINGER_MS", value_parser = crate::args::ms(0), hide = true)]
+    #[arg(help_heading = "Batches", long, env = "REPLAYPROOF_LINGER_MS", value_parser = crate::args::ms(0), hide = true)]
     pub linger_ms: Option<u64>,
 
     /// Bytes of messages queued for one partition's lane beyond its batch in flight; past it,
     /// the partition's messages wait in librdkafka's queue for it (1 MiB,
     /// `queued.max.messages.kbytes`), where fetching stops, until the database catches up.
-    #[arg(long, env = "REPLAYPROOF_MAX_LANE_BYTES", default_value_t = DEFAULT_MAX_LANE_BYTES)]
+    #[arg(help_heading = "Batches", long, env = "REPLAYPROOF_MAX_LANE_BYTES", default_value_t = DEFAULT_MAX_LANE_BYTES)]
     pub max_lane_bytes: usize,
 
     /// How often committed batches' offsets are committed to Kafka.
     /// A duration such as 250ms, 30s or 5m; `--commit-interval-ms` (milliseconds) is its old spelling.
-    #[arg(long, env = "REPLAYPROOF_COMMIT_INTERVAL", value_name = "DURATION", default_value = crate::args::text(DEFAULT_COMMIT_INTERVAL), value_parser = crate::args::wait(Duration::from_millis(1)), conflicts_with = "commit_interval_ms")]
+    #[arg(help_heading = "Batches", long, env = "REPLAYPROOF_COMMIT_INTERVAL", value_name = "DURATION", default_value = crate::args::text(DEFAULT_COMMIT_INTERVAL), value_parser = crate::args::wait(Duration::from_millis(1)), conflicts_with = "commit_interval_ms")]
     pub commit_interval: Duration,
 
     /// The old spelling of `--commit-interval`, in milliseconds.
-    #[arg(long, env = "REPLAYPROOF_COMMIT_INTERVAL_MS", value_parser = crate::args::ms(1), hide = true)]
+    #[arg(help_heading = "Batches", long, env = "REPLAYPROOF_COMMIT_INTERVAL_MS", value_parser = crate::args::ms(1), hide = true)]
     pub commit_interval_ms: Option<u64>,
 
     /// Attempts of a failing effect before its event is recorded as failed, each in a new
     /// transaction after a backoff (50 ms, doubled, at most 2 s); at most 10.
-    #[arg(long, env = "REPLAYPROOF_EFFECT_ATTEMPTS", default_value_t = DEFAULT_EFFECT_ATTEMPTS, value_parser = clap::value_parser!(u32).range(1..=super::batch::MAX_EFFECT_ATTEMPTS as i64))]
+    #[arg(help_heading = "Effects", long, env = "REPLAYPROOF_EFFECT_ATTEMPTS", default_value_t = DEFAULT_EFFECT_ATTEMPTS, value_parser = clap::value_parser!(u32).range(1..=super::batch::MAX_EFFECT_ATTEMPTS as i64))]
     pub effect_attempts: u32,
 
     /// After an effect first says "not yet" (defers its event), how long until it is applied
     /// again; doubled after each further deferral (for example 30s, 5m).
-    #[arg(long, env = "REPLAYPROOF_DEFER_BACKOFF", default_value = "10s", value_parser = parse_duration)]
+    #[arg(help_heading = "Deferral", long, env = "REPLAYPROOF_DEFER_BACKOFF", default_value = "10s", value_parser = parse_duration)]
     pub defer_backoff: Duration,
 
     /// The longest wait between two attempts at a deferred event.
-    #[arg(long, env = "REPLAYPROOF_DEFER_MAX_BACKOFF", default_value = "10m", value_parser = parse_duration)]
+    #[arg(help_heading = "Deferral", long, env = "REPLAYPROOF_DEFER_MAX_BACKOFF", default_value = "10m", value_parser = parse_duration)]
     pub defer_max_backoff: Duration,
 
     /// How long after its first deferral an event may still be deferred; then it is settled
     /// failed with its reason, for an operator.
-    #[arg(long, env = "REPLAYPROOF_DEFER_DEADLINE", default_value = "24h", value_parser = parse_duration)]
+    #[arg(help_heading = "Deferral", long, env = "REPLAYPROOF_DEFER_DEADLINE", default_value = "24h", value_parser = parse_duration)]
     pub defer_deadline: Duration,
 
     /// The deferral policy of one source, over the effect's own and the defaults:
     /// SOURCE=DEADLINE, optionally followed by ,BACKOFF and ,MAX_BACKOFF; for example
     /// stripe=72h or github=1h,5s,1m. Repeatable.
     #[arg(
+        help_heading = "Deferral",
         long = "defer-source",
         env = "REPLAYPROOF_DEFER_SOURCES",
         value_delimiter = ';',
@@ -123,26 +124,25 @@ pub struct ConsumeArgs {
 
     /// How often due deferred events are looked for.
     /// A duration such as 250ms, 30s or 5m; `--defer-poll-ms` (milliseconds) is its old spelling.
-    #[arg(long, env = "REPLAYPROOF_DEFER_POLL", value_name = "DURATION", default_value = crate::args::text(super::DEFAULT_DEFER_POLL), value_parser = crate::args::wait(Duration::from_millis(1)), conflicts_with = "defer_poll_ms")]
+    #[arg(help_heading = "Deferral", long, env = "REPLAYPROOF_DEFER_POLL", value_name = "DURATION", default_value = crate::args::text(super::DEFAULT_DEFER_POLL), value_parser = crate::args::wait(Duration::from_millis(1)), conflicts_with = "defer_poll_ms")]
     pub defer_poll: Duration,
 
     /// The old spelling of `--defer-poll`, in milliseconds.
-    #[arg(long, env = "REPLAYPROOF_DEFER_POLL_MS", value_parser = crate::args::ms(1), hide = true)]
+    #[arg(help_heading = "Deferral", long, env = "REPLAYPROOF_DEFER_POLL_MS", value_parser = crate::args::ms(1), hide = true)]
     pub defer_poll_ms: Option<u64>,
 
-    /// The longest pause between retries of a batch that failed on a database error, in
-    /// milliseconds.
+    /// The longest pause between retries of a batch that failed on a database error.
     /// A duration such as 250ms, 30s or 5m; `--max-retry-backoff-ms` (milliseconds) is its old spelling.
-    #[arg(long, env = "REPLAYPROOF_MAX_RETRY_BACKOFF", value_name = "DURATION", default_value = crate::args::text(DEFAULT_MAX_RETRY_BACKOFF), value_parser = crate::args::wait(Duration::from_millis(1)), conflicts_with = "max_retry_backoff_ms")]
+    #[arg(help_heading = "Batches", long, env = "REPLAYPROOF_MAX_RETRY_BACKOFF", value_name = "DURATION", default_value = crate::args::text(DEFAULT_MAX_RETRY_BACKOFF), value_parser = crate::args::wait(Duration::from_millis(1)), conflicts_with = "max_retry_backoff_ms")]
     pub max_retry_backoff: Duration,
 
     /// The old spelling of `--max-retry-backoff`, in milliseconds.
-    #[arg(long, env = "REPLAYPROOF_MAX_RETRY_BACKOFF_MS", value_parser = crate::args::ms(1), hide = true)]
+    #[arg(help_heading = "Batches", long, env = "REPLAYPROOF_MAX_RETRY_BACKOFF_MS", value_parser = crate::args::ms(1), hide = true)]
     pub max_retry_backoff_ms: Option<u64>,
 
     /// Prune in the background this often, under the retention flags below (as `replayproof
     /// prune` does); off unless given. Every member may run it: rounds take the same locks.
-    #[arg(long, env = "REPLAYPROOF_PRUNE_INTERVAL", value_name = "DURATION", value_parser = crate::args::wait(Duration::from_secs(1)))]
+    #[arg(help_heading = "Retention", long, env = "REPLAYPROOF_PRUNE_INTERVAL", value_name = "DURATION", value_parser = crate::args::wait(Duration::from_secs(1)))]
     pub prune_interval: Option<Duration>,
 
     /// How long each table keeps its rows, for the background pruner.
@@ -151,58 +151,59 @@ pub struct ConsumeArgs {
 
     /// On SIGTERM, SIGINT or a revoke: how long batches in flight may take to finish.
     /// A duration such as 250ms, 30s or 5m; `--shutdown-grace-secs` (seconds) is its old spelling.
-    #[arg(long, env = "REPLAYPROOF_SHUTDOWN_GRACE", value_name = "DURATION", default_value = crate::args::text(DEFAULT_SHUTDOWN_GRACE), value_parser = crate::args::wait(Duration::ZERO), conflicts_with = "shutdown_grace_secs")]
+    #[arg(help_heading = "Process", long, env = "REPLAYPROOF_SHUTDOWN_GRACE", value_name = "DURATION", default_value = crate::args::text(DEFAULT_SHUTDOWN_GRACE), value_parser = crate::args::wait(Duration::ZERO), conflicts_with = "shutdown_grace_secs")]
     pub shutdown_grace: Duration,
 
     /// The old spelling of `--shutdown-grace`, in seconds.
-    #[arg(long, env = "REPLAYPROOF_SHUTDOWN_GRACE_SECS", value_parser = crate::args::secs(0), hide = true)]
+    #[arg(help_heading = "Process", long, env = "REPLAYPROOF_SHUTDOWN_GRACE_SECS", value_parser = crate::args::secs(0), hide = true)]
     pub shutdown_grace_secs: Option<u64>,
 
     /// The longest one attempt at a batch may take before it is abandoned (rolled back) and
     /// retried.
     /// A duration such as 250ms, 30s or 5m; `--batch-timeout-secs` (seconds) is its old spelling.
-    #[arg(long, env = "REPLAYPROOF_BATCH_TIMEOUT", value_name = "DURATION", default_value = crate::args::text(DEFAULT_BATCH_TIMEOUT), value_parser = crate::args::wait(Duration::from_secs(1)), conflicts_with = "batch_timeout_secs")]
+    #[arg(help_heading = "Batches", long, env = "REPLAYPROOF_BATCH_TIMEOUT", value_name = "DURATION", default_value = crate::args::text(DEFAULT_BATCH_TIMEOUT), value_parser = crate::args::wait(Duration::from_secs(1)), conflicts_with = "batch_timeout_secs")]
     pub batch_timeout: Duration,
 
     /// The old spelling of `--batch-timeout`, in seconds.
-    #[arg(long, env = "REPLAYPROOF_BATCH_TIMEOUT_SECS", value_parser = crate::args::secs(1), hide = true)]
+    #[arg(help_heading = "Batches", long, env = "REPLAYPROOF_BATCH_TIMEOUT_SECS", value_parser = crate::args::secs(1), hide = true)]
     pub batch_timeout_secs: Option<u64>,
 
     /// /healthz fails once a partition has not committed its batch for this long, or Kafka has
     /// reported errors this long without a message.
     /// A duration such as 250ms, 30s or 5m; `--unhealthy-after-secs` (seconds) is its old spelling.
-    #[arg(long, env = "REPLAYPROOF_UNHEALTHY_AFTER", value_name = "DURATION", default_value = crate::args::text(DEFAULT_UNHEALTHY_AFTER), value_parser = crate::args::wait(Duration::from_secs(1)), conflicts_with = "unhealthy_after_secs")]
+    #[arg(help_heading = "Process", long, env = "REPLAYPROOF_UNHEALTHY_AFTER", value_name = "DURATION", default_value = crate::args::text(DEFAULT_UNHEALTHY_AFTER), value_parser = crate::args::wait(Duration::from_secs(1)), conflicts_with = "unhealthy_after_secs")]
     pub unhealthy_after: Duration,
 
     /// The old spelling of `--unhealthy-after`, in seconds.
-    #[arg(long, env = "REPLAYPROOF_UNHEALTHY_AFTER_SECS", value_parser = crate::args::secs(1), hide = true)]
+    #[arg(help_heading = "Process", long, env = "REPLAYPROOF_UNHEALTHY_AFTER_SECS", value_parser = crate::args::secs(1), hide = true)]
     pub unhealthy_after_secs: Option<u64>,
 
     /// The process exits non-zero once a partition has not committed its batch for this long,
     /// so the group hands its partitions to another member.
     /// A duration such as 250ms, 30s or 5m; `--stall-exit-secs` (seconds) is its old spelling.
-    #[arg(long, env = "REPLAYPROOF_STALL_EXIT", value_name = "DURATION", default_value = crate::args::text(DEFAULT_STALL_EXIT), value_parser = crate::args::wait(Duration::from_secs(1)), conflicts_with = "stall_exit_secs")]
+    #[arg(help_heading = "Process", long, env = "REPLAYPROOF_STALL_EXIT", value_name = "DURATION", default_value = crate::args::text(DEFAULT_STALL_EXIT), value_parser = crate::args::wait(Duration::from_secs(1)), conflicts_with = "stall_exit_secs")]
     pub stall_exit: Duration,
 
     /// The old spelling of `--stall-exit`, in seconds.
-    #[arg(long, env = "REPLAYPROOF_STALL_EXIT_SECS", value_parser = crate::args::secs(1), hide = true)]
+    #[arg(help_heading = "Process", long, env = "REPLAYPROOF_STALL_EXIT_SECS", value_parser = crate::args::secs(1), hide = true)]
     pub stall_exit_secs: Option<u64>,
 
     /// Connections in the PostgreSQL pool; each partition's batch uses one.
-    #[arg(long, env = "REPLAYPROOF_DB_POOL_SIZE", default_value_t = DEFAULT_DB_POOL_SIZE)]
+    #[arg(help_heading = "Batches", long, env = "REPLAYPROOF_DB_POOL_SIZE", default_value_t = DEFAULT_DB_POOL_SIZE)]
     pub db_pool_size: u32,
 
     /// Where to serve Prometheus /metrics and /healthz.
-    #[arg(long, env = "REPLAYPROOF_METRICS_ADDR", default_value = DEFAULT_METRICS_ADDR)]
+    #[arg(help_heading = "Process", long, env = "REPLAYPROOF_METRICS_ADDR", default_value = DEFAULT_METRICS_ADDR)]
     pub metrics_addr: SocketAddr,
 
     /// Apply the database migrations before consuming.
-    #[arg(long, env = "REPLAYPROOF_MIGRATE")]
+    #[arg(help_heading = "Process", long, env = "REPLAYPROOF_MIGRATE")]
     pub migrate: bool,
 }
 
 /// The `http` effect's flags.
 #[derive(Debug, Clone, Default, Args)]
+#[command(next_help_heading = "Effects")]
 pub struct HttpEffectArgs {
     /// With --effect http: where each event is POSTed (by `replayproof dispatch`).
     #[arg(long, env = "REPLAYPROOF_TARGET_URL", value_parser = crate::dispatch::outbound::check_url)]

@@ -32,9 +32,11 @@ pub struct DevArgs {
     #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
     pub database_url: Option<DatabaseUrl>,
 
+    /// Where webhooks are taken, as for `ingest --listen`; this machine only by default.
     #[arg(long, env = "REPLAYPROOF_LISTEN", default_value = DEFAULT_LISTEN)]
     pub listen: SocketAddr,
 
+    /// The topic the envelopes are written to and consumed from.
     #[arg(long, env = "REPLAYPROOF_TOPIC", default_value = consume::DEFAULT_TOPIC)]
     pub topic: String,
 

@@ -56,6 +56,7 @@ pub enum EventsCommand {
         /// retryable, uncertain, done, failed, dead).
         #[arg(long)]
         state: Option<StateName>,
+        /// Only events of this source.
         #[arg(long)]
         source: Option<String>,
         /// Only events claimed at least this long ago: a duration such as 30m, 2h or 3days
@@ -65,6 +66,7 @@ pub enum EventsCommand {
         /// The old spelling of `--older-than`, in seconds.
         #[arg(long, value_parser = crate::args::age_secs(), hide = true)]
         older_than_secs: Option<u64>,
+        /// The most rows shown.
         #[arg(long, default_value_t = DEFAULT_LIST_LIMIT)]
         limit: i64,
     },
@@ -73,6 +75,7 @@ pub enum EventsCommand {
     Show {
         #[command(flatten)]
         op: OperatorArgs,
+        /// The event's key, as `events list` shows it (stripe:evt_…).
         key: String,
     },
     /// Send a failed, uncertain or dead operation again with the same idempotency key, or run a
@@ -82,11 +85,15 @@ pub enum EventsCommand {
     Resolve {
         #[command(flatten)]
         op: OperatorArgs,
+        /// The event's key.
         key: String,
+        /// What the operations (or the failed claim) become.
         #[arg(long = "as", value_enum)]
         to: Resolution,
+        /// Only this operation of the event.
         #[arg(long)]
         operation: Option<String>,
+        /// Why, for the audit table.
         #[arg(long)]
         reason: String,
     },
@@ -98,6 +105,7 @@ pub enum EventsCommand {
         /// Also those already applied or dropped.
         #[arg(long)]
         all: bool,
+        /// The most rows shown.
         #[arg(long, default_value_t = DEFAULT_LIST_LIMIT)]
         limit: i64,
     },
@@ -105,10 +113,12 @@ pub enum EventsCommand {
     ApplyExpired {
         #[command(flatten)]
         op: OperatorArgs,
+        /// The key of the expired replay, as `events expired` shows it.
         key: String,
         /// The effect to run, by name as for `consume --effect`, instead of the one recorded.
         #[arg(long)]
         effect: Option<String>,
+        /// Why, for the audit table.
         #[arg(long)]
         reason: String,
     },
@@ -116,7 +126,9 @@ pub enum EventsCommand {
     DropExpired {
         #[command(flatten)]
         op: OperatorArgs,
+        /// The key of the expired replay, as `events expired` shows it.
         key: String,
+        /// Why, for the audit table.
         #[arg(long)]
         reason: String,
     },
@@ -135,6 +147,7 @@ pub enum EventsCommand {
         /// FIELD=VALUE, FIELD a dotted path into the payload (customer, data.object.customer).
         #[arg(long = "match", id = "matching", value_name = "FIELD=VALUE", value_parser = crate::args::parse_key_value, requires = "source")]
         matching: Option<(String, String)>,
+        /// Why, for the audit table.
         #[arg(long)]
         reason: String,
     },
@@ -169,6 +182,7 @@ pub struct RetryArgs {
     /// Bulk: list the events that would be retried, and change nothing.
     #[arg(long, requires = "state")]
     dry_run: bool,
+    /// Why, for the audit table.
     #[arg(long)]
     reason: String,
 }
@@ -353,6 +367,7 @@ pub enum DeadLettersCommand {
     List {
         #[command(flatten)]
         op: OperatorArgs,
+        /// The most rows shown.
         #[arg(long, default_value_t = DEFAULT_LIST_LIMIT)]
         limit: i64,
     },
@@ -360,12 +375,14 @@ pub enum DeadLettersCommand {
     Show {
         #[command(flatten)]
         op: OperatorArgs,
+        /// The dead letter's id, as `dead-letters list` shows it.
         id: i64,
     },
     /// Produce a dead letter's raw bytes again, to its topic or another.
     Replay {
         #[command(flatten)]
         op: OperatorArgs,
+        /// The dead letter's id, as `dead-letters list` shows it.
         id: i64,
         /// Kafka bootstrap servers.
         #[arg(long, env = "REPLAYPROOF_BROKERS")]
@@ -375,6 +392,7 @@ pub enum DeadLettersCommand {
         /// Produce to this topic instead of the one it came from.
         #[arg(long)]
         topic: Option<String>,
+        /// Why, for the audit table.
         #[arg(long)]
         reason: String,
     },
@@ -427,9 +445,11 @@ pub struct StatusArgs {
     #[command(flatten)]
     pub kafka: KafkaOptions,
 
+    /// The topic whose lag is shown, as `consume --topic`.
     #[arg(long, env = "REPLAYPROOF_TOPIC", default_value = DEFAULT_TOPIC)]
     pub topic: String,
 
+    /// The consumer group whose committed offsets give the lag, as `consume --group`.
     #[arg(long, env = "REPLAYPROOF_GROUP", default_value = DEFAULT_GROUP)]
     pub group: String,
 

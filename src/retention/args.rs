@@ -11,6 +11,7 @@ use std::time::Duration;
 
 /// How long each table keeps its rows; the `[retention]` section of the file.
 #[derive(Debug, Clone, Args)]
+#[command(next_help_heading = "Retention")]
 pub struct RetentionArgs {
     /// How long the claims of a source with no retention of its own are kept (a source sets
     /// its own with `retention` in its [[ingest.sources]] entry, or --source-retention).

@@ -28,8 +28,9 @@ mod operator {
     mod status;
 }
 /// What a deployment reads: the compose file, the schema, the secrets, the metrics and alerts,
-/// `dev` and `demo`.
+/// `dev` and `demo`; the command line's completion, manual pages and errors.
 mod deploy {
+    mod cli;
     mod compose;
     mod config_check;
     mod dev_and_demo;

@@ -280,3 +280,16 @@ async fn payments_before_their_orders_with_two_consumers_are_each_applied_once()
         0
     );
 }
+
+#[test]
+fn an_application_binary_completes_its_own_name() {
+    let out = std::process::Command::new(orders_binary())
+        .args(["completions", "bash"])
+        .env_remove("REPLAYPROOF_CONFIG")
+        .output()
+        .expect("running the orders example");
+    assert!(out.status.success());
+    let script = String::from_utf8_lossy(&out.stdout);
+    assert!(script.contains("complete -F _orders"), "{script}");
+    assert!(!script.contains("_replayproof"), "{script}");
+}
