@@ -109,7 +109,7 @@ pub const MAX_NESTING: usize = 127;
 
 /// Whether JSON `text` nests arrays and objects more than `limit` deep, found in one pass
 /// without recursion (brackets inside strings do not count).
-fn nests_deeper_than(text: &str, limit: usize) -> bool {
+pub(crate) fn nests_deeper_than(text: &str, limit: usize) -> bool {
     let (mut depth, mut in_string, mut escaped) = (0usize, false, false);
     for &b in text.as_bytes() {
         if in_string {

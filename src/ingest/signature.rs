@@ -4,7 +4,7 @@
 //! which is constant-time and checks the length, so an empty or truncated signature never
 //! passes. Several secrets may be valid at once (rotation): any of them verifying is enough.
 
-use crate::envelope::{Members, Text};
+use crate::envelope::{nests_deeper_than, Members, Text, MAX_NESTING};
 use base64::engine::general_purpose::STANDARD as BASE64;
 use base64::Engine as _;
 use chrono::{DateTime, Utc};
@@ -167,13 +167,15 @@ impl Request<'_> {
             .map_err(|e| BadRequest(format!("the body is not JSON: {e}")))
     }
 
-    /// The body's text when it is JSON, otherwise a JSON string of its text: never parsed into
-    /// a value and written again, so what is produced is what the sender signed.
+    /// The body's text when it is JSON a consumer can read back (nested at most
+    /// [`MAX_NESTING`] deep), otherwise a JSON string of its text: never parsed into a value and
+    /// written again, so what is produced is what the sender signed.
     fn payload(&self) -> Box<RawValue> {
-        self.json_text().map(ToOwned::to_owned).unwrap_or_else(|_| {
-            serde_json::value::to_raw_value(&String::from_utf8_lossy(self.body))
-                .expect("a string always serialises")
-        })
+        match self.json_text() {
+            Ok(json) if !nests_deeper_than(json.get(), MAX_NESTING) => json.to_owned(),
+            _ => serde_json::value::to_raw_value(&String::from_utf8_lossy(self.body))
+                .expect("a string always serialises"),
+        }
     }
 }
 
