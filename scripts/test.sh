@@ -15,6 +15,8 @@
 #     manifests of deploy/kubernetes/ against the Kubernetes schemas and a security linter;
 #     both run offline.
 #   - groff (Debian's groff-base, installed when missing), which renders the manual pages.
+#   - cargo-audit (pinned, installed when missing) when a copy of the RustSec advisory database
+#     is on disk (REPLAYPROOF_ADVISORY_DB, or ../shared/advisory-db): it cannot be fetched here.
 # Then: formatting, the query data, clippy with warnings denied, a library build without the
 # default features, and `cargo test` with the failpoints compiled in.
 set -euo pipefail
@@ -194,6 +196,44 @@ ensure_groff() {
   fi
 }
 
+# ------------------------------------------------------------------------- RustSec advisories
+# `cargo audit` checks Cargo.lock against the RustSec advisory database, which lives in a git
+# repository (rustsec/advisory-db) this machine's network cannot reach. So it reads a copy on
+# disk and fetches nothing: REPLAYPROOF_ADVISORY_DB when set, else shared/advisory-db beside
+# the clone. Without a copy the check is reported as not run, loudly, and the rest goes on.
+CARGO_AUDIT_VERSION=0.22.2
+
+advisory_db() {
+  local db="${REPLAYPROOF_ADVISORY_DB:-$(cd .. && pwd)/shared/advisory-db}"
+  [ -d "$db/crates" ] && echo "$db"
+  return 0
+}
+
+ensure_cargo_audit() {
+  if ! cargo audit --version 2>/dev/null | grep -q "$CARGO_AUDIT_VERSION"; then
+    log "Installing cargo-audit $CARGO_AUDIT_VERSION (checks the RustSec advisories; once)"
+    cargo install cargo-audit --version "$CARGO_AUDIT_VERSION" --locked
+  fi
+}
+
+check_advisories() {
+  local db
+  db=$(advisory_db)
+  if [ -z "$db" ]; then
+    log "NOT CHECKED: RustSec advisories (no advisory database: set REPLAYPROOF_ADVISORY_DB or" \
+      "put a copy of rustsec/advisory-db at ../shared/advisory-db)"
+    return 0
+  fi
+  ensure_cargo_audit
+  log "RustSec advisories (cargo audit, the database at $db)"
+  # An advisory ignored in .cargo/audit.toml for a crate no build compiles stays ignored only
+  # while no build compiles it.
+  if cargo tree -q -i rsa --all-features --target all -e all 2>/dev/null | grep -q .; then
+    die "rsa is now compiled into a build: RUSTSEC-2023-0071 may no longer be ignored (.cargo/audit.toml)"
+  fi
+  cargo audit --db "$db" --no-fetch --file Cargo.lock
+}
+
 # ------------------------------------------------------------------------------------ sqlx-cli
 ensure_sqlx_cli() {
   if ! cargo sqlx --version 2>/dev/null | grep -q "$SQLX_CLI_VERSION"; then
@@ -239,6 +279,8 @@ promtool test rules deploy/alerts.test.yml
 
 log "The Kubernetes manifests (kubernetes-validate, checkov)"
 check_kubernetes_manifests
+
+check_advisories
 
 log "cargo fmt --check"
 cargo fmt --all -- --check
