@@ -272,19 +272,21 @@ pub fn man(out_dir: Option<&std::path::Path>) -> anyhow::Result<()> {
 pub fn report_error(error: &anyhow::Error, format: LogFormat) {
     match format {
         LogFormat::Json => {
-            tracing::error!(
-                error = format!("{error:#}"),
-                "replayproof stopped on an error."
-            )
+            tracing::error!(error = causes(error), "replayproof stopped on an error.")
         }
         LogFormat::Text => eprintln!("{}", error_line(error)),
     }
 }
 
-/// `error: what failed: why: …`, secrets scrubbed. A cause that its error's own message already
-/// ends with (sqlx's "error communicating with database: Connection refused", then the I/O
-/// error again) is said once.
+/// `error: what failed: why: …`, secrets scrubbed.
 pub fn error_line(error: &anyhow::Error) -> String {
+    format!("error: {}", causes(error))
+}
+
+/// The error and its causes on one line, each after a colon, secrets scrubbed. A cause that its
+/// error's own message already ends with (sqlx's "error communicating with database: Connection
+/// refused", then the I/O error again) is said once.
+fn causes(error: &anyhow::Error) -> String {
     let mut said: Vec<String> = Vec::new();
     for cause in error.chain() {
         let text = cause.to_string().replace('\n', " ");
@@ -293,7 +295,7 @@ pub fn error_line(error: &anyhow::Error) -> String {
         }
         said.push(text);
     }
-    format!("error: {}", crate::secrets::scrub(&said.join(": ")))
+    crate::secrets::scrub(&said.join(": ")).into_owned()
 }
 
 /// Sets up logging and the runtime, runs the command and turns its result into an exit code.
