@@ -35,6 +35,12 @@ as_root() {
   fi
 }
 
+# Installs Debian packages, the package lists read first.
+apt_install() {
+  as_root apt-get update -qq
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "$@" >/dev/null
+}
+
 free_port() {
   python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
 }
@@ -81,8 +87,7 @@ ensure_postgres_binaries() {
   pg_bin=$(pg_bindir | tail -n 1)
   if [ -z "$pg_bin" ]; then
     log "Installing Debian's postgresql package (no PostgreSQL server binaries found)"
-    as_root apt-get update -qq
-    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends postgresql >/dev/null
+    apt_install postgresql
     pg_bin=$(pg_bindir | tail -n 1)
     [ -n "$pg_bin" ] || die "PostgreSQL binaries still missing after installing postgresql"
   fi
@@ -180,8 +185,7 @@ check_kubernetes_manifests() {
 ensure_promtool() {
   if ! command -v promtool >/dev/null; then
     log "Installing Debian's prometheus package (for promtool; once)"
-    as_root apt-get update -qq
-    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+    apt_install prometheus
     command -v promtool >/dev/null || die "promtool still missing after installing prometheus"
   fi
 }
@@ -191,8 +195,7 @@ ensure_promtool() {
 ensure_groff() {
   if ! command -v groff >/dev/null || ! command -v preconv >/dev/null; then
     log "Installing Debian's groff-base package (renders the manual pages; once)"
-    as_root apt-get update -qq
-    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends groff-base >/dev/null
+    apt_install groff-base
   fi
 }
 

@@ -151,20 +151,22 @@ pub struct Request<'a> {
     pub now: i64,
 }
 
+fn not_json(e: serde_json::Error) -> Rejection {
+    BadRequest(format!("the body is not JSON: {e}"))
+}
+
 impl Request<'_> {
     fn header(&self, name: &str) -> Option<&str> {
         self.headers.get(name).and_then(|v| v.to_str().ok())
     }
 
     fn json(&self) -> Result<serde_json::Value, Rejection> {
-        serde_json::from_slice(self.body)
-            .map_err(|e| BadRequest(format!("the body is not JSON: {e}")))
+        serde_json::from_slice(self.body).map_err(not_json)
     }
 
     /// The body's JSON text, checked to be JSON.
     fn json_text(&self) -> Result<&RawValue, Rejection> {
-        serde_json::from_slice(self.body)
-            .map_err(|e| BadRequest(format!("the body is not JSON: {e}")))
+        serde_json::from_slice(self.body).map_err(not_json)
     }
 
     /// The body's text when it is JSON a consumer can read back (nested at most
