@@ -109,6 +109,28 @@ pub enum Command {
 }
 
 impl Command {
+    /// The command's name, as its traces name the service (`replayproof-ingest`).
+    fn name(&self) -> &'static str {
+        match self {
+            Self::Migrate(_) => "migrate",
+            Self::Consume(_) => "consume",
+            Self::Ingest(_) => "ingest",
+            Self::Dispatch(_) => "dispatch",
+            Self::Events(_) => "events",
+            Self::DeadLetters(_) => "dead-letters",
+            Self::Status(_) => "status",
+            Self::Prune(_) => "prune",
+            Self::Config(_) => "config",
+            Self::Probe { .. } => "probe",
+            Self::Completions { .. } => "completions",
+            Self::Man { .. } => "man",
+            #[cfg(feature = "devkit")]
+            Self::Demo(_) => "demo",
+            #[cfg(feature = "devkit")]
+            Self::Dev(_) => "dev",
+        }
+    }
+
     /// The librdkafka properties of the commands that have them.
     fn kafka_options(&mut self) -> Option<&mut KafkaOptions> {
         match self {
@@ -195,7 +217,7 @@ impl Cli {
             }
             Command::Consume(consume) => consume.run(&self.effects, args.file.as_ref()).await,
             Command::Ingest(ingest) => ingest.run(args.file.as_ref()).await,
-            Command::Dispatch(args) => args.run().await,
+            Command::Dispatch(dispatch) => dispatch.run(args.file.as_ref()).await,
             Command::Events(command) => command.run(&self.effects).await,
             Command::DeadLetters(command) => command.run().await,
             Command::Status(args) => args.run().await,
@@ -310,7 +332,11 @@ fn main_with(cli: Cli, args: Args) -> std::process::ExitCode {
         Command::Dev(_) => {
             crate::telemetry::init_logging_with(crate::devkit::dev::LOG_FILTER, args.log_format)
         }
-        _ => crate::telemetry::init_logging(args.log_format),
+        command => crate::telemetry::init_telemetry(
+            "info,sqlx=warn,rdkafka=warn",
+            args.log_format,
+            &format!("replayproof-{}", command.name()),
+        ),
     }
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(rt) => rt,
@@ -321,6 +347,7 @@ fn main_with(cli: Cli, args: Args) -> std::process::ExitCode {
     };
     let log_format = args.log_format;
     let result = runtime.block_on(cli.execute(args));
+    crate::trace::shutdown();
     // A worker thread stuck in a call that never returns must not keep the process alive.
     runtime.shutdown_timeout(std::time::Duration::from_secs(5));
     match result {

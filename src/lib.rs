@@ -35,6 +35,7 @@ pub mod shutdown;
 pub mod telemetry;
 #[cfg(feature = "devkit")]
 pub mod testing;
+pub mod trace;
 
 #[cfg(feature = "cli")]
 pub use cli::Cli;

@@ -27,20 +27,46 @@ pub fn init_logging(format: LogFormat) {
 
 /// Like [`init_logging`], with `default` as the filter when `RUST_LOG` is not set.
 pub fn init_logging_with(default: &str, format: LogFormat) {
+    init_telemetry(default, format, "replayproof");
+}
+
+/// Logging as [`init_logging_with`] sets it up and, with the `otel` feature and an OTLP
+/// endpoint in the environment ([`crate::trace`]), the export of spans, as the service
+/// `service` unless `OTEL_SERVICE_NAME` names another. Call before the async runtime starts;
+/// [`crate::trace::shutdown`] exports the last spans at the end.
+pub fn init_telemetry(default: &str, format: LogFormat, service: &str) {
     use std::io::IsTerminal as _;
+    use tracing_subscriber::layer::SubscriberExt as _;
+    use tracing_subscriber::util::SubscriberInitExt as _;
+    use tracing_subscriber::Layer as _;
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        // Every line passes through the scrubber: a registered secret never reaches the log.
-        .with_writer(crate::secrets::scrubbing_stderr);
-    let _ = match format {
+    // Every line passes through the scrubber: a registered secret never reaches the log.
+    let lines = tracing_subscriber::fmt::layer().with_writer(crate::secrets::scrubbing_stderr);
+    let lines = match format {
         // `message` and the event's fields at the top level of each object, as log pipelines
         // expect them.
-        LogFormat::Json => builder.json().flatten_event(true).try_init(),
-        LogFormat::Text => builder
+        LogFormat::Json => lines.json().flatten_event(true).with_filter(filter).boxed(),
+        LogFormat::Text => lines
             .with_ansi(std::io::stderr().is_terminal())
-            .try_init(),
+            .with_filter(filter)
+            .boxed(),
     };
+    let registry = tracing_subscriber::registry().with(lines);
+    #[cfg(feature = "otel")]
+    let (registry, problem) = {
+        let spans = tracing_subscriber::filter::Targets::new()
+            .with_target("replayproof", tracing::Level::INFO);
+        match crate::trace::otel::layer(service) {
+            Ok(layer) => (registry.with(layer.map(|l| l.with_filter(spans))), None),
+            Err(e) => (registry.with(None), Some(e)),
+        }
+    };
+    #[cfg(not(feature = "otel"))]
+    let (problem, _) = (None::<anyhow::Error>, service);
+    let _ = registry.try_init();
+    if let Some(e) = problem {
+        tracing::warn!(error = %format!("{e:#}"), "Traces are not exported: the OTLP exporter could not start.");
+    }
 }
 
 /// Registers what every long-running role exports besides its own metrics:

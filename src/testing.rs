@@ -104,6 +104,7 @@ pub fn envelope(key: &str, source: &str, event_type: &str, payload: serde_json::
         payload,
         unhashed: Vec::new(),
         replay_window_secs: None,
+        request_id: None,
     }
 }
 
@@ -153,6 +154,7 @@ impl EffectTest {
                     offset: self.next_offset,
                     key: Some(e.key.clone().into_bytes()),
                     value: Some(e.to_bytes()),
+                    traceparent: None,
                 };
                 self.next_offset += 1;
                 message

@@ -98,12 +98,21 @@ pub async fn claim(
     let hashes: Vec<&[u8]> = events.iter().map(|(_, e)| &e.payload_sha256[..]).collect();
     let received: Vec<Option<DateTime<Utc>>> = events.iter().map(|(_, e)| e.received_at).collect();
     let offsets: Vec<i64> = events.iter().map(|(o, _)| *o).collect();
+    let requests: Vec<Option<&str>> = events
+        .iter()
+        .map(|(_, e)| e.request_id.as_deref())
+        .collect();
+    let traces: Vec<Option<&str>> = events
+        .iter()
+        .map(|(_, e)| e.traceparent.as_deref())
+        .collect();
     sqlx::query_scalar!(
         r#"INSERT INTO processed_events (event_key, source, event_type, status, payload_sha256,
-                received_at, kafka_topic, kafka_partition, kafka_offset, attempts, completed_at)
-           SELECT k, s, t, 'done', h, r, $7, $8, o, 1, now()
+                received_at, kafka_topic, kafka_partition, kafka_offset, attempts, completed_at,
+                request_id, traceparent)
+           SELECT k, s, t, 'done', h, r, $7, $8, o, 1, now(), q, tp
            FROM unnest($1::text[], $2::text[], $3::text[], $4::bytea[], $5::timestamptz[],
-                       $6::int8[]) AS u(k, s, t, h, r, o)
+                       $6::int8[], $9::text[], $10::text[]) AS u(k, s, t, h, r, o, q, tp)
            ORDER BY k COLLATE "C"
            ON CONFLICT (event_key) DO NOTHING
            RETURNING event_key"#,
@@ -115,6 +124,8 @@ pub async fn claim(
         &offsets,
         origin.topic,
         origin.partition,
+        &requests as _,
+        &traces as _,
     )
     .fetch_all(conn)
     .await
@@ -364,6 +375,11 @@ pub struct ClaimRow {
     pub deferred_reason: Option<String>,
     /// Kept only on claims that are not settled `done` (see [`claim`]).
     pub payload: Option<JsonText>,
+    /// The ingress request that carried the delivery that was claimed (the provider's
+    /// delivery id where it has one).
+    pub request_id: Option<String>,
+    /// The W3C traceparent of the claim: its trace id finds the whole trace.
+    pub traceparent: Option<String>,
 }
 
 /// One claim, if the key was ever claimed.
@@ -374,7 +390,7 @@ pub async fn find(pool: &PgPool, key: &str) -> sqlx::Result<Option<ClaimRow>> {
                   last_error, encode(payload_sha256, 'hex') AS "payload_sha256!",
                   kafka_topic || '/' || kafka_partition || '@' || kafka_offset AS "first_seen_at!",
                   claimed_at, completed_at, due_at, deadline_at, deferred_reason,
-                  payload AS "payload: JsonText"
+                  payload AS "payload: JsonText", request_id, traceparent
            FROM processed_events WHERE event_key = $1"#,
         key
     )

@@ -92,10 +92,16 @@ fn known_keys(root: &Command) -> BTreeMap<(&'static str, String), Vec<String>> {
             .or_default()
             .push(path.join(" "));
     }
-    known
-        .entry(("ingest", "sources".into()))
-        .or_default()
-        .push("ingest".into());
+    for (section, table) in [
+        ("ingest", "sources"),
+        ("dispatch", "destinations"),
+        ("dispatch", "credentials"),
+    ] {
+        known
+            .entry((section, table.into()))
+            .or_default()
+            .push(section.into());
+    }
     known
 }
 

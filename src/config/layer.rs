@@ -497,7 +497,7 @@ mod tests {
         let Cmd::Dispatch(dispatch) = args.command else {
             unreachable!("a dispatch command")
         };
-        assert_eq!(dispatch.settings().unwrap().lease.as_secs(), 17 * 60);
+        assert_eq!(dispatch.settings(None).unwrap().lease.as_secs(), 17 * 60);
         let Err(LayerError::Clap(help)) = parsed(&["dispatch", "--help"], &text) else {
             panic!("help is clap's answer")
         };

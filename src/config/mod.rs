@@ -285,6 +285,8 @@ pub use crate::secrets::{is_secret_property, redact_url, redacted};
 
 mod keys;
 mod layer;
+#[cfg(test)]
+pub(crate) use keys::check_keys;
 pub(crate) use keys::{file_flags, KAFKA_FLAGS};
 pub(crate) use layer::layered_over;
 pub use layer::{config_path, layered, LayerError, Layered, Source};
@@ -322,7 +324,6 @@ pub fn render_clap_error(error: &clap::Error) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::keys::check_keys;
     use super::*;
     use std::ffi::OsString;
 
@@ -546,7 +547,9 @@ mod tests {
         let (_dir, full) = with_file(&full, text);
         let args = crate::cli::parse(full, &ProcessEnv).map_err(|e| e.to_string())?;
         match args.command {
-            crate::cli::Command::Dispatch(d) => Ok(d.settings().map_err(|e| e.to_string())?.lease),
+            crate::cli::Command::Dispatch(d) => {
+                Ok(d.settings(None).map_err(|e| e.to_string())?.lease)
+            }
             _ => unreachable!("a dispatch command"),
         }
     }

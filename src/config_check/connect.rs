@@ -135,7 +135,7 @@ fn targets(file: Option<&ConfigFile>, env: &dyn Env) -> Targets {
                 targets.database(consume.database, "consume");
             }
             Command::Dispatch(dispatch) => {
-                targets.dispatch = dispatch.settings().ok();
+                targets.dispatch = dispatch.settings(file).ok();
                 targets.database(dispatch.database, "dispatch");
             }
             Command::Ingest(ingest) => {

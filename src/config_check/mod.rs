@@ -318,8 +318,16 @@ impl Report {
 }
 
 /// What stops a command whose flags all parse: ingest without its sources, or with a secret
-/// variable unset.
+/// variable unset; dispatch with a destination or credential it cannot read.
 fn own_problem(command: &str, file: Option<&ConfigFile>, env: &dyn Env) -> Option<anyhow::Error> {
+    if command == "dispatch" {
+        let section = file.map(|f| f.section("dispatch")).unwrap_or_default();
+        return crate::dispatch::Destinations::from_table(section.get("destinations"))
+            .and(crate::dispatch::Credentials::from_table(
+                section.get("credentials"),
+            ))
+            .err();
+    }
     if command != "ingest" {
         return None;
     }
@@ -411,5 +419,24 @@ mod tests {
                 flag.key
             );
         }
+    }
+
+    #[test]
+    fn dispatch_does_not_start_with_a_destination_or_credential_it_cannot_read() {
+        let env = BTreeMap::<String, String>::new();
+        let problem = |text: &str| {
+            let file = ConfigFile::parse(std::path::Path::new("c.toml"), text, &env).unwrap();
+            own_problem("dispatch", Some(&file), &env).map(|e| format!("{e:#}"))
+        };
+        let fine = "[dispatch.destinations.default]\nmax_concurrency = 4\n\
+                    [dispatch.credentials.acme]\nheaders = { Authorization = \"Bearer k\" }\n";
+        assert_eq!(problem(fine), None);
+        let path = problem("[dispatch.destinations.\"https://a.com/v1\"]\nrate_per_sec = 1\n");
+        assert!(path.is_some_and(|p| p.contains("origin only")));
+        let reserved = problem("[dispatch.credentials.x]\nheaders = { Host = \"h\" }\n");
+        assert!(reserved.is_some_and(|p| p.contains("set by replayproof")));
+        let root = crate::cli::Args::command();
+        let file = ConfigFile::parse(std::path::Path::new("c.toml"), fine, &env).unwrap();
+        assert!(crate::config::check_keys(&root, &file).is_ok());
     }
 }

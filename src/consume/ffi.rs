@@ -69,6 +69,7 @@ impl PartitionFeed {
                     offset: m.offset,
                     key: copy(m.key, m.key_len),
                     value: copy(m.payload, m.len),
+                    traceparent: traceparent(message),
                 })
             } else {
                 Err(KafkaError::MessageConsumption(m.err.into()))
@@ -77,6 +78,31 @@ impl PartitionFeed {
             Some(result)
         }
     }
+}
+
+/// The message's last `traceparent` header, if it has one in UTF-8.
+///
+/// # Safety
+/// `message` is a live message of librdkafka's.
+unsafe fn traceparent(message: *mut rdkafka::bindings::rd_kafka_message_t) -> Option<String> {
+    use rdkafka::bindings as rd;
+    let mut headers: *mut rd::rd_kafka_headers_t = std::ptr::null_mut();
+    if rd::rd_kafka_message_headers(message, &mut headers)
+        != rd::rd_kafka_resp_err_t::RD_KAFKA_RESP_ERR_NO_ERROR
+    {
+        return None;
+    }
+    let name = c"traceparent";
+    let mut value: *const std::ffi::c_void = std::ptr::null();
+    let mut size: usize = 0;
+    if rd::rd_kafka_header_get_last(headers, name.as_ptr(), &mut value, &mut size)
+        != rd::rd_kafka_resp_err_t::RD_KAFKA_RESP_ERR_NO_ERROR
+        || value.is_null()
+    {
+        return None;
+    }
+    let bytes = std::slice::from_raw_parts(value as *const u8, size);
+    std::str::from_utf8(bytes).ok().map(str::to_owned)
 }
 
 impl Drop for PartitionFeed {

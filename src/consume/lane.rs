@@ -22,6 +22,7 @@ impl RawMessage {
         MESSAGE_OVERHEAD_BYTES
             + self.key.as_ref().map_or(0, Vec::len)
             + self.value.as_ref().map_or(0, Vec::len)
+            + self.traceparent.as_ref().map_or(0, String::len)
     }
 }
 
@@ -324,6 +325,7 @@ mod tests {
             offset,
             key: None,
             value: Some(format!("m{offset}").into_bytes()),
+            traceparent: None,
         };
         let rewound: Vec<bool> = [0, 1, 2, 0, 1, 2, 3]
             .into_iter()

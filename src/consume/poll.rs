@@ -61,6 +61,15 @@ impl From<&BorrowedMessage<'_>> for RawMessage {
             offset: message.offset(),
             key: message.key().map(<[u8]>::to_vec),
             value: message.payload().map(<[u8]>::to_vec),
+            traceparent: message.headers().and_then(|headers| {
+                use rdkafka::message::Headers as _;
+                headers
+                    .iter()
+                    .filter(|h| h.key == crate::trace::TRACEPARENT)
+                    .last()
+                    .and_then(|h| std::str::from_utf8(h.value?).ok())
+                    .map(str::to_owned)
+            }),
         }
     }
 }

@@ -3,7 +3,7 @@
 //! no answer.
 
 use super::Dispatcher;
-use crate::outbox::{self, Leased, OutboxState, Outcome, Settlement};
+use crate::outbox::{self, Leased, OutboxState, Outcome, Settlement, Verdict};
 use std::time::{Duration, Instant};
 
 impl Dispatcher {
@@ -11,7 +11,7 @@ impl Dispatcher {
         &self,
         row: &Leased,
         response: reqwest::Response,
-    ) -> (Outcome, Settlement) {
+    ) -> (Outcome, Settlement, Verdict) {
         let status = response.status().as_u16();
         let retry_after = response
             .headers()
@@ -21,7 +21,16 @@ impl Dispatcher {
         let location = location(&response);
         let body = excerpt(response).await;
         let code = Some(i32::from(status));
-        match status {
+        let verdict = match status {
+            429 => Verdict::SlowDown(
+                retry_after
+                    .unwrap_or(self.settings.backoff_base)
+                    .min(MAX_RETRY_AFTER),
+            ),
+            500..=599 => Verdict::Failing,
+            _ => Verdict::Answering,
+        };
+        let (outcome, settlement) = match status {
             200..=299 => (Outcome::Done, settled(OutboxState::Done, code, None)),
             300..=399 => (
                 Outcome::Redirected,
@@ -55,10 +64,15 @@ impl Dispatcher {
                     },
                 )
             }
-        }
+        };
+        (outcome, settlement, verdict)
     }
 
-    pub(super) fn classify_error(&self, row: &Leased, e: &reqwest::Error) -> (Outcome, Settlement) {
+    pub(super) fn classify_error(
+        &self,
+        row: &Leased,
+        e: &reqwest::Error,
+    ) -> (Outcome, Settlement, Verdict) {
         // A request that could not be built (a key or header HTTP cannot carry, a URL it cannot
         // reach) never left, and never will: a permanent failure, not an unknown outcome.
         if e.is_builder() {
@@ -69,6 +83,7 @@ impl Dispatcher {
             return (
                 Outcome::Unsendable,
                 settled(OutboxState::Failed, None, Some(error)),
+                Verdict::Unknown,
             );
         }
         // A refused connection sent nothing; anything after the request left may have been
@@ -85,6 +100,7 @@ impl Dispatcher {
                 next_attempt_at: Some(self.next_attempt(row, None)),
                 ..settled(state, None, Some(describe(e)))
             },
+            Verdict::Failing,
         )
     }
 

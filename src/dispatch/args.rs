@@ -112,10 +112,17 @@ impl DispatchArgs {
             .unwrap_or_else(|| default_worker(hostname, std::process::id()))
     }
 
-    pub fn settings(&self) -> anyhow::Result<DispatchSettings> {
+    /// The settings of the flags, with the destinations and credentials of the configuration
+    /// file's `[dispatch]`, if there is a file.
+    pub fn settings(
+        &self,
+        file: Option<&crate::config::ConfigFile>,
+    ) -> anyhow::Result<DispatchSettings> {
+        let section = file.map(|f| f.section("dispatch")).unwrap_or_default();
         let mut outbound = Outbound {
             headers: self.headers.clone(),
             signing: self.signing_secret.clone(),
+            credentials: Credentials::from_table(section.get("credentials"))?,
             ..Outbound::default()
         };
         if let Some(path) = &self.ca_file {
@@ -129,16 +136,18 @@ impl DispatchArgs {
             backoff_base: crate::args::or_old_ms(self.backoff, self.backoff_ms),
             backoff_max: crate::args::or_old_ms(self.max_backoff, self.max_backoff_ms),
             outbound,
+            destinations: Destinations::from_table(section.get("destinations"))?,
             ..DispatchSettings::new(&self.worker())
         })
     }
 
     /// Runs the dispatcher process until a signal stops it.
-    pub async fn run(self) -> anyhow::Result<()> {
+    pub async fn run(self, file: Option<&crate::config::ConfigFile>) -> anyhow::Result<()> {
+        let settings = self.settings(file)?;
         let process = crate::shutdown::Process::start("dispatch", Some(self.metrics_addr)).await?;
         let metrics = DispatchMetrics::new(&process.registry)?;
         let pool = self.database.pool((self.batch_size as u32).clamp(2, 64))?;
-        Dispatcher::build(self.settings()?, pool, metrics, process.health)?
+        Dispatcher::build(settings, pool, metrics, process.health)?
             .run_until_stopped(process.shutdown)
             .stopped()
             .await

@@ -1,8 +1,10 @@
 //! The dispatcher's metrics.
 
-use crate::outbox::{self, OutboxState};
+use super::Destinations;
+use crate::outbox::{self, Breaker, OutboxState};
 use prometheus::{Histogram, HistogramOpts, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry};
 use sqlx::PgPool;
+use std::collections::BTreeMap;
 
 /// The dispatcher's metrics; labels are outcomes and states from fixed lists.
 #[derive(Clone)]
@@ -12,6 +14,11 @@ pub struct DispatchMetrics {
     pub operations: IntGaugeVec,
     pub oldest_due_seconds: IntGauge,
     pub expired_leases: IntGauge,
+    /// Destinations by breaker position; `destination` is an origin with its own
+    /// `[dispatch.destinations]` section, or `default` for the rest.
+    pub breakers: IntGaugeVec,
+    /// Requests in flight per destination, from every dispatcher.
+    pub in_flight: IntGaugeVec,
 }
 
 impl DispatchMetrics {
@@ -46,6 +53,20 @@ impl DispatchMetrics {
                 "replayproof_outbox_expired_leases",
                 "In-progress operations whose lease expired: their worker is gone.",
             )?,
+            breakers: IntGaugeVec::new(
+                Opts::new(
+                    "replayproof_dispatch_breakers",
+                    "Destinations whose circuit breaker is in each state (closed, open, half_open).",
+                ),
+                &["destination", "state"],
+            )?,
+            in_flight: IntGaugeVec::new(
+                Opts::new(
+                    "replayproof_dispatch_in_flight",
+                    "Requests in flight to each destination, from every dispatcher.",
+                ),
+                &["destination"],
+            )?,
         };
         // Every outcome's series from the start, at 0: one born at its first increment hides
         // that increment from `increase()`.
@@ -57,11 +78,46 @@ impl DispatchMetrics {
         registry.register(Box::new(m.operations.clone()))?;
         registry.register(Box::new(m.oldest_due_seconds.clone()))?;
         registry.register(Box::new(m.expired_leases.clone()))?;
+        registry.register(Box::new(m.breakers.clone()))?;
+        registry.register(Box::new(m.in_flight.clone()))?;
         Ok(m)
     }
 
-    /// Reads the gauges from the outbox.
-    pub async fn refresh(&self, pool: &PgPool) -> sqlx::Result<()> {
+    /// Every configured destination's series from the start, at 0.
+    pub fn destinations(&self, destinations: &Destinations) {
+        let labels =
+            std::iter::once("default").chain(destinations.by_origin.keys().map(String::as_str));
+        for label in labels {
+            self.in_flight.with_label_values(&[label]);
+            for breaker in Breaker::ALL {
+                self.breakers.with_label_values(&[label, breaker.as_str()]);
+            }
+        }
+    }
+
+    /// Reads the gauges from the outbox, the destinations labelled as `destinations` names
+    /// them.
+    pub async fn refresh(&self, pool: &PgPool, destinations: &Destinations) -> sqlx::Result<()> {
+        let mut breakers: BTreeMap<(&str, Breaker), i64> = BTreeMap::new();
+        let mut in_flight: BTreeMap<&str, i64> = BTreeMap::new();
+        let gauges = outbox::destination_gauges(pool).await?;
+        for g in &gauges {
+            let label = destinations.label(&g.origin);
+            *breakers.entry((label, g.breaker)).or_default() += 1;
+            *in_flight.entry(label).or_default() += g.in_flight;
+        }
+        let labels =
+            std::iter::once("default").chain(destinations.by_origin.keys().map(String::as_str));
+        for label in labels {
+            for breaker in Breaker::ALL {
+                let n = breakers.get(&(label, breaker)).copied().unwrap_or(0);
+                self.breakers
+                    .with_label_values(&[label, breaker.as_str()])
+                    .set(n);
+            }
+            let n = in_flight.get(label).copied().unwrap_or(0);
+            self.in_flight.with_label_values(&[label]).set(n);
+        }
         let g = outbox::gauges(pool).await?;
         for state in OutboxState::ALL {
             let n = g

@@ -9,16 +9,20 @@
 mod answer;
 #[cfg(feature = "cli")]
 pub mod args;
+pub mod destinations;
 mod metrics;
 pub mod outbound;
 
 pub use answer::MAX_RETRY_AFTER;
 use answer::{describe, location, may_start_request, settled};
 
+pub use destinations::{Credentials, Destination, Destinations};
 pub use metrics::DispatchMetrics;
 pub use outbound::Outbound;
 
-use crate::outbox::{self, Attempt, AttemptKind, Leased, OutboxState, Outcome, Settlement};
+use crate::outbox::{
+    self, Attempt, AttemptKind, BreakerChange, Leased, OutboxState, Outcome, Settlement, Verdict,
+};
 pub use crate::shutdown::Running;
 use crate::telemetry::Health;
 use sqlx::PgPool;
@@ -62,8 +66,10 @@ pub struct DispatchSettings {
     pub backoff_max: Duration,
     /// How long the outbox may be unreadable before `/healthz` fails.
     pub unhealthy_after: Duration,
-    /// Extra trusted roots, headers and signing of every request.
+    /// Extra trusted roots, headers, credentials and signing of every request.
     pub outbound: Outbound,
+    /// Each destination's limits and idempotency header.
+    pub destinations: Destinations,
 }
 
 impl DispatchSettings {
@@ -85,6 +91,7 @@ impl DispatchSettings {
             backoff_max: DEFAULT_MAX_BACKOFF,
             unhealthy_after: DEFAULT_UNHEALTHY_AFTER,
             outbound: Outbound::default(),
+            destinations: Destinations::default(),
         }
     }
 }
@@ -117,6 +124,7 @@ impl Dispatcher {
             settings.request_timeout.as_millis()
         );
         let http = settings.outbound.client(settings.request_timeout)?;
+        metrics.destinations(&settings.destinations);
         Ok(Self {
             settings,
             pool,
@@ -145,7 +153,11 @@ impl Dispatcher {
         while !shutdown.is_cancelled() {
             self.health.beat(LOOP, self.stuck_after());
             if last_refresh.elapsed() >= self.gauge_interval() {
-                if let Err(e) = self.metrics.refresh(&self.pool).await {
+                if let Err(e) = self
+                    .metrics
+                    .refresh(&self.pool, &self.settings.destinations)
+                    .await
+                {
                     tracing::warn!(error = %e, "Could not read the outbox gauges.");
                 }
                 last_refresh = Instant::now();
@@ -194,27 +206,58 @@ impl Dispatcher {
         (self.settings.lease / 4).clamp(Duration::from_millis(200), Duration::from_secs(15))
     }
 
-    /// Leases one batch and delivers it; returns how many rows it leased.
+    /// Leases one batch and delivers it; returns how many rows it leased. Each origin with due
+    /// operations gets what its limits admit ([`outbox::lease_within_limits`]), in a fresh
+    /// random order each turn so that no origin waits behind another.
     pub async fn dispatch_once(&self) -> sqlx::Result<usize> {
         // Measured before the lease is asked for, so the local deadline is never later than
         // the one the database holds.
         let lease_deadline = Instant::now() + self.settings.lease;
-        let leased = outbox::lease(
-            &self.pool,
-            &self.settings.worker,
-            self.settings.batch_size,
-            self.settings.lease,
-        )
-        .await?;
+        let mut origins = outbox::due_origins(&self.pool).await?;
+        fastrand::shuffle(&mut origins);
+        let mut leased = Vec::new();
+        let mut failure = None;
+        let batch = usize::try_from(self.settings.batch_size).unwrap_or(1);
+        for origin in origins {
+            let room = batch.saturating_sub(leased.len());
+            if room == 0 {
+                break;
+            }
+            let limits = &self.settings.destinations.of(&origin).limits;
+            let worker = &self.settings.worker;
+            let lease = self.settings.lease;
+            match outbox::lease_within_limits(&self.pool, &origin, limits, worker, room, lease)
+                .await
+            {
+                Ok(admitted) => leased.extend(admitted),
+                // What was leased already is sent; the error is reported after.
+                Err(e) => {
+                    failure = Some(e);
+                    break;
+                }
+            }
+        }
         let n = leased.len();
-        let attempts = leased.into_iter().map(|row| async move {
-            if let Err(e) = self.attempt(&row, lease_deadline).await {
+        let attempts = leased.into_iter().map(|admitted| async move {
+            tokio::time::sleep(admitted.wait).await;
+            let row = &admitted.row;
+            if admitted.probe {
+                tracing::info!(destination = %row.origin, operation = %row.operation_key, "Sending one probe to a destination whose circuit breaker was open.");
+            }
+            if let Err(e) = self.attempt(row, lease_deadline).await {
                 // The lease expires and another attempt follows: nothing is lost.
                 tracing::warn!(operation = %row.operation_key, error = %e, "Could not record an attempt.");
             }
         });
         futures_util::future::join_all(attempts).await;
-        Ok(n)
+        match failure {
+            Some(e) if n == 0 => Err(e),
+            Some(e) => {
+                tracing::warn!(error = %e, "Leasing for a destination failed; the rest of the batch was sent.");
+                Ok(n)
+            }
+            None => Ok(n),
+        }
     }
 
     /// One attempt: a reconcile when the operation may already have been applied, then the
@@ -238,11 +281,78 @@ impl Dispatcher {
         }
         let started_at = chrono::Utc::now();
         let timer = Instant::now();
+        let span = crate::trace::dispatch_span(
+            &row.operation_key,
+            &row.method,
+            &row.origin,
+            row.traceparent.as_deref(),
+        );
+        let sending = async {
+            match self.request(row) {
+                Err(why) => (
+                    Outcome::Unsendable,
+                    settled(
+                        OutboxState::Failed,
+                        None,
+                        Some(format!(
+                            "the request could not be built, so nothing was sent: {why}"
+                        )),
+                    ),
+                    Verdict::Unknown,
+                ),
+                Ok(request) => match request.body(row.payload.clone()).send().await {
+                    Ok(response) => self.classify_response(row, response).await,
+                    Err(e) => self.classify_error(row, &e),
+                },
+            }
+        };
+        let (outcome, settlement, verdict) = tracing::Instrument::instrument(sending, span).await;
+        self.judge(row, verdict).await;
+        let attempt =
+            self.attempt_record(AttemptKind::Deliver, started_at, timer.elapsed(), outcome);
+        self.settle(row, &settlement, &attempt, lease_deadline)
+            .await
+    }
+
+    /// The request of one operation, to be sent: its method, content type and headers, the
+    /// destination's idempotency header, the credential it names, the trace context and the
+    /// signature. Errors say why it cannot be sent, now or ever.
+    fn request(&self, row: &Leased) -> Result<reqwest::RequestBuilder, String> {
+        let destination = self.settings.destinations.of(&row.origin);
+        let method = reqwest::Method::from_bytes(row.method.as_bytes())
+            .map_err(|_| format!("{:?} is not an HTTP method", row.method))?;
         let mut request = self
             .http
-            .post(&row.destination)
-            .header("content-type", "application/json")
-            .header("idempotency-key", &row.operation_key);
+            .request(method, &row.destination)
+            .header(reqwest::header::CONTENT_TYPE, &row.content_type)
+            .header(&destination.idempotency_header, &row.operation_key);
+        for (name, value) in &row.headers.0 {
+            let lower = name.to_ascii_lowercase();
+            if outbound::RESERVED.contains(&lower.as_str())
+                || lower == destination.idempotency_header.as_str()
+                || outbox::SECRET_HEADERS.contains(&lower.as_str())
+            {
+                return Err(format!("the operation's own {name} header is not allowed"));
+            }
+            request = request.header(name, value);
+        }
+        if let Some(name) = &row.credential {
+            let headers = self
+                .settings
+                .outbound
+                .credentials
+                .0
+                .get(name)
+                .ok_or_else(|| {
+                    format!("the credential {name:?} is not in [dispatch.credentials]")
+                })?;
+            for header in headers {
+                request = request.header(header.name.clone(), header.value.clone());
+            }
+        }
+        if let Some(traceparent) = crate::trace::outgoing(row.traceparent.as_deref()) {
+            request = request.header("traceparent", traceparent);
+        }
         for (name, value) in self
             .settings
             .outbound
@@ -250,15 +360,26 @@ impl Dispatcher {
         {
             request = request.header(name, value);
         }
-        let result = request.body(row.payload.clone()).send().await;
-        let (outcome, settlement) = match result {
-            Ok(response) => self.classify_response(row, response).await,
-            Err(e) => self.classify_error(row, &e),
-        };
-        let attempt =
-            self.attempt_record(AttemptKind::Deliver, started_at, timer.elapsed(), outcome);
-        self.settle(row, &settlement, &attempt, lease_deadline)
-            .await
+        Ok(request)
+    }
+
+    /// Records what an answer says of its destination, for the breaker and the pause every
+    /// dispatcher follows. A failure to record it is logged: the limits are advisory, the
+    /// operation's own record is not.
+    async fn judge(&self, row: &Leased, verdict: Verdict) {
+        let destination = self.settings.destinations.of(&row.origin);
+        match outbox::record_health(&self.pool, &row.origin, &destination.limits, verdict).await {
+            Ok(BreakerChange::Opened) => {
+                tracing::warn!(destination = %row.origin, open_for = ?destination.limits.breaker_open, "Opened the circuit breaker of a destination that keeps failing; its operations wait.");
+            }
+            Ok(BreakerChange::Closed) => {
+                tracing::info!(destination = %row.origin, "Closed the circuit breaker of a destination that answers again.");
+            }
+            Ok(BreakerChange::Unchanged) => {}
+            Err(e) => {
+                tracing::warn!(destination = %row.origin, error = %e, "Could not record a destination's health.");
+            }
+        }
     }
 
     fn attempt_record(
@@ -320,12 +441,19 @@ impl Dispatcher {
             percent_encoding::NON_ALPHANUMERIC,
         );
         let url = url.replace("{key}", &key.to_string());
-        let result = self
+        let destination = self.settings.destinations.of(&row.origin);
+        let mut request = self
             .http
             .get(&url)
-            .header("idempotency-key", &row.operation_key)
-            .send()
-            .await;
+            .header(&destination.idempotency_header, &row.operation_key);
+        let credential = row.credential.as_ref();
+        if let Some(headers) = credential.and_then(|c| self.settings.outbound.credentials.0.get(c))
+        {
+            for h in headers {
+                request = request.header(h.name.clone(), h.value.clone());
+            }
+        }
+        let result = request.send().await;
         let status = result.as_ref().ok().map(|r| r.status().as_u16());
         let (outcome, settlement) = match status {
             Some(s) if (200..300).contains(&s) => (

@@ -74,33 +74,28 @@ pub struct Header {
     pub value: HeaderValue,
 }
 
-impl std::str::FromStr for Header {
-    type Err = String;
+/// Headers replayproof sets itself on every request: no configured or stored header may.
+pub const RESERVED: &[&str] = &[
+    "content-type",
+    "content-length",
+    "host",
+    "idempotency-key",
+    "traceparent",
+    "tracestate",
+    "webhook-id",
+    "webhook-timestamp",
+    "webhook-signature",
+];
 
-    /// `NAME=VALUE`, where `${VAR}` in the value is read from the environment, so a token need
-    /// not be written on the command line: `--header 'Authorization=Bearer ${DOWNSTREAM_TOKEN}'`.
-    /// The value is registered as a secret ([`crate::secrets`]) before anything is checked, so
-    /// that no error, log or `config check` line prints it; errors never repeat the input.
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        let (name, value) = s
-            .split_once('=')
-            .ok_or_else(|| "expected NAME=VALUE".to_owned())?;
+impl Header {
+    /// A header whose value may be secret: it is registered as one ([`crate::secrets`]) before
+    /// anything is checked, so that no error, log or `config check` line prints it; errors
+    /// never repeat the value.
+    pub fn secret(name: &str, value: &str) -> Result<Self, String> {
         crate::secrets::register(value);
-        let name = HeaderName::try_from(name.trim()).map_err(|_| {
-            "the text before `=` is not a header name (expected NAME=VALUE)".to_owned()
-        })?;
-        let value = expand_env(value).map_err(|e| format!("header {name}: {e:#}"))?;
-        crate::secrets::register(&value);
-        let reserved = [
-            "content-type",
-            "content-length",
-            "host",
-            "idempotency-key",
-            "webhook-id",
-            "webhook-timestamp",
-            "webhook-signature",
-        ];
-        if reserved.contains(&name.as_str()) {
+        let name = HeaderName::try_from(name.trim())
+            .map_err(|_| format!("{:?} is not a header name", name.trim()))?;
+        if RESERVED.contains(&name.as_str()) {
             return Err(format!(
                 "the {name} header is set by replayproof on every request"
             ));
@@ -113,6 +108,28 @@ impl std::str::FromStr for Header {
         })?;
         value.set_sensitive(true);
         Ok(Self { name, value })
+    }
+}
+
+impl std::str::FromStr for Header {
+    type Err = String;
+
+    /// `NAME=VALUE`, where `${VAR}` in the value is read from the environment, so a token need
+    /// not be written on the command line: `--header 'Authorization=Bearer ${DOWNSTREAM_TOKEN}'`.
+    /// The value is registered as a secret ([`crate::secrets`]) before anything is checked, so
+    /// that no error, log or `config check` line prints it; errors never repeat the input.
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let (name, value) = s
+            .split_once('=')
+            .ok_or_else(|| "expected NAME=VALUE".to_owned())?;
+        crate::secrets::register(value);
+        if HeaderName::try_from(name.trim()).is_err() {
+            return Err(
+                "the text before `=` is not a header name (expected NAME=VALUE)".to_owned(),
+            );
+        }
+        let value = expand_env(value).map_err(|e| format!("header {}: {e:#}", name.trim()))?;
+        Self::secret(name, &value)
     }
 }
 
@@ -137,6 +154,8 @@ impl fmt::Debug for Header {
 pub struct Outbound {
     /// Headers sent with every delivery and reconcile.
     pub headers: Vec<Header>,
+    /// Named credentials, whose headers go with the operations that name them.
+    pub credentials: super::Credentials,
     /// Signs each delivery with the Standard Webhooks scheme when set.
     pub signing: Option<SigningSecret>,
     /// PEM certificates trusted besides the system's roots (a private CA).

@@ -34,12 +34,14 @@ impl Effect for HttpOutbox {
         let ops: Vec<_> = events
             .iter()
             .map(|event| crate::outbox::NewOperation {
-                event_key: event.key.as_str(),
-                operation: "deliver",
-                destination: &self.target_url,
-                payload: event.envelope_bytes(),
                 reconcile_url: self.reconcile_url.clone(),
                 max_attempts: self.max_attempts,
+                ..crate::outbox::NewOperation::of_event(
+                    event,
+                    "deliver",
+                    &self.target_url,
+                    event.envelope_bytes(),
+                )
             })
             .collect();
         crate::outbox::enqueue_all(tx, &ops).await?;

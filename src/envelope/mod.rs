@@ -241,6 +241,11 @@ pub struct Envelope {
     /// replayed capture, recorded as a key conflict and not applied.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub replay_window_secs: Option<u64>,
+    /// The ingress request that carried it: the provider's delivery id where it sends one
+    /// (GitHub's `X-GitHub-Delivery`, Shopify's `X-Shopify-Webhook-Id`), else one the ingress
+    /// made. Different for each delivery of one event; `events show` names it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub request_id: Option<String>,
 }
 
 impl Envelope {
@@ -283,6 +288,11 @@ pub struct Event {
     pub payload_sha256: [u8; 32],
     /// The replay guard's window, for sources that sign only the body; see [`Envelope`].
     pub replay_window_secs: Option<u64>,
+    /// The ingress request that carried this delivery, if the envelope names it.
+    pub request_id: Option<String>,
+    /// The W3C `traceparent` of the event's trace: the message's header, or the consumer's
+    /// span of the event when traces are exported. Outbox operations carry it on.
+    pub traceparent: Option<String>,
     /// The payload as a JSON value, built the first time [`Event::payload`] asks for it: the
     /// built-in effects store and send the text and never need it.
     payload: std::sync::OnceLock<Result<serde_json::Value, Malformed>>,
@@ -304,6 +314,16 @@ struct Wire {
     unhashed: Vec<String>,
     #[serde(default)]
     replay_window_secs: Option<u64>,
+    #[serde(default)]
+    request_id: Option<String>,
+}
+
+/// The longest request id kept; a longer one (or one PostgreSQL cannot store) is dropped, not
+/// the event: it only names a delivery.
+pub const MAX_REQUEST_ID_BYTES: usize = 200;
+
+fn storable_request_id(id: &str) -> bool {
+    !id.is_empty() && id.len() <= MAX_REQUEST_ID_BYTES && !id.contains('\0')
 }
 
 impl Event {
@@ -348,8 +368,18 @@ impl Event {
             occurred_at: wire.occurred_at,
             payload_json: wire.payload,
             replay_window_secs: wire.replay_window_secs.filter(|secs| *secs > 0),
+            request_id: wire.request_id.filter(|id| storable_request_id(id)),
+            traceparent: None,
             payload: std::sync::OnceLock::new(),
         })
+    }
+
+    /// The event in the trace of `traceparent` (the message's header), when it is valid.
+    pub fn in_trace(mut self, traceparent: Option<&str>) -> Self {
+        self.traceparent = traceparent
+            .and_then(crate::trace::valid_traceparent)
+            .map(str::to_owned);
+        self
     }
 
     /// An event as it was stored with its claim, for an operator's retry.
@@ -370,6 +400,8 @@ impl Event {
             payload_json,
             payload_sha256,
             replay_window_secs: None,
+            request_id: None,
+            traceparent: None,
             payload: std::sync::OnceLock::new(),
         }
     }

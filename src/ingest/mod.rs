@@ -253,6 +253,7 @@ async fn readyz(State(state): State<Arc<AppState>>) -> (StatusCode, &'static str
 enum Outcome {
     Accepted {
         key: String,
+        request_id: Option<String>,
         partition: i32,
         offset: i64,
     },
@@ -302,8 +303,8 @@ impl IntoResponse for Outcome {
             (status, Json(json!({ "error": message }))).into_response()
         };
         match self {
-            Self::Accepted { key, partition, offset } => {
-                Json(json!({ "status": "accepted", "key": key, "partition": partition, "offset": offset }))
+            Self::Accepted { key, request_id, partition, offset } => {
+                Json(json!({ "status": "accepted", "key": key, "request_id": request_id, "partition": partition, "offset": offset }))
                     .into_response()
             }
             Self::Challenge(challenge) => Json(json!({ "challenge": challenge })).into_response(),
@@ -359,20 +360,46 @@ async fn webhook(
 }
 
 async fn accept(state: &AppState, source: &Source, request: Request) -> Outcome {
-    let envelope = match verify(state, source, request).await {
-        Ok(envelope) => envelope,
+    let (envelope, incoming) = match verify(state, source, request).await {
+        Ok(verified) => verified,
         Err(outcome) => return outcome,
     };
     let Ok(_permit) = state.in_flight.clone().try_acquire_owned() else {
         return Outcome::Overloaded(state.settings.retry_after_secs);
     };
-    produce(state, envelope).await
+    let span = crate::trace::ingest_span(
+        &envelope.source,
+        envelope.request_id.as_deref(),
+        incoming.as_deref(),
+    );
+    tracing::Instrument::instrument(produce(state, envelope, incoming), span).await
 }
 
-/// The request's envelope, or the answer that refuses it: the body read under its timeout and
-/// limit, the signature verified, the key derived and checked.
-async fn verify(state: &AppState, source: &Source, request: Request) -> Result<Envelope, Outcome> {
+/// The request's id: the provider's delivery id where it sends one (GitHub, Shopify), else a
+/// load balancer's `X-Request-Id`, else a fresh random one. It names this delivery, not the
+/// event: a redelivery gets another (except from GitHub, whose redeliveries keep theirs).
+pub fn request_id(headers: &http::HeaderMap) -> String {
+    ["x-github-delivery", "x-shopify-webhook-id", "x-request-id"]
+        .into_iter()
+        .filter_map(|name| headers.get(name)?.to_str().ok())
+        .map(str::trim)
+        .find(|id| {
+            !id.is_empty()
+                && id.len() <= crate::envelope::MAX_REQUEST_ID_BYTES
+                && id.bytes().all(|b| b.is_ascii_graphic())
+        })
+        .map_or_else(|| format!("{:032x}", fastrand::u128(..)), str::to_owned)
+}
+
+/// The request's envelope and its sender's `traceparent`, or the answer that refuses it: the
+/// body read under its timeout and limit, the signature verified, the key derived and checked.
+async fn verify(
+    state: &AppState,
+    source: &Source,
+    request: Request,
+) -> Result<(Envelope, Option<String>), Outcome> {
     let (parts, body) = request.into_parts();
+    let request_id = request_id(&parts.headers);
     let reading = read_body(body, &parts.headers, state.settings.max_body_bytes);
     // Once the listener closed, a body still arriving has a short while left: a stop is bounded.
     let closing = async {
@@ -401,7 +428,7 @@ async fn verify(state: &AppState, source: &Source, request: Request) -> Result<E
         Ok(Verified::Event(identity)) => identity,
         Ok(Verified::Challenge(c)) => return Err(Outcome::Challenge(c)),
         Err(Rejection::Unauthorized(why)) => {
-            tracing::info!(source = %source.name, why, "Refused a webhook: unauthorized.");
+            tracing::info!(source = %source.name, request_id, why, "Refused a webhook: unauthorized.");
             return Err(Outcome::Unauthorized);
         }
         Err(Rejection::BadRequest(why)) => return Err(Outcome::BadRequest(why)),
@@ -422,11 +449,18 @@ async fn verify(state: &AppState, source: &Source, request: Request) -> Result<E
             .map(|f| f.to_string())
             .collect(),
         replay_window_secs: source.replay_window_secs,
+        request_id: Some(request_id),
     };
     envelope
         .check_storable()
         .map_err(|unstorable| Outcome::BadRequest(unstorable.to_string()))?;
-    Ok(envelope)
+    let traceparent = parts
+        .headers
+        .get(crate::trace::TRACEPARENT)
+        .and_then(|v| v.to_str().ok())
+        .and_then(crate::trace::valid_traceparent)
+        .map(str::to_owned);
+    Ok((envelope, traceparent))
 }
 
 /// Reads the body, refusing (None) as soon as it is over `limit`: a declared length over the
@@ -446,14 +480,24 @@ async fn read_body(
     axum::body::to_bytes(body, limit).await.ok()
 }
 
-async fn produce(state: &AppState, envelope: Envelope) -> Outcome {
+/// Writes the envelope to the topic, with the trace context as its `traceparent` header (the
+/// OpenTelemetry messaging conventions' way), and answers once the broker acknowledged it.
+async fn produce(state: &AppState, envelope: Envelope, incoming: Option<String>) -> Outcome {
     let value = envelope.to_bytes();
     if value.len() > state.settings.max_message_bytes() {
         return Outcome::TooLarge;
     }
-    let record = FutureRecord::to(&state.settings.topic)
+    let mut record = FutureRecord::to(&state.settings.topic)
         .key(&envelope.key)
         .payload(&value);
+    if let Some(traceparent) = crate::trace::outgoing(incoming.as_deref()) {
+        record = record.headers(rdkafka::message::OwnedHeaders::new().insert(
+            rdkafka::message::Header {
+                key: crate::trace::TRACEPARENT,
+                value: Some(traceparent.as_str()),
+            },
+        ));
+    }
     let started = Instant::now();
     // The producer gives up on the record after `message.timeout.ms` (the produce timeout); the
     // outer timeout only guards against a delivery report that never comes.
@@ -472,8 +516,10 @@ async fn produce(state: &AppState, envelope: Envelope) -> Outcome {
     match delivery {
         Ok(Ok(delivered)) => {
             crate::failpoint!("ingest::after_ack");
+            tracing::debug!(source = %envelope.source, key = %envelope.key, request_id = envelope.request_id.as_deref().unwrap_or_default(), partition = delivered.partition, offset = delivered.offset, "Accepted a webhook.");
             Outcome::Accepted {
                 key: envelope.key,
+                request_id: envelope.request_id,
                 partition: delivered.partition,
                 offset: delivered.offset,
             }
@@ -486,7 +532,7 @@ async fn produce(state: &AppState, envelope: Envelope) -> Outcome {
             Outcome::TooLarge
         }
         Ok(Err((e, _))) => {
-            tracing::warn!(source = %envelope.source, error = %e, "The broker did not acknowledge a webhook; answered 503.");
+            tracing::warn!(source = %envelope.source, request_id = envelope.request_id.as_deref().unwrap_or_default(), error = %e, "The broker did not acknowledge a webhook; answered 503.");
             Outcome::Unavailable(state.settings.retry_after_secs)
         }
         Err(_) => {
@@ -505,6 +551,7 @@ mod tests {
         let every = [
             Outcome::Accepted {
                 key: String::new(),
+                request_id: None,
                 partition: 0,
                 offset: 0,
             },

@@ -15,8 +15,12 @@ pub struct OperationRow {
     pub state: OutboxState,
     /// Attempts so far, of the most allowed (`3/10`).
     pub attempts: String,
+    /// The HTTP method and the body's content type.
+    pub request: String,
     /// Where it is sent.
     pub destination: String,
+    /// The credential it is sent with, by name.
+    pub credential: Option<String>,
     /// When it is due (again).
     pub next_attempt_at: DateTime<Utc>,
     /// When the current lease ends, while one is held.
@@ -35,8 +39,9 @@ pub async fn of_event(pool: &PgPool, key: &str) -> sqlx::Result<Vec<OperationRow
     let mut rows = sqlx::query_as!(
         OperationRow,
         r#"SELECT operation_key, state AS "state: OutboxState",
-                  attempts || '/' || max_attempts AS "attempts!", destination, next_attempt_at,
-                  lease_expires_at, last_status, last_error, completed_at
+                  attempts || '/' || max_attempts AS "attempts!",
+                  method || ' ' || content_type AS "request!", destination, credential,
+                  next_attempt_at, lease_expires_at, last_status, last_error, completed_at
            FROM outbox WHERE event_key = $1 ORDER BY operation"#,
         key
     )

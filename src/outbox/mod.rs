@@ -8,9 +8,11 @@
 #![warn(missing_docs)]
 
 mod by_hand;
+mod destinations;
 pub mod state;
 
 pub use by_hand::*;
+pub use destinations::*;
 
 pub use state::{AttemptKind, OutboxState, Outcome};
 
@@ -18,7 +20,11 @@ use chrono::{DateTime, Utc};
 use sqlx::{PgConnection, PgPool};
 use std::time::Duration;
 
-/// An operation to enqueue.
+/// An operation to enqueue: one request, sent the same way on every attempt.
+///
+/// [`NewOperation::new`] makes a JSON POST; [`NewOperation::method`],
+/// [`NewOperation::form`], [`NewOperation::bytes`], [`NewOperation::header`] and
+/// [`NewOperation::credential`] describe any other request.
 #[derive(Debug, Clone)]
 pub struct NewOperation<'a> {
     /// The event that enqueued it, in the same transaction as its claim.
@@ -27,23 +33,169 @@ pub struct NewOperation<'a> {
     pub operation: &'a str,
     /// Where it is sent.
     pub destination: &'a str,
+    /// The HTTP method (`POST`, `PUT`, `PATCH`, `DELETE`, …).
+    pub method: String,
+    /// The body's `Content-Type`: `application/json`, `application/x-www-form-urlencoded`, or
+    /// any other for raw bytes.
+    pub content_type: String,
     /// The exact request body, sent byte for byte on every attempt.
     pub payload: Vec<u8>,
+    /// Headers sent with it on every attempt. They are stored with the operation, so they must
+    /// never carry a secret: name a [`NewOperation::credential`] instead.
+    pub headers: Vec<(String, String)>,
+    /// The name of a credential in the dispatcher's configuration
+    /// (`[dispatch.credentials.NAME]`), whose headers are added when the request is sent.
+    pub credential: Option<String>,
     /// A URL template (`{key}`) that tells whether the downstream already has the operation.
     pub reconcile_url: Option<String>,
     /// Attempts before the operation is `dead`.
     pub max_attempts: i32,
+    /// The W3C `traceparent` of the event's trace, which the dispatcher's request continues.
+    pub traceparent: Option<String>,
 }
 
-impl NewOperation<'_> {
-    /// The key sent downstream as `Idempotency-Key` on every attempt.
+/// The `Content-Type` of a JSON body, the default.
+pub const JSON: &str = "application/json";
+/// The `Content-Type` of a form-encoded body (Stripe's API, OAuth token endpoints).
+pub const FORM: &str = "application/x-www-form-urlencoded";
+/// Headers that carry credentials: an operation names a credential instead of storing them.
+pub const SECRET_HEADERS: &[&str] = &["authorization", "proxy-authorization", "cookie"];
+/// Attempts before an operation is `dead`, unless it says otherwise.
+pub const DEFAULT_MAX_ATTEMPTS: i32 = 10;
+
+impl<'a> NewOperation<'a> {
+    /// A JSON POST of `payload` to `destination`, made by `operation` of the event `event_key`,
+    /// tried up to [`DEFAULT_MAX_ATTEMPTS`] times.
+    pub fn new(
+        event_key: &'a str,
+        operation: &'a str,
+        destination: &'a str,
+        payload: Vec<u8>,
+    ) -> Self {
+        Self {
+            event_key,
+            operation,
+            destination,
+            method: "POST".into(),
+            content_type: JSON.into(),
+            payload,
+            headers: Vec::new(),
+            credential: None,
+            reconcile_url: None,
+            max_attempts: DEFAULT_MAX_ATTEMPTS,
+            traceparent: None,
+        }
+    }
+
+    /// An operation of `event`, in the event's trace: [`NewOperation::new`] with the event's
+    /// key and traceparent.
+    pub fn of_event(
+        event: &'a crate::envelope::Event,
+        operation: &'a str,
+        destination: &'a str,
+        payload: Vec<u8>,
+    ) -> Self {
+        Self {
+            traceparent: event.traceparent.clone(),
+            ..Self::new(event.key.as_str(), operation, destination, payload)
+        }
+    }
+
+    /// Sent with `method` instead of POST.
+    pub fn method(mut self, method: &str) -> Self {
+        self.method = method.to_ascii_uppercase();
+        self
+    }
+
+    /// The body is `fields`, form-encoded (`a=1&b=x%20y`), as Stripe's API takes it.
+    pub fn form<T: serde::Serialize + ?Sized>(mut self, fields: &T) -> anyhow::Result<Self> {
+        self.payload = serde_urlencoded::to_string(fields)?.into_bytes();
+        self.content_type = FORM.into();
+        Ok(self)
+    }
+
+    /// The body is `payload` as is, sent with `content_type`.
+    pub fn bytes(mut self, content_type: &str, payload: Vec<u8>) -> Self {
+        self.payload = payload;
+        self.content_type = content_type.into();
+        self
+    }
+
+    /// One more header, sent on every attempt; stored with the operation, so never a secret.
+    pub fn header(mut self, name: &str, value: &str) -> Self {
+        self.headers.push((name.into(), value.into()));
+        self
+    }
+
+    /// The headers of `[dispatch.credentials.NAME]` are added when it is sent.
+    pub fn credential(mut self, name: &str) -> Self {
+        self.credential = Some(name.into());
+        self
+    }
+
+    /// Asks `url` (with `{key}`) whether the downstream has the operation before resending one
+    /// whose outcome is unknown.
+    pub fn reconcile_url(mut self, url: &str) -> Self {
+        self.reconcile_url = Some(url.into());
+        self
+    }
+
+    /// Attempts before it is `dead`.
+    pub fn max_attempts(mut self, attempts: i32) -> Self {
+        self.max_attempts = attempts;
+        self
+    }
+
+    /// Why this operation cannot be stored as a request, if it cannot: a method or header
+    /// HTTP cannot carry, a header replayproof sets itself, or a secret in a stored header.
+    /// The same operation is refused every time, so the effect fails rather than retries.
+    pub fn refusal(&self) -> Option<String> {
+        let key = self.operation_key();
+        if reqwest::Method::from_bytes(self.method.as_bytes()).is_err() {
+            return Some(format!("{key}: {:?} is not an HTTP method", self.method));
+        }
+        if reqwest::header::HeaderValue::from_str(&self.content_type).is_err() {
+            return Some(format!("{key}: the content type is not a header value"));
+        }
+        self.headers.iter().find_map(|(name, value)| {
+            let lower = name.to_ascii_lowercase();
+            if reqwest::header::HeaderName::from_bytes(name.as_bytes()).is_err()
+                || reqwest::header::HeaderValue::from_str(value).is_err()
+            {
+                Some(format!(
+                    "{key}: the header {name:?} cannot be carried by HTTP"
+                ))
+            } else if SECRET_HEADERS.contains(&lower.as_str()) {
+                Some(format!(
+                    "{key}: the {name} header would store a secret in the outbox; name a \
+                     credential of [dispatch.credentials] instead"
+                ))
+            } else if crate::dispatch::outbound::RESERVED.contains(&lower.as_str()) {
+                Some(format!("{key}: the {name} header is set by replayproof"))
+            } else {
+                None
+            }
+        })
+    }
+
+    /// The key sent downstream as the idempotency key on every attempt.
     pub fn operation_key(&self) -> String {
         operation_key(self.event_key, self.operation)
     }
 }
 
+/// The origin of a destination URL: scheme, host and port, the default port left out
+/// (`https://api.stripe.com`). Limits and the circuit breaker count per origin. A destination
+/// that is not a URL is its own origin: its operations fail as unsendable.
+pub fn origin(destination: &str) -> String {
+    match reqwest::Url::parse(destination).map(|url| url.origin()) {
+        Ok(origin @ url::Origin::Tuple(..)) => origin.ascii_serialization(),
+        _ => destination.to_owned(),
+    }
+}
+
 /// The operation key of `operation` of the event `event_key`: sent downstream as the
-/// `Idempotency-Key` (and `webhook-id`) on every attempt.
+/// idempotency key (and `webhook-id`) on every attempt.
 pub fn operation_key(event_key: &str, operation: &str) -> String {
     format!("{event_key}#{operation}")
 }
@@ -57,27 +209,46 @@ pub async fn enqueue(conn: &mut PgConnection, op: &NewOperation<'_>) -> sqlx::Re
 /// (so two transactions enqueuing overlapping operations never deadlock). Enqueuing one twice
 /// keeps the first.
 pub async fn enqueue_all(conn: &mut PgConnection, ops: &[NewOperation<'_>]) -> sqlx::Result<()> {
+    if let Some(refusal) = ops.iter().find_map(|op| op.refusal()) {
+        return Err(sqlx::Error::InvalidArgument(refusal));
+    }
     let operation_keys: Vec<String> = ops.iter().map(NewOperation::operation_key).collect();
     let event_keys: Vec<&str> = ops.iter().map(|o| o.event_key).collect();
     let operations: Vec<&str> = ops.iter().map(|o| o.operation).collect();
     let destinations: Vec<&str> = ops.iter().map(|o| o.destination).collect();
+    let origins: Vec<String> = ops.iter().map(|o| origin(o.destination)).collect();
+    let methods: Vec<&str> = ops.iter().map(|o| o.method.as_str()).collect();
+    let content_types: Vec<&str> = ops.iter().map(|o| o.content_type.as_str()).collect();
     let payloads: Vec<&[u8]> = ops.iter().map(|o| o.payload.as_slice()).collect();
+    let headers: Vec<serde_json::Value> =
+        ops.iter().map(|o| serde_json::json!(o.headers)).collect();
+    let credentials: Vec<Option<&str>> = ops.iter().map(|o| o.credential.as_deref()).collect();
     let reconcile: Vec<Option<&str>> = ops.iter().map(|o| o.reconcile_url.as_deref()).collect();
     let max_attempts: Vec<i32> = ops.iter().map(|o| o.max_attempts).collect();
+    let traceparents: Vec<Option<&str>> = ops.iter().map(|o| o.traceparent.as_deref()).collect();
     sqlx::query!(
-        r#"INSERT INTO outbox (operation_key, event_key, operation, destination, payload,
-                reconcile_url, max_attempts)
-           SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::bytea[],
-                                $6::text[], $7::int4[]) AS u(ok, k, op, d, p, r, m)
+        r#"INSERT INTO outbox (operation_key, event_key, operation, destination, origin, method,
+                content_type, payload, headers, credential, reconcile_url, max_attempts,
+                traceparent)
+           SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[],
+                                $6::text[], $7::text[], $8::bytea[], $9::jsonb[], $10::text[],
+                                $11::text[], $12::int4[], $13::text[])
+                AS u(ok, k, op, d, o, m, ct, p, h, c, r, ma, tp)
            ORDER BY ok COLLATE "C"
            ON CONFLICT (operation_key) DO NOTHING"#,
         &operation_keys,
         &event_keys as _,
         &operations as _,
         &destinations as _,
+        &origins,
+        &methods as _,
+        &content_types as _,
         &payloads as _,
+        &headers,
+        &credentials as _,
         &reconcile as _,
         &max_attempts,
+        &traceparents as _,
     )
     .execute(conn)
     .await?;
@@ -93,10 +264,22 @@ pub struct Leased {
     pub operation_key: String,
     /// Where it is sent.
     pub destination: String,
+    /// The destination's origin, which its limits count by ([`origin`]).
+    pub origin: String,
+    /// The HTTP method.
+    pub method: String,
+    /// The body's `Content-Type`.
+    pub content_type: String,
     /// The exact request body.
     pub payload: Vec<u8>,
+    /// The operation's own headers, none of them secret.
+    pub headers: sqlx::types::Json<Vec<(String, String)>>,
+    /// The credential whose headers are added, by name.
+    pub credential: Option<String>,
     /// The reconcile URL template, if any.
     pub reconcile_url: Option<String>,
+    /// The W3C `traceparent` of the event's trace.
+    pub traceparent: Option<String>,
     /// Attempts so far, this one included.
     pub attempts: i32,
     /// Attempts before the operation is `dead`.
@@ -128,10 +311,12 @@ impl Leased {
     }
 }
 
-/// Leases up to `limit` due rows: pending, retryable or uncertain ones whose time has come, and
-/// in-progress ones whose lease expired. Rows another worker is leasing are skipped, not
-/// waited for. Every lease counts as an attempt, so a row whose worker dies or hangs on it each
-/// time goes `dead` once its attempts are spent, instead of taking down worker after worker.
+/// Leases up to `limit` due rows of any destination, with no limit per destination: pending,
+/// retryable or uncertain ones whose time has come, and in-progress ones whose lease expired.
+/// Rows another worker is leasing are skipped, not waited for. Every lease counts as an
+/// attempt, so a row whose worker dies or hangs on it each time goes `dead` once its attempts
+/// are spent, instead of taking down worker after worker. The dispatcher leases per
+/// destination instead ([`lease_within_limits`]).
 pub async fn lease(
     pool: &PgPool,
     worker: &str,
@@ -139,28 +324,54 @@ pub async fn lease(
     lease: Duration,
 ) -> sqlx::Result<Vec<Leased>> {
     bury_expired_last_attempts(pool).await?;
+    let mut tx = pool.begin().await?;
+    let due = sqlx::query!(
+        r#"SELECT id, state AS "state: OutboxState" FROM outbox
+           WHERE (state IN ('pending', 'retryable', 'uncertain') AND next_attempt_at <= now())
+              OR (state = 'in_progress' AND lease_expires_at <= now())
+           ORDER BY next_attempt_at
+           LIMIT $1
+           FOR UPDATE SKIP LOCKED"#,
+        limit,
+    )
+    .fetch_all(&mut *tx)
+    .await?;
+    let due: Vec<(i64, OutboxState)> = due.into_iter().map(|r| (r.id, r.state)).collect();
+    let leased = lease_rows(&mut tx, &due, worker, lease).await?;
+    tx.commit().await?;
+    Ok(leased)
+}
+
+/// Leases the rows `due` (locked by the caller's transaction, with the state each had): each
+/// gets a fresh fencing token and one more attempt.
+async fn lease_rows(
+    conn: &mut PgConnection,
+    due: &[(i64, OutboxState)],
+    worker: &str,
+    lease: Duration,
+) -> sqlx::Result<Vec<Leased>> {
+    let ids: Vec<i64> = due.iter().map(|(id, _)| *id).collect();
+    let states: Vec<&str> = due.iter().map(|(_, s)| s.as_str()).collect();
     sqlx::query_as!(
         Leased,
-        r#"WITH due AS (
-               SELECT id, state AS previous_state FROM outbox
-               WHERE (state IN ('pending', 'retryable', 'uncertain') AND next_attempt_at <= now())
-                  OR (state = 'in_progress' AND lease_expires_at <= now())
-               ORDER BY next_attempt_at
-               LIMIT $1
-               FOR UPDATE SKIP LOCKED)
+        r#"WITH due AS (SELECT * FROM unnest($1::int8[], $2::text[]) AS u(id, previous_state))
            UPDATE outbox o
-           SET state = 'in_progress', attempts = o.attempts + 1, leased_by = $2,
-               lease_expires_at = now() + make_interval(secs => $3),
+           SET state = 'in_progress', attempts = o.attempts + 1, leased_by = $3,
+               lease_expires_at = now() + make_interval(secs => $4),
                fencing_token = nextval('outbox_fencing_token'), updated_at = now()
            FROM due WHERE o.id = due.id
-           RETURNING o.id, o.operation_key, o.destination, o.payload, o.reconcile_url, o.attempts,
-                     o.max_attempts, o.fencing_token AS "fencing_token!",
-                     due.previous_state AS "previous_state: OutboxState""#,
-        limit,
+           RETURNING o.id, o.operation_key, o.destination,
+                     coalesce(o.origin, o.destination) AS "origin!", o.method, o.content_type,
+                     o.payload, o.headers AS "headers: sqlx::types::Json<Vec<(String, String)>>",
+                     o.credential, o.reconcile_url, o.traceparent, o.attempts, o.max_attempts,
+                     o.fencing_token AS "fencing_token!",
+                     due.previous_state AS "previous_state!: OutboxState""#,
+        &ids,
+        &states as _,
         worker,
         lease.as_secs_f64(),
     )
-    .fetch_all(pool)
+    .fetch_all(conn)
     .await
 }
 

@@ -292,10 +292,11 @@ async fn refused_connections_are_retryable_and_retry_after_is_honoured() {
         .local_addr()
         .unwrap();
     sqlx::query(
-        "INSERT INTO outbox (operation_key, event_key, operation, destination, payload) \
-         VALUES ('evt-closed#deliver', 'evt-closed', 'deliver', $1, '\\x7b7d')",
+        "INSERT INTO outbox (operation_key, event_key, operation, destination, origin, payload) \
+         VALUES ('evt-closed#deliver', 'evt-closed', 'deliver', $1, $2, '\\x7b7d')",
     )
     .bind(format!("http://{closed}/ops"))
+    .bind(format!("http://{closed}"))
     .execute(&db.pool)
     .await
     .unwrap();
@@ -346,7 +347,10 @@ async fn an_expired_lease_shows_in_the_metrics() {
         .unwrap();
     let registry = prometheus::Registry::new();
     let metrics = DispatchMetrics::new(&registry).unwrap();
-    metrics.refresh(&db.pool).await.unwrap();
+    metrics
+        .refresh(&db.pool, &Default::default())
+        .await
+        .unwrap();
     assert_eq!(
         crate::harness::metric_value(&registry, "replayproof_outbox_expired_leases"),
         0.0
@@ -357,7 +361,10 @@ async fn an_expired_lease_shows_in_the_metrics() {
             == 1
     })
     .await;
-    metrics.refresh(&db.pool).await.unwrap();
+    metrics
+        .refresh(&db.pool, &Default::default())
+        .await
+        .unwrap();
     assert_eq!(
         crate::harness::metric_value(&registry, "replayproof_outbox_expired_leases"),
         1.0
@@ -374,7 +381,10 @@ async fn an_expired_lease_shows_in_the_metrics() {
         1,
         "the expired lease is taken over"
     );
-    metrics.refresh(&db.pool).await.unwrap();
+    metrics
+        .refresh(&db.pool, &Default::default())
+        .await
+        .unwrap();
     assert_eq!(
         crate::harness::metric_value(&registry, "replayproof_outbox_expired_leases"),
         0.0

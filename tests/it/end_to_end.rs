@@ -337,3 +337,186 @@ async fn high_watermark(kafka: &TestKafka, topic: &str) -> i64 {
     .await
     .unwrap()
 }
+
+/// The variables that send a process's spans to the test's collector, flushed every 100 ms.
+fn traced(cmd: &mut tokio::process::Command, endpoint: &str) {
+    cmd.env("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint)
+        .env("OTEL_EXPORTER_OTLP_PROTOCOL", "http/json")
+        .env("OTEL_BSP_SCHEDULE_DELAY", "100")
+        .env_remove("OTEL_SERVICE_NAME");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_trace_runs_from_the_webhook_through_the_claim_to_the_downstream_request() {
+    use crate::harness::otlp::Collector;
+    use crate::harness::recorder::{Answer, Recorder};
+    let _heavy = heavy().await;
+    let (collector, endpoint) = Collector::start().await;
+    let downstream = Recorder::start(Answer::Ok).await;
+    let (kafka, db) = (TestKafka::for_processes(), TestDb::new().await);
+    let (topic, group) = (kafka.topic(2).await, unique("group"));
+
+    let (_ingest, port, _dir) = {
+        let dir = tempfile::tempdir().unwrap();
+        let config = dir.path().join("replayproof.toml");
+        std::fs::write(&config, CONFIG).unwrap();
+        let port = free_port();
+        let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_replayproof"));
+        cmd.arg("ingest")
+            .arg("--config")
+            .arg(&config)
+            .args(["--listen", &format!("127.0.0.1:{port}")])
+            .args(["--brokers", &kafka.brokers(), "--topic", &topic])
+            .args(["--kafka-option", "broker.address.family=v4"])
+            .args(["--metrics-addr", "127.0.0.1:0"])
+            .env("E2E_GITHUB_SECRET", "gh-secret-for-the-e2e-test")
+            .env("E2E_STRIPE_SECRET", "whsec_e2e-secret-for-the-test")
+            .env("RUST_LOG", "warn")
+            .stdin(Stdio::null())
+            .kill_on_drop(true);
+        traced(&mut cmd, &endpoint);
+        (cmd.spawn().unwrap(), port, dir)
+    };
+    let mut consume = tokio::process::Command::new(env!("CARGO_BIN_EXE_replayproof"));
+    consume
+        .arg("consume")
+        .args([
+            "--brokers",
+            &kafka.brokers(),
+            "--topic",
+            &topic,
+            "--group",
+            &group,
+        ])
+        .args(["--database-url", &db.url, "--metrics-addr", "127.0.0.1:0"])
+        .args([
+            "--effect",
+            "http",
+            "--target-url",
+            &downstream.url("/events"),
+        ])
+        .args(["--commit-interval-ms", "50"])
+        .env("RUST_LOG", "warn")
+        .stdin(Stdio::null())
+        .kill_on_drop(true);
+    for (k, v) in test_kafka_options() {
+        consume.arg("--kafka-option").arg(format!("{k}={v}"));
+    }
+    traced(&mut consume, &endpoint);
+    let _consume = consume.spawn().unwrap();
+    let mut dispatch = tokio::process::Command::new(env!("CARGO_BIN_EXE_replayproof"));
+    dispatch
+        .arg("dispatch")
+        .args(["--database-url", &db.url, "--metrics-addr", "127.0.0.1:0"])
+        .args(["--poll", "20ms"])
+        .env("RUST_LOG", "warn")
+        .stdin(Stdio::null())
+        .kill_on_drop(true);
+    traced(&mut dispatch, &endpoint);
+    let _dispatch = dispatch.spawn().unwrap();
+
+    // The sender's own trace: its request carries a traceparent.
+    let (sender_trace, sender_span) = ("5b8efff798038103d269b633813fc60c", "eee19b7ec3c1b174");
+    let base = format!("http://127.0.0.1:{port}");
+    let http = reqwest::Client::new();
+    wait_ready(&http, &base).await;
+    let body = r#"{"id":"evt_traced","type":"charge.succeeded","object":"event"}"#;
+    let t = chrono::Utc::now().timestamp().to_string();
+    let sig = hmac_hex(
+        "whsec_e2e-secret-for-the-test",
+        &[t.as_bytes(), b".", body.as_bytes()],
+    );
+    let answer = http
+        .post(format!("{base}/webhooks/stripe"))
+        .header("stripe-signature", format!("t={t},v1={sig}"))
+        .header("traceparent", format!("00-{sender_trace}-{sender_span}-01"))
+        .header("x-request-id", "lb-req-7")
+        .body(body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(answer.status(), 200);
+    let answer: serde_json::Value = answer.json().await.unwrap();
+    assert_eq!(answer["request_id"], "lb-req-7");
+
+    wait_for(
+        "the downstream request",
+        Duration::from_secs(60),
+        || async { !downstream.received().is_empty() },
+    )
+    .await;
+    let sent = downstream.received()[0]
+        .header("traceparent")
+        .expect("the downstream request carries a traceparent")
+        .to_owned();
+    let parts: Vec<&str> = sent.split('-').collect();
+    assert_eq!(
+        parts[1], sender_trace,
+        "the downstream saw the sender's trace"
+    );
+
+    let named = |service: &str, name: &str| {
+        collector
+            .spans()
+            .into_iter()
+            .find(|s| s.service == service && s.name == name && s.trace_id == sender_trace)
+    };
+    wait_for(
+        "the spans of every hop",
+        Duration::from_secs(30),
+        || async {
+            named("replayproof-ingest", "POST /webhooks/stripe").is_some()
+                && named("replayproof-consume", "claim and apply stripe").is_some()
+                && named(
+                    "replayproof-dispatch",
+                    &format!("POST {}", downstream.origin()),
+                )
+                .is_some()
+        },
+    )
+    .await;
+    let ingest = named("replayproof-ingest", "POST /webhooks/stripe").unwrap();
+    let event = named("replayproof-consume", "claim and apply stripe").unwrap();
+    let request = named(
+        "replayproof-dispatch",
+        &format!("POST {}", downstream.origin()),
+    )
+    .unwrap();
+    assert_eq!(
+        ingest.parent_span_id, sender_span,
+        "ingest continues the sender"
+    );
+    assert_eq!(
+        event.parent_span_id, ingest.span_id,
+        "the claim continues ingest"
+    );
+    assert_eq!(
+        request.parent_span_id, event.span_id,
+        "the request continues the claim"
+    );
+    assert_eq!(
+        parts[2], request.span_id,
+        "the downstream's parent is the request span"
+    );
+    let linked = collector.spans().into_iter().any(|s| {
+        s.service == "replayproof-consume"
+            && s.links
+                .contains(&(sender_trace.to_owned(), ingest.span_id.clone()))
+    });
+    assert!(linked, "the batch span links to the message's context");
+
+    let shown = stdout_of(
+        std::process::Command::new(env!("CARGO_BIN_EXE_replayproof"))
+            .args([
+                "events",
+                "show",
+                "stripe:evt_traced",
+                "--database-url",
+                &db.url,
+            ])
+            .env("RUST_LOG", "warn"),
+    );
+    let shown = String::from_utf8(shown).unwrap();
+    assert!(shown.contains("lb-req-7"), "{shown}");
+    assert!(shown.contains(sender_trace), "{shown}");
+}

@@ -12,6 +12,8 @@ mod consume {
     mod group;
     mod processes;
 }
+/// Operations as the requests real APIs take, and each destination's limits.
+mod destinations;
 /// The outbox's delivery under leases, with idempotency keys, against a fake downstream.
 mod dispatch;
 /// The HTTP ingress: requests, their answers and what reaches the topic; each signature scheme.

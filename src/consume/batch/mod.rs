@@ -45,6 +45,8 @@ pub struct RawMessage {
     pub key: Option<Vec<u8>>,
     /// The message value's bytes (the envelope), if it has a value.
     pub value: Option<Vec<u8>>,
+    /// Its `traceparent` header: the trace of the ingress request that wrote it.
+    pub traceparent: Option<String>,
 }
 
 /// The log target of the line logged for each applied event, after its batch committed. Off
@@ -382,6 +384,7 @@ impl BatchProcessor {
         limit: Option<Duration>,
     ) -> Result<BatchReport, BatchError> {
         let origin = Origin { topic, partition };
+        crate::trace::link_current(messages.iter().map(|m| m.traceparent.as_deref()));
         let now = tokio::time::Instant::now();
         let due: Vec<&Held> = retrying.held.iter().filter(|h| h.due <= now).collect();
         let attempts: Attempts = due.iter().map(|h| (h.message.offset, h.attempts)).collect();

@@ -15,6 +15,7 @@ fn message(offset: i64, key: &str, payload: serde_json::Value) -> RawMessage {
         offset,
         key: Some(key.as_bytes().to_vec()),
         value: Some(envelope(key, payload)),
+        traceparent: None,
     }
 }
 
@@ -94,6 +95,7 @@ async fn same_key_with_another_payload_is_recorded_as_a_conflict() {
         offset: 3,
         key: Some(b"k".to_vec()),
         value: Some(br#"{"payload": {"v" : 1}, "source": "test", "key": "k"}"#.to_vec()),
+        traceparent: None,
     };
     let report = p.process("t", 0, &[same]).await.unwrap();
     assert_eq!((report.duplicates, report.conflicts), (1, 0));
@@ -110,26 +112,31 @@ async fn malformed_messages_become_dead_letters_with_their_bytes() {
             offset: 1,
             key: Some(b"junk".to_vec()),
             value: Some(b"\xffnot json".to_vec()),
+            traceparent: None,
         },
         RawMessage {
             offset: 2,
             key: None,
             value: Some(br#"{"source":"s","payload":1}"#.to_vec()),
+            traceparent: None,
         },
         RawMessage {
             offset: 3,
             key: None,
             value: Some(format!(r#"{{"key":"{too_long}","source":"s","payload":1}}"#).into_bytes()),
+            traceparent: None,
         },
         RawMessage {
             offset: 4,
             key: None,
             value: Some(br#"{"key":"k","source":"s"}"#.to_vec()),
+            traceparent: None,
         },
         RawMessage {
             offset: 5,
             key: None,
             value: None,
+            traceparent: None,
         },
         message(6, "good-2", json!(2)),
     ];
@@ -466,6 +473,7 @@ async fn a_new_bad_message_at_a_reused_offset_is_a_second_dead_letter() {
         offset: 5,
         key: Some(b"k".to_vec()),
         value: Some(value.to_vec()),
+        traceparent: None,
     };
     p.process("t", 0, &[bad(b"first")]).await.unwrap();
     p.process("t", 0, &[bad(b"first")]).await.unwrap();
@@ -487,6 +495,7 @@ async fn numbers_reach_the_effect_and_the_database_byte_for_byte() {
         offset: 0,
         key: Some(b"big".to_vec()),
         value: Some(raw.to_vec()),
+        traceparent: None,
     };
     assert_eq!(p.process("t", 0, &[m]).await.unwrap().applied, 1);
     let (amount, rate): (String, String) = sqlx::query_as(
@@ -657,6 +666,7 @@ async fn a_payload_nested_deeper_than_any_document_is_dead_lettered_without_a_cr
             offset: 1,
             key: Some(b"deep".to_vec()),
             value: Some(deep.into_bytes()),
+            traceparent: None,
         },
         message(2, "after", json!(3)),
     ];

@@ -482,6 +482,7 @@ async fn one_objects_events_racing_on_two_partitions_end_in_the_newest_state() {
                         offset: offset as i64,
                         key: Some(e.key.clone().into_bytes()),
                         value: Some(e.to_bytes()),
+                        traceparent: None,
                     }
                 })
                 .collect()

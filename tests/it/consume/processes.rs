@@ -234,6 +234,7 @@ async fn dispatcher_killed_mid_request_is_taken_over_and_its_late_completion_cha
         offset: 0,
         key: Some(b"evt-d".to_vec()),
         value: Some(envelope("evt-d", json!({"amount": 5}))),
+        traceparent: None,
     };
     processor.process("t", 0, &[message]).await.unwrap();
 
@@ -316,8 +317,14 @@ async fn dispatcher_killed_mid_request_is_taken_over_and_its_late_completion_cha
         id,
         operation_key: op.clone(),
         destination: downstream.url(),
+        origin: outbox::origin(&downstream.url()),
+        method: "POST".into(),
+        content_type: outbox::JSON.into(),
         payload,
+        headers: Default::default(),
+        credential: None,
         reconcile_url: None,
+        traceparent: None,
         attempts: 1,
         max_attempts: 5,
         fencing_token: token,

@@ -103,7 +103,7 @@ fn each_role_parses_fits_its_grace_period_and_is_probed_where_it_serves() {
         let worst: Option<Duration> = match args.command {
             Role::Ingest(ingest) => Some(ingest.settings().unwrap().worst_case_stop()),
             Role::Consume(consume) => Some(consume.settings().worst_case_stop()),
-            Role::Dispatch(dispatch) => Some(dispatch.settings().unwrap().worst_case_stop()),
+            Role::Dispatch(dispatch) => Some(dispatch.settings(None).unwrap().worst_case_stop()),
             Role::Migrate(_) => None,
             other => panic!("{component} runs {other:?}"),
         };

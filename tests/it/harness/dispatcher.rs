@@ -356,6 +356,7 @@ pub async fn enqueue_to(
             offset: i as i64,
             key: Some(k.as_bytes().to_vec()),
             value: Some(envelope(k, serde_json::json!({"n": i}))),
+            traceparent: None,
         })
         .collect();
     for chunk in messages.chunks(100) {

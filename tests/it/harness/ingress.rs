@@ -13,6 +13,7 @@ pub fn envelope(key: &str, payload: serde_json::Value) -> Vec<u8> {
         payload: serde_json::value::to_raw_value(&payload).unwrap(),
         unhashed: Vec::new(),
         replay_window_secs: None,
+        request_id: None,
     }
     .to_bytes()
 }

@@ -6,7 +6,9 @@ pub mod dispatcher;
 pub mod ingress;
 pub mod isolation;
 pub mod kafka;
+pub mod otlp;
 pub mod processes;
+pub mod recorder;
 pub mod tls;
 
 pub use database::*;

@@ -780,6 +780,7 @@ fn as_messages(records: &[(String, serde_json::Value)]) -> Vec<replayproof::cons
             offset: i as i64,
             key: Some(key.as_bytes().to_vec()),
             value: Some(serde_json::to_vec(value).unwrap()),
+            traceparent: None,
         })
         .collect()
 }

@@ -53,6 +53,7 @@ fn message(offset: i64, key: &str) -> RawMessage {
         offset,
         key: Some(key.as_bytes().to_vec()),
         value: Some(envelope(key, json!({"n": offset}))),
+        traceparent: None,
     }
 }
 
@@ -301,6 +302,7 @@ async fn a_replay_holds_no_lock_while_producing_and_marks_nothing_when_producing
         offset: 7,
         key: Some(b"k".to_vec()),
         value: Some(b"oops".to_vec()),
+        traceparent: None,
     };
     process(&db, Arc::new(Ledger), &[poison]).await;
     let id = dead_letters::list(&db.pool, 10).await.unwrap()[0].id;
@@ -343,6 +345,7 @@ async fn dead_letters_are_listed_shown_and_replayed() {
             offset: 4,
             key: Some(b"k".to_vec()),
             value: Some(b"oops".to_vec()),
+            traceparent: None,
         }],
     )
     .await;

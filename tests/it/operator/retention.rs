@@ -31,6 +31,7 @@ fn stripe_event(id: &str, days_ago: i64) -> Vec<u8> {
         .unwrap(),
         unhashed: Vec::new(),
         replay_window_secs: None,
+        request_id: None,
     }
     .to_bytes()
 }
@@ -40,6 +41,7 @@ fn raw(offset: i64, value: Vec<u8>) -> RawMessage {
         offset,
         key: None,
         value: Some(value),
+        traceparent: None,
     }
 }
 

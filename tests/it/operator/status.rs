@@ -36,6 +36,7 @@ async fn status_prints_the_right_counts() {
         offset,
         key: Some(key.as_bytes().to_vec()),
         value: Some(value.to_vec()),
+        traceparent: None,
     };
     let batch = [
         raw(0, "k1", &envelope("k1", json!(1))),
