@@ -8,6 +8,8 @@
 //!   lane per partition, no Kafka;
 //! - **C** Kafka alone: the topic read into a counting sink;
 //! - **D** the `replayproof consume` process with default settings draining the pre-filled topic;
+//! - **T** D with traces exported over OTLP to a collector in this process (one span per event
+//!   and per batch); D is the same process without an endpoint, when no span is made;
 //! - **E** the peer: the copied snippet done right, one transaction per message (claim, then
 //!   effect), then the offset;
 //! - **F** A and B again with 1M and 10M keys already claimed (repeated, medians);
@@ -25,7 +27,7 @@
 //! mock cluster runs in this process. Sizes: `BENCH_EVENTS` (50000 events per run, plus 30%
 //! replays), `BENCH_PEER_MESSAGES` (10000: the peer is timed on the first messages of the same
 //! backlog), `BENCH_PREFILL` (`1000000,10000000`; empty skips F), `BENCH_MEMORY_MESSAGES`
-//! (1000000; 0 skips the memory run). `BENCH_STAGES` picks stages (`ABCDEGH`),
+//! (1000000; 0 skips the memory run). `BENCH_STAGES` picks stages (`ABCDEGHT`),
 //! `BENCH_STATEMENT_TIMES=1` prints each run's slowest statements from `pg_stat_statements`, and
 //! `BENCH_D_ARGS` adds arguments to the consumer of D and of the memory run. Stages A and B print
 //! the CPU time the benchmark process used while timed.
@@ -83,6 +85,7 @@ impl Workload {
                 payload: payload(i, size),
                 unhashed: Vec::new(),
                 replay_window_secs: None,
+                request_id: None,
             };
             let p = (fxhash(&key) % partitions as u64) as usize;
             let offset = by_partition[p].len() as i64;
@@ -90,6 +93,7 @@ impl Workload {
                 offset,
                 key: Some(key.into_bytes()),
                 value: Some(envelope.to_bytes()),
+                traceparent: None,
             });
         }
         Self {
@@ -633,13 +637,20 @@ async fn stage_d(
     topic: &str,
     url: &str,
     messages: usize,
+    otlp: Option<&str>,
 ) -> (Duration, u64, Vec<u64>) {
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
         .unwrap()
         .port();
-    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_replayproof"))
+    let mut command = tokio::process::Command::new(env!("CARGO_BIN_EXE_replayproof"));
+    if let Some(endpoint) = otlp {
+        command
+            .env("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint)
+            .env("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf");
+    }
+    let mut child = command
         .args(["consume", "--brokers", brokers, "--topic", topic])
         .args(["--group", &format!("bench-d-{}", fastrand::u64(..))])
         .args(["--database-url", url])
@@ -830,7 +841,7 @@ fn main() {
         std::thread::available_parallelism().map_or(0, |n| n.get()),
     );
 
-    let stages = std::env::var("BENCH_STAGES").unwrap_or_else(|_| "ABCDEGH".into());
+    let stages = std::env::var("BENCH_STAGES").unwrap_or_else(|_| "ABCDEGHT".into());
     let run = |stage: char| stages.contains(stage);
     let mut results = Results::default();
     runtime.block_on(async {
@@ -893,10 +904,23 @@ fn main() {
                 if run('D') {
                     let url = db.fresh("bench_template").await;
                     let counters = db.counters().await;
-                    let (took, peak_kib, _) = stage_d(&brokers, topic, &url, messages).await;
+                    let (took, peak_kib, _) = stage_d(&brokers, topic, &url, messages, None).await;
                     results.rate("D", size, messages, took);
                     results.cost("D", size, counters.since(&db, &url, messages).await);
                     results.rss_mib.push(peak_kib as f64 / 1024.0);
+                    db.drop(&url).await;
+                }
+                if run('T') {
+                    let url = db.fresh("bench_template").await;
+                    let exported = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+                    let endpoint = common::otlp_sink(exported.clone()).await;
+                    let (took, _, _) =
+                        stage_d(&brokers, topic, &url, messages, Some(&endpoint)).await;
+                    results.rate("T", size, messages, took);
+                    println!(
+                        "    T exported {} KiB of spans",
+                        exported.load(Ordering::Relaxed) / 1024
+                    );
                     db.drop(&url).await;
                 }
                 if run('E') {
@@ -983,7 +1007,7 @@ fn main() {
             new_topic(mock.as_ref(), &brokers, &topic, 16).await;
             fill_topic(&brokers, &topic, &w.partitions).await;
             let url = db.fresh("bench_template").await;
-            let (took, peak, samples) = stage_d(&brokers, &topic, &url, w.messages()).await;
+            let (took, peak, samples) = stage_d(&brokers, &topic, &url, w.messages(), None).await;
             db.drop(&url).await;
             Some((w.messages(), took, peak, samples))
         } else {
@@ -1003,6 +1027,7 @@ fn report(r: &Results, growth: &[Growth], memory: Option<(usize, Duration, u64, 
         ("B", "batch processor, no Kafka"),
         ("C", "Kafka alone, counting sink"),
         ("D", "`replayproof consume` process, defaults"),
+        ("T", "D with every event's span exported (OTLP)"),
         ("E", "peer: one transaction per message"),
         ("G", "B with 0.2% of effects failing"),
         ("H", "B with 1% of events deferred"),
@@ -1023,9 +1048,10 @@ fn report(r: &Results, growth: &[Growth], memory: Option<(usize, Duration, u64, 
     for size in SIZES {
         let m = |s| r.median(s, size);
         println!(
-            "{size} B: D/A {:.2}, D/E {:.1}, B/A {:.2}, G/B {:.2}, H/B {:.2}, H2/E {:.2}, C/A {:.2}, D/C {:.2}",
+            "{size} B: D/A {:.2}, D/E {:.1}, T/D {:.2}, B/A {:.2}, G/B {:.2}, H/B {:.2}, H2/E {:.2}, C/A {:.2}, D/C {:.2}",
             m("D") / m("A"),
             m("D") / m("E"),
+            m("T") / m("D"),
             m("B") / m("A"),
             m("G") / m("B"),
             m("H") / m("B"),

@@ -2,6 +2,11 @@
 //! requests per second with p50 and p99 latency, next to a bare endpoint that only answers 200
 //! (the ceiling of the HTTP layer on this machine).
 //!
+//! Then the `replayproof ingest` process, without an OTLP endpoint and with every request's
+//! span exported to a collector in this process, interleaved (`BENCH_ROUNDS`, 3; medians),
+//! with the CPU the process used per 10,000 requests: what tracing costs when it is on, and
+//! that it costs nothing when it is not.
+//!
 //! `cargo bench --bench ingest` uses `KAFKA_BROKERS` when set, otherwise librdkafka's mock
 //! cluster in this process. `BENCH_REQUESTS` (default 20000) and `BENCH_CONCURRENCY` (default
 //! 64) size the run. The load generator shares the machine with what it measures.
@@ -15,6 +20,87 @@ use tokio_util::sync::CancellationToken;
 
 mod common;
 use common::{create_topic, env_or};
+
+/// CPU seconds a process has used (user and system), from `/proc`.
+fn cpu_seconds(pid: u32) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    let fields: Vec<&str> = stat
+        .rsplit_once(')')
+        .map_or(Vec::new(), |(_, rest)| rest.split_whitespace().collect());
+    let ticks = |i: usize| {
+        fields
+            .get(i)
+            .and_then(|f| f.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    (ticks(11) + ticks(12)) / 100.0
+}
+
+/// The `replayproof ingest` process on `brokers`, traced to `otlp` when given: the requests'
+/// report and the CPU seconds it used per 10,000 requests.
+async fn process_run(
+    brokers: &str,
+    topic: &str,
+    requests: usize,
+    concurrency: usize,
+    otlp: Option<&str>,
+) -> (Report, f64) {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("replayproof.toml");
+    std::fs::write(
+        &config,
+        "[[ingest.sources]]\nname = \"github\"\nkind = \"github\"\nsecrets_env = [\"S\"]\n",
+    )
+    .unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let mut command = tokio::process::Command::new(env!("CARGO_BIN_EXE_replayproof"));
+    if let Some(endpoint) = otlp {
+        command.env("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint);
+    }
+    let mut child = command
+        .arg("ingest")
+        .arg("--config")
+        .arg(&config)
+        .args(["--listen", &format!("127.0.0.1:{port}")])
+        .args(["--brokers", brokers, "--topic", topic])
+        .args(["--kafka-option", "broker.address.family=v4"])
+        .args(["--metrics-addr", "127.0.0.1:0"])
+        .env("S", "bench-secret-0123456789")
+        .env("RUST_LOG", "warn")
+        .stdin(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let pid = child.id().unwrap();
+    let base = format!("http://127.0.0.1:{port}");
+    while reqwest::get(format!("{base}/readyz"))
+        .await
+        .map_or(true, |r| !r.status().is_success())
+    {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let url = format!("{base}/webhooks/github");
+    drive(url.clone(), requests.min(2_000), concurrency).await; // warm-up
+    let cpu = cpu_seconds(pid);
+    let report = drive(url, requests, concurrency).await;
+    let cpu = cpu_seconds(pid) - cpu;
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .unwrap();
+    child.wait().await.unwrap();
+    (report, cpu * 10_000.0 / requests as f64)
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
 
 struct Report {
     rps: f64,
@@ -50,7 +136,7 @@ async fn drive(url: String, requests: usize, concurrency: usize) -> Report {
                         .post(&url)
                         .header(
                             "x-hub-signature-256",
-                            replayproof::devkit::sign::github("bench-secret", &body),
+                            replayproof::devkit::sign::github("bench-secret-0123456789", &body),
                         )
                         .header("x-github-delivery", format!("bench-{i}"))
                         .header("x-github-event", "pull_request")
@@ -135,7 +221,7 @@ fn main() {
         )
         .unwrap();
         let sources = config
-            .sources_with(|_| Some("bench-secret".into()))
+            .sources_with(|_| Some("bench-secret-0123456789".into()))
             .unwrap();
         let mut settings = IngestSettings::new("127.0.0.1:0".parse().unwrap(), &brokers, &topic);
         settings.kafka_options = vec![("broker.address.family".into(), "v4".into())];
@@ -150,5 +236,35 @@ fn main() {
         print("ingest (signed, acks=all)", &ingress);
         shutdown.cancel();
         running.stopped().await.unwrap();
+
+        let exported = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let endpoint = common::otlp_sink(exported.clone()).await;
+        let (mut off, mut on) = ((Vec::new(), Vec::new()), (Vec::new(), Vec::new()));
+        for _ in 0..env_or("BENCH_ROUNDS", 3) {
+            for (otlp, into) in [(None, &mut off), (Some(endpoint.as_str()), &mut on)] {
+                let (report, cpu) =
+                    process_run(&brokers, &topic, requests, concurrency, otlp).await;
+                let name = match otlp {
+                    None => "process, no OTLP endpoint",
+                    Some(_) => "process, spans exported",
+                };
+                print(name, &report);
+                into.0.push(report.rps);
+                into.1.push(cpu);
+            }
+        }
+        let (off_rps, on_rps) = (median(off.0), median(on.0));
+        println!(
+            "medians: no endpoint {off_rps:.0} req/s, {:.2} CPU s per 10,000; exported {on_rps:.0} \
+             req/s, {:.2} CPU s per 10,000; exported/no endpoint {:.2}; {} KiB of spans exported",
+            median(off.1),
+            median(on.1),
+            on_rps / off_rps,
+            exported.load(std::sync::atomic::Ordering::Relaxed) / 1024,
+        );
+        println!(
+            "process with no endpoint ÷ bare endpoint: {:.2}",
+            off_rps / bare.rps
+        );
     });
 }

@@ -123,11 +123,13 @@ fn batch(lane: i32, n: u64, timed: bool) -> Vec<RawMessage> {
                 .expect("a JSON value serialises"),
                 unhashed: Vec::new(),
                 replay_window_secs: None,
+                request_id: None,
             };
             RawMessage {
                 offset: (n * BATCH as u64 + i) as i64,
                 key: None,
                 value: Some(envelope.to_bytes()),
+                traceparent: None,
             }
         })
         .collect()

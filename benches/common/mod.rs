@@ -32,3 +32,23 @@ pub async fn create_topic(brokers: &str, topic: &str, partitions: i32) {
         .unwrap();
     tokio::time::sleep(Duration::from_secs(1)).await;
 }
+
+/// An OTLP/HTTP collector that takes every export and keeps only a count of the bytes: the
+/// endpoint of the benchmarks' traced runs. Returns `OTEL_EXPORTER_OTLP_ENDPOINT`.
+#[allow(dead_code)]
+pub async fn otlp_sink(received: std::sync::Arc<std::sync::atomic::AtomicUsize>) -> String {
+    let app = axum::Router::new().route(
+        "/v1/traces",
+        axum::routing::post(move |body: axum::body::Bytes| {
+            let received = received.clone();
+            async move {
+                received.fetch_add(body.len(), std::sync::atomic::Ordering::Relaxed);
+                ""
+            }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let endpoint = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    endpoint
+}
