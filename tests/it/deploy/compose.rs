@@ -194,6 +194,7 @@ fn dashboard_and_scrape_config_name_real_metrics() {
         .inc();
     dispatch.attempts.with_label_values(&["done"]).inc();
     dispatch.operations.with_label_values(&["done"]).set(1);
+    dispatch.destinations(&Default::default());
     let ingest_requests = registry.gather();
     let mut known: BTreeSet<String> = ingest_requests
         .iter()
