@@ -79,6 +79,17 @@ impl Ingress {
         failpoints: Option<&str>,
         extra: &[&str],
     ) -> (tokio::process::Child, u16, tempfile::TempDir) {
+        Self::spawn_traced(kafka, topic, failpoints, extra, None)
+    }
+
+    /// Like [`Ingress::spawn_with`], exporting its spans to `otlp` when given.
+    fn spawn_traced(
+        kafka: &TestKafka,
+        topic: &str,
+        failpoints: Option<&str>,
+        extra: &[&str],
+        otlp: Option<&str>,
+    ) -> (tokio::process::Child, u16, tempfile::TempDir) {
         let dir = tempfile::tempdir().unwrap();
         let config = dir.path().join("replayproof.toml");
         std::fs::write(&config, CONFIG).unwrap();
@@ -100,6 +111,9 @@ impl Ingress {
             .kill_on_drop(true);
         if let Some(f) = failpoints {
             cmd.env("FAILPOINTS", f);
+        }
+        if let Some(endpoint) = otlp {
+            traced(&mut cmd, endpoint);
         }
         (cmd.spawn().unwrap(), port, dir)
     }
@@ -356,27 +370,7 @@ async fn one_trace_runs_from_the_webhook_through_the_claim_to_the_downstream_req
     let (kafka, db) = (TestKafka::for_processes(), TestDb::new().await);
     let (topic, group) = (kafka.topic(2).await, unique("group"));
 
-    let (_ingest, port, _dir) = {
-        let dir = tempfile::tempdir().unwrap();
-        let config = dir.path().join("replayproof.toml");
-        std::fs::write(&config, CONFIG).unwrap();
-        let port = free_port();
-        let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_replayproof"));
-        cmd.arg("ingest")
-            .arg("--config")
-            .arg(&config)
-            .args(["--listen", &format!("127.0.0.1:{port}")])
-            .args(["--brokers", &kafka.brokers(), "--topic", &topic])
-            .args(["--kafka-option", "broker.address.family=v4"])
-            .args(["--metrics-addr", "127.0.0.1:0"])
-            .env("E2E_GITHUB_SECRET", "gh-secret-for-the-e2e-test")
-            .env("E2E_STRIPE_SECRET", "whsec_e2e-secret-for-the-test")
-            .env("RUST_LOG", "warn")
-            .stdin(Stdio::null())
-            .kill_on_drop(true);
-        traced(&mut cmd, &endpoint);
-        (cmd.spawn().unwrap(), port, dir)
-    };
+    let (_ingest, port, _dir) = Ingress::spawn_traced(&kafka, &topic, None, &[], Some(&endpoint));
     let mut consume = tokio::process::Command::new(env!("CARGO_BIN_EXE_replayproof"));
     consume
         .arg("consume")
