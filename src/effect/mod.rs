@@ -114,16 +114,19 @@ pub trait Effect: Send + Sync + 'static {
     async fn apply(&self, tx: &mut Tx<'_>, event: &Event) -> Result<(), EffectError>;
 
     /// Applies every event of a batch, in offset order; the consumer calls this once per batch.
-    /// The default calls [`Effect::apply`] for each event, so a simple effect stays simple; an
-    /// effect that writes rows does better with one statement over the whole batch (`unnest`
-    /// or a multi-row insert), as [`Ledger`] and [`HttpOutbox`] do.
+    /// The default calls [`Effect::apply`] for each event, inside the event's span
+    /// ([`Event::span`]), so a simple effect stays simple and its spans join the event's trace;
+    /// an effect that writes rows does better with one statement over the whole batch (`unnest`
+    /// or a multi-row insert), as [`Ledger`] and [`HttpOutbox`] do, carrying each event's
+    /// context as [`Event::traceparent`].
     ///
     /// An error rolls back everything this call wrote. The consumer then calls this again on
     /// parts of the batch, halving a part that fails, until it has found the events that fail
     /// alone; only those are retried (in a later transaction) or recorded as failed.
     async fn apply_batch(&self, tx: &mut Tx<'_>, events: &[&Event]) -> Result<(), EffectError> {
         for event in events {
-            self.apply(tx, event).await?;
+            // In the event's trace, when traces are exported.
+            tracing::Instrument::instrument(self.apply(tx, event), event.span()).await?;
         }
         Ok(())
     }

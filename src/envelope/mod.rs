@@ -293,6 +293,8 @@ pub struct Event {
     /// The W3C `traceparent` of the event's trace: the message's header, or the consumer's
     /// span of the event when traces are exported. Outbox operations carry it on.
     pub traceparent: Option<String>,
+    /// The event's span while it is applied, when traces are exported ([`Event::span`]).
+    span: Option<tracing::Span>,
     /// The payload as a JSON value, built the first time [`Event::payload`] asks for it: the
     /// built-in effects store and send the text and never need it.
     payload: std::sync::OnceLock<Result<serde_json::Value, Malformed>>,
@@ -370,16 +372,26 @@ impl Event {
             replay_window_secs: wire.replay_window_secs.filter(|secs| *secs > 0),
             request_id: wire.request_id.filter(|id| storable_request_id(id)),
             traceparent: None,
+            span: None,
             payload: std::sync::OnceLock::new(),
         })
     }
 
-    /// The event in the trace of `traceparent` (the message's header), when it is valid.
+    /// The event in the trace of `traceparent` (the message's header), when it is valid; when
+    /// traces are exported, with a span of its own in that trace, which its `traceparent`
+    /// then names ([`crate::trace::event_span`]).
     pub fn in_trace(mut self, traceparent: Option<&str>) -> Self {
         self.traceparent = traceparent
             .and_then(crate::trace::valid_traceparent)
             .map(str::to_owned);
+        self.span = crate::trace::event_span(&mut self);
         self
+    }
+
+    /// The event's span: an effect applied event by event runs inside it, so its own spans
+    /// join the event's trace. `Span::none()` when traces are not exported.
+    pub fn span(&self) -> tracing::Span {
+        self.span.clone().unwrap_or_else(tracing::Span::none)
     }
 
     /// An event as it was stored with its claim, for an operator's retry.
@@ -402,6 +414,7 @@ impl Event {
             replay_window_secs: None,
             request_id: None,
             traceparent: None,
+            span: None,
             payload: std::sync::OnceLock::new(),
         }
     }

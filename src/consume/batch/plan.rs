@@ -16,9 +16,6 @@ pub(super) struct Plan<'m> {
     /// Later copies of a key within this batch.
     pub(super) copies: Vec<(i64, Event)>,
     pub(super) dead: Vec<DeadLetter<'m>>,
-    /// Each event's span, when traces are exported: a child of its message's trace, open
-    /// while the batch runs. Each event's `traceparent` is its span's.
-    _spans: Vec<tracing::Span>,
 }
 
 impl<'m> Plan<'m> {
@@ -28,18 +25,12 @@ impl<'m> Plan<'m> {
             firsts: Vec::with_capacity(messages.len()),
             copies: Vec::new(),
             dead: Vec::new(),
-            _spans: Vec::new(),
         };
         let mut events = Vec::with_capacity(messages.len());
         for m in messages {
             match Event::parse(m.key.as_deref(), m.value.as_deref()) {
-                Ok(event) => {
-                    let mut event = event.in_trace(m.traceparent.as_deref());
-                    if let Some(span) = crate::trace::event_span(&mut event) {
-                        plan._spans.push(span);
-                    }
-                    events.push((m.offset, event));
-                }
+                // Each event's span, when traces are exported, is open while the batch runs.
+                Ok(event) => events.push((m.offset, event.in_trace(m.traceparent.as_deref()))),
                 Err(reason) => plan.dead.push(DeadLetter {
                     offset: m.offset,
                     key: m.key.as_deref(),
