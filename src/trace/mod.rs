@@ -77,10 +77,15 @@ pub fn ingest_span(
         source,
         request_id,
     );
+    continued(span, incoming)
+}
+
+/// `span`, made a child of the context `traceparent` names when it names one.
+fn continued(span: tracing::Span, traceparent: Option<&str>) -> tracing::Span {
     #[cfg(feature = "otel")]
-    otel::continue_from(&span, incoming);
+    otel::continue_from(&span, traceparent);
     #[cfg(not(feature = "otel"))]
-    let _ = incoming;
+    let _ = traceparent;
     span
 }
 
@@ -98,9 +103,9 @@ pub fn event_span(event: &mut crate::envelope::Event) -> Option<tracing::Span> {
         key = event.key.as_str(),
         request_id = event.request_id.as_deref(),
     );
+    let span = continued(span, event.traceparent.as_deref());
     #[cfg(feature = "otel")]
     {
-        otel::continue_from(&span, event.traceparent.as_deref());
         if let Some(traceparent) = otel::traceparent_of(&span) {
             event.traceparent = Some(traceparent);
         }
@@ -142,11 +147,7 @@ pub fn dispatch_span(
         http.request.method = method,
         server.address = origin,
     );
-    #[cfg(feature = "otel")]
-    otel::continue_from(&span, inherited);
-    #[cfg(not(feature = "otel"))]
-    let _ = inherited;
-    span
+    continued(span, inherited)
 }
 
 #[cfg(test)]
