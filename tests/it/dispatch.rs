@@ -287,10 +287,7 @@ async fn refused_connections_are_retryable_and_retry_after_is_honoured() {
     .execute(&db.pool)
     .await
     .unwrap();
-    let closed = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap();
+    let (_reserved, closed) = crate::harness::refusing_address();
     sqlx::query(
         "INSERT INTO outbox (operation_key, event_key, operation, destination, origin, payload) \
          VALUES ('evt-closed#deliver', 'evt-closed', 'deliver', $1, $2, '\\x7b7d')",

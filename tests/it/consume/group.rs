@@ -537,7 +537,8 @@ async fn a_final_offset_commit_that_fails_makes_the_stop_an_error() {
 async fn an_idle_consumer_whose_database_is_gone_fails_health() {
     let kafka = TestKafka::mock();
     let (topic, group) = (kafka.topic(1).await, unique("group"));
-    let nowhere = format!("postgres://postgres@127.0.0.1:{}/none", free_port());
+    let (_reserved, refusing) = crate::harness::refusing_address();
+    let nowhere = format!("postgres://postgres@{refusing}/none");
     let pool = replayproof::db::pool(&nowhere.parse().unwrap(), 2).unwrap();
     let s = ConsumerSettings {
         unhealthy_after: Duration::from_secs(1),

@@ -48,7 +48,8 @@ fn has_line(text: &str, starts: &str, contains: &str) {
 
 #[test]
 fn closed_ports_are_problems_of_every_command_that_needs_them_and_no_connect_skips_them() {
-    let (db_port, broker_port) = (free_port(), free_port());
+    let ((_db, db), (_broker, broker)) = (refusing_address(), refusing_address());
+    let (db_port, broker_port) = (db.port(), broker.port());
     let (_dir, file) = file_with(&format!(
         "[kafka]\nbrokers = \"127.0.0.1:{broker_port}\"\ngroup = \"g\"\n\
          \"broker.address.family\" = \"v4\"\n\

@@ -75,6 +75,15 @@ pub fn free_port() -> u16 {
         .port()
 }
 
+/// An address on 127.0.0.1 that refuses connections for as long as the socket lives: it is
+/// bound, so no other test or process can take the port, and never listens.
+pub fn refusing_address() -> (tokio::net::TcpSocket, std::net::SocketAddr) {
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let addr = socket.local_addr().unwrap();
+    (socket, addr)
+}
+
 /// GET `http://127.0.0.1:{port}{path}`: the status and body, or None when nothing answers.
 pub async fn http_get(port: u16, path: &str) -> Option<(u16, String)> {
     let r = reqwest::get(format!("http://127.0.0.1:{port}{path}"))
