@@ -160,6 +160,8 @@ impl Effect for MarkOrderPaid {
         "orders"
     }
 
+    // A span of the effect's own: run event by event, it joins the event's trace.
+    #[tracing::instrument(name = "pay order", skip_all, fields(key = event.key.as_str()))]
     async fn apply(&self, tx: &mut Tx<'_>, event: &Event) -> Result<(), EffectError> {
         let payment = Payment::of(event)?;
         let order_id = payment.order_id;

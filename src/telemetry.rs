@@ -54,18 +54,51 @@ pub fn init_telemetry(default: &str, format: LogFormat, service: &str) {
     let registry = tracing_subscriber::registry().with(lines);
     #[cfg(feature = "otel")]
     let (registry, problem) = {
-        let spans = tracing_subscriber::filter::Targets::new()
-            .with_target("replayproof", tracing::Level::INFO);
         match crate::trace::otel::layer(service) {
-            Ok(layer) => (registry.with(layer.map(|l| l.with_filter(spans))), None),
-            Err(e) => (registry.with(None), Some(e)),
+            Ok(Some(layer)) => {
+                let (spans, bad_filter) = traces_filter();
+                let problem = bad_filter.map(|e| {
+                    let message = "REPLAYPROOF_TRACES_FILTER is not a filter: the default chooses the exported spans.";
+                    (message, e)
+                });
+                (registry.with(Some(layer.with_filter(spans))), problem)
+            }
+            Ok(None) => (registry.with(None), None),
+            Err(e) => {
+                let message = "Traces are not exported: the OTLP exporter could not start.";
+                (registry.with(None), Some((message, format!("{e:#}"))))
+            }
         }
     };
     #[cfg(not(feature = "otel"))]
-    let (problem, _) = (None::<anyhow::Error>, service);
+    let (problem, _) = (None::<(&str, String)>, service);
     let _ = registry.try_init();
-    if let Some(e) = problem {
-        tracing::warn!(error = %format!("{e:#}"), "Traces are not exported: the OTLP exporter could not start.");
+    if let Some((message, error)) = problem {
+        tracing::warn!(error, "{message}");
+    }
+}
+
+/// Which spans are exported, in `RUST_LOG`'s syntax; [`TRACES_FILTER`] by default.
+pub const TRACES_FILTER_VAR: &str = "REPLAYPROOF_TRACES_FILTER";
+
+/// The spans exported by default: replayproof's and an application's own (an effect's
+/// `#[instrument]` spans join the event's trace) at `info`, the database and Kafka clients only
+/// at `warn`, and none of the HTTP client's or the exporter's own, which would trace the
+/// export itself.
+pub const TRACES_FILTER: &str = "info,sqlx=warn,rdkafka=warn,hyper=off,hyper_util=off,h2=off,\
+                                 reqwest=off,tower=off,opentelemetry=off,opentelemetry_sdk=off,\
+                                 opentelemetry_otlp=off,opentelemetry_http=off";
+
+/// The filter of the exported spans: [`TRACES_FILTER_VAR`] when it is set, else
+/// [`TRACES_FILTER`]; the default and the parse error when the variable is not a filter.
+#[cfg(feature = "otel")]
+fn traces_filter() -> (EnvFilter, Option<String>) {
+    match std::env::var(TRACES_FILTER_VAR) {
+        Ok(directives) if !directives.trim().is_empty() => match EnvFilter::try_new(&directives) {
+            Ok(filter) => (filter, None),
+            Err(e) => (EnvFilter::new(TRACES_FILTER), Some(e.to_string())),
+        },
+        _ => (EnvFilter::new(TRACES_FILTER), None),
     }
 }
 
@@ -274,4 +307,17 @@ pub async fn probe(url: &str) -> anyhow::Result<()> {
     let status = client.get(url).send().await?.status();
     anyhow::ensure!(status.is_success(), "{url} answered {status}");
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_default_traces_filter_parses_whole() {
+        // `EnvFilter::new` skips a directive it cannot parse; `try_new` refuses it.
+        let filter = tracing_subscriber::EnvFilter::try_new(super::TRACES_FILTER).unwrap();
+        let text = filter.to_string();
+        for directive in ["sqlx=warn", "reqwest=off", "opentelemetry_sdk=off", "info"] {
+            assert!(text.contains(directive), "{directive} missing from {text}");
+        }
+    }
 }

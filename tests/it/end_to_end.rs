@@ -1,6 +1,7 @@
 //! `replayproof ingest` and `replayproof consume` as real processes, against a real PostgreSQL
 //! and the broker process (`KAFKA_BROKERS`, or the mock cluster hosted by this test).
 
+use crate::harness::otlp::traced;
 use crate::harness::*;
 use std::collections::HashSet;
 use std::process::Stdio;
@@ -350,14 +351,6 @@ async fn high_watermark(kafka: &TestKafka, topic: &str) -> i64 {
     })
     .await
     .unwrap()
-}
-
-/// The variables that send a process's spans to the test's collector, flushed every 100 ms.
-fn traced(cmd: &mut tokio::process::Command, endpoint: &str) {
-    cmd.env("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint)
-        .env("OTEL_EXPORTER_OTLP_PROTOCOL", "http/json")
-        .env("OTEL_BSP_SCHEDULE_DELAY", "100")
-        .env_remove("OTEL_SERVICE_NAME");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -37,6 +37,19 @@ fn consumer(
     group: &str,
     port: u16,
 ) -> ConsumerProcess {
+    let mut cmd = consumer_command(kafka, db, topic, group, port);
+    ConsumerProcess {
+        child: cmd.spawn().expect("the orders example's consumer"),
+    }
+}
+
+fn consumer_command(
+    kafka: &TestKafka,
+    db: &TestDb,
+    topic: &str,
+    group: &str,
+    port: u16,
+) -> tokio::process::Command {
     let mut cmd = tokio::process::Command::new(orders_binary());
     cmd.args([
         "consume",
@@ -59,9 +72,7 @@ fn consumer(
     .env("RUST_LOG", "warn")
     .env_remove("FAILPOINTS")
     .kill_on_drop(true);
-    ConsumerProcess {
-        child: cmd.spawn().expect("the orders example's consumer"),
-    }
+    cmd
 }
 
 fn payment(key: &str, order_id: i64, amount: i64) -> Record {
@@ -292,4 +303,52 @@ fn an_application_binary_completes_its_own_name() {
     let script = String::from_utf8_lossy(&out.stdout);
     assert!(script.contains("complete -F _orders"), "{script}");
     assert!(!script.contains("_replayproof"), "{script}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_effects_own_spans_join_the_trace_of_the_event_it_applies() {
+    use crate::harness::otlp::{traced, Collector};
+    let _heavy = heavy().await;
+    let (collector, endpoint) = Collector::start().await;
+    let db = migrated().await;
+    sqlx::query("INSERT INTO orders (id, amount) VALUES (7, 700)")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let kafka = TestKafka::for_processes();
+    let (topic, group) = (kafka.topic(1).await, unique("orders"));
+    produce(
+        &producer(&kafka.brokers()),
+        &topic,
+        &[payment("stripe:evt_traced", 7, 700)],
+    )
+    .await;
+    let mut cmd = consumer_command(&kafka, &db, &topic, &group, free_port());
+    traced(&mut cmd, &endpoint);
+    let _consumer = ConsumerProcess {
+        child: cmd.spawn().expect("the orders example's consumer"),
+    };
+
+    // The example's effect records its work in a span of its own, "pay order".
+    let named = |name: &str| collector.spans().into_iter().find(|s| s.name == name);
+    wait_for("the event's and the effect's spans", WAIT, || async {
+        named("claim and apply test").is_some() && named("pay order").is_some()
+    })
+    .await;
+    let (event, effect) = (
+        named("claim and apply test").unwrap(),
+        named("pay order").unwrap(),
+    );
+    assert_eq!(effect.trace_id, event.trace_id, "one trace");
+    assert_eq!(
+        effect.parent_span_id, event.span_id,
+        "the effect's span is a child of its event's"
+    );
+    assert_eq!(
+        statuses(&db)
+            .await
+            .get("stripe:evt_traced")
+            .map(String::as_str),
+        Some("done")
+    );
 }

@@ -18,6 +18,14 @@ pub struct Span {
     pub links: Vec<(String, String)>,
 }
 
+/// The variables that send a process's spans to the test's collector, flushed every 100 ms.
+pub fn traced(cmd: &mut tokio::process::Command, endpoint: &str) {
+    cmd.env("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint)
+        .env("OTEL_EXPORTER_OTLP_PROTOCOL", "http/json")
+        .env("OTEL_BSP_SCHEDULE_DELAY", "100")
+        .env_remove("OTEL_SERVICE_NAME");
+}
+
 #[derive(Clone, Default)]
 pub struct Collector {
     spans: Arc<Mutex<Vec<Span>>>,
