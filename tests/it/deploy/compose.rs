@@ -149,6 +149,31 @@ print(json.dumps(sorted([k, str(v)] for k, v in env.items())))
 }
 
 #[test]
+fn every_role_exports_traces_where_the_environment_says_and_jaeger_is_a_profile() {
+    let script = r#"
+import json, yaml
+doc = yaml.safe_load(open("docker-compose.yml"))
+out = {}
+for name, s in doc["services"].items():
+    env = s.get("environment", {})
+    out[name] = [str(env.get("OTEL_EXPORTER_OTLP_ENDPOINT")), s.get("profiles", [])]
+print(json.dumps(out))
+"#;
+    let services: std::collections::BTreeMap<String, (String, Vec<String>)> = python_json(script);
+    for role in ["ingest", "consume", "dispatch"] {
+        // Passed through, empty when unset: nothing is exported then.
+        assert_eq!(
+            services[role].0, "${OTEL_EXPORTER_OTLP_ENDPOINT:-}",
+            "{role}"
+        );
+    }
+    assert_eq!(services["jaeger"].1, ["tracing"]);
+    let header = compose_text();
+    assert!(header.contains("OTEL_EXPORTER_OTLP_ENDPOINT=http://jaeger:4318"));
+    assert!(header.contains("docker compose --profile tracing up"));
+}
+
+#[test]
 fn compose_refuses_to_start_without_real_secrets() {
     let secrets: Vec<(String, String)> = ingest_environment()
         .into_iter()

@@ -86,6 +86,75 @@ fn every_file_is_applied_by_the_kustomization() {
     let generated = &kustomization["configMapGenerator"][0];
     assert_eq!(generated["name"], "replayproof-config");
     assert_eq!(generated["files"][0], "replayproof.toml");
+    let tracing = &kustomization["configMapGenerator"][1];
+    assert_eq!(tracing["name"], "replayproof-tracing");
+    assert_eq!(tracing["envs"][0], "tracing.env");
+}
+
+/// `tracing.env`'s variables, `(name, value, commented out)`.
+fn tracing_env() -> Vec<(String, String, bool)> {
+    std::fs::read_to_string(format!("{DIR}/tracing.env"))
+        .unwrap()
+        .lines()
+        .filter_map(|line| {
+            let (commented, line) = match line.strip_prefix('#') {
+                Some(rest) => (true, rest.trim()),
+                None => (false, line.trim()),
+            };
+            let (name, value) = line.split_once('=')?;
+            let name_like = !name.is_empty()
+                && name
+                    .bytes()
+                    .all(|b| b.is_ascii_uppercase() || b.is_ascii_digit() || b == b'_');
+            name_like.then(|| (name.to_owned(), value.to_owned(), commented))
+        })
+        .collect()
+}
+
+#[test]
+fn the_roles_that_make_spans_take_the_tracing_variables_and_export_nothing_until_they_are_set() {
+    let roles = workloads(&manifests());
+    for component in ["ingest", "consume", "dispatch"] {
+        let container = &roles[component]["spec"]["template"]["spec"]["containers"][0];
+        let maps: Vec<&str> = container["envFrom"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter_map(|from| from["configMapRef"]["name"].as_str())
+            .collect();
+        assert_eq!(maps, ["replayproof-tracing"], "{component}");
+    }
+    let vars = tracing_env();
+    let active: Vec<_> = vars.iter().filter(|(_, _, commented)| !commented).collect();
+    assert_eq!(
+        active,
+        Vec::<&(String, String, bool)>::new(),
+        "nothing is exported by default"
+    );
+    // Each example names a variable the exporter reads, and set they export.
+    let known = [
+        "OTEL_EXPORTER_OTLP_ENDPOINT",
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+        "OTEL_EXPORTER_OTLP_PROTOCOL",
+        "OTEL_EXPORTER_OTLP_HEADERS",
+        "OTEL_SERVICE_NAME",
+        "OTEL_RESOURCE_ATTRIBUTES",
+        "OTEL_TRACES_SAMPLER",
+        "OTEL_TRACES_SAMPLER_ARG",
+        replayproof::telemetry::TRACES_FILTER_VAR,
+    ];
+    for (name, _, _) in &vars {
+        assert!(known.contains(&name.as_str()), "{name} is read by nothing");
+    }
+    let examples: BTreeMap<&str, &str> = vars
+        .iter()
+        .map(|(name, value, _)| (name.as_str(), value.as_str()))
+        .collect();
+    assert!(replayproof::trace::otel::configured(&|name| examples
+        .get(name)
+        .map(|v| v.to_string())));
+    let filter = examples[replayproof::telemetry::TRACES_FILTER_VAR];
+    tracing_subscriber::EnvFilter::try_new(filter).unwrap();
 }
 
 #[test]
