@@ -35,7 +35,8 @@ pub struct RetentionArgs {
     #[arg(long, env = "REPLAYPROOF_CONFLICT_RETENTION", value_name = "DURATION", default_value = "30days", value_parser = crate::args::lifetime())]
     pub conflict_retention: Duration,
 
-    /// How long the attempts of done or dead operations are kept.
+    /// How long the attempts of done or dead operations are kept; also how long an idle
+    /// destination's shared limits are (closed breaker, nothing to send, not leased since).
     #[arg(long, env = "REPLAYPROOF_ATTEMPT_RETENTION", value_name = "DURATION", default_value = "30days", value_parser = crate::args::lifetime())]
     pub attempt_retention: Duration,
 

@@ -256,6 +256,21 @@ const RULES: &[Rule] = &[
                  AND a.started_at < now() - make_interval(secs => $1)",
         lock_of: " OF a",
     },
+    // A destination's shared limits (one row per origin ever called): dropped once it is closed,
+    // unpaused, has nothing left to send and has not been leased for as long as attempts are
+    // kept. A later operation for the origin starts a fresh row.
+    Rule {
+        name: "outbox_destinations",
+        change: "DELETE FROM outbox_destinations",
+        key: "origin",
+        select: "SELECT origin FROM outbox_destinations d \
+                 WHERE d.breaker = 'closed' AND d.consecutive_failures = 0 \
+                 AND (d.paused_until IS NULL OR d.paused_until < now()) \
+                 AND d.updated_at < now() - make_interval(secs => $1) \
+                 AND NOT EXISTS (SELECT 1 FROM outbox o WHERE o.origin = d.origin \
+                     AND o.state IN ('pending', 'retryable', 'uncertain', 'in_progress'))",
+        lock_of: "",
+    },
     Rule {
         name: "expired_replays",
         change: "DELETE FROM expired_replays",
@@ -297,7 +312,7 @@ impl Lifetimes {
             "delivery_fingerprints" => self.fingerprint,
             "dead_letters" => self.dead_letter,
             "operator_actions" => self.audit,
-            "outbox_attempts" => self.attempt,
+            "outbox_attempts" | "outbox_destinations" => self.attempt,
             "expired_replays" => self.expired_replay,
             _ => self.payload,
         }

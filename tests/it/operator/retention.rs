@@ -221,6 +221,49 @@ async fn prune_keeps_failed_deferred_and_unsettled_claims_and_takes_operations_w
 }
 
 #[tokio::test]
+async fn prune_drops_only_the_destinations_that_are_idle_closed_and_have_nothing_to_send() {
+    let db = TestDb::new().await;
+    consume(&db, &[raw(0, stripe_event("evt_waiting", 1))]).await;
+    sqlx::raw_sql(
+        "INSERT INTO outbox_destinations (origin, breaker, consecutive_failures, paused_until, updated_at) VALUES
+             ('https://idle.example', 'closed', 0, now() - interval '40 days', now() - interval '31 days'),
+             ('https://recent.example', 'closed', 0, NULL, now() - interval '29 days'),
+             ('https://open.example', 'open', 5, NULL, now() - interval '31 days'),
+             ('https://failing.example', 'closed', 2, NULL, now() - interval '31 days'),
+             ('https://paused.example', 'closed', 0, now() + interval '1 hour', now() - interval '31 days'),
+             ('https://waiting.example', 'closed', 0, NULL, now() - interval '31 days');
+         INSERT INTO outbox (operation_key, event_key, operation, destination, origin, payload, state)
+         VALUES ('stripe:evt_waiting/http', 'stripe:evt_waiting', 'http',
+                 'https://waiting.example/hook', 'https://waiting.example', '', 'retryable');",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let left = || async {
+        sqlx::query_scalar::<_, String>("SELECT origin FROM outbox_destinations ORDER BY 1")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap()
+    };
+
+    let dry = pruner(&db, 5 * DAY).round(true).await.unwrap();
+    assert_eq!(dry.pruned.of("outbox_destinations"), 1);
+    assert_eq!(left().await.len(), 6, "dry");
+    let round = pruner(&db, 5 * DAY).round(false).await.unwrap();
+    assert_eq!(round.pruned.of("outbox_destinations"), 1);
+    assert_eq!(
+        left().await,
+        [
+            "https://failing.example",
+            "https://open.example",
+            "https://paused.example",
+            "https://recent.example",
+            "https://waiting.example"
+        ]
+    );
+}
+
+#[tokio::test]
 async fn claims_younger_than_the_retention_stay() {
     let db = TestDb::new().await;
     consume(&db, &[raw(0, stripe_event("evt_1", 3))]).await;
