@@ -210,20 +210,28 @@ pub async fn lease_within_limits(
     lease: Duration,
 ) -> sqlx::Result<Vec<Admitted>> {
     let mut tx = pool.begin().await?;
-    sqlx::query!(
-        "INSERT INTO outbox_destinations (origin) VALUES ($1) ON CONFLICT (origin) DO NOTHING",
-        origin
-    )
-    .execute(&mut *tx)
-    .await?;
-    let row = sqlx::query!(
-        r#"SELECT breaker AS "breaker: Breaker", open_until, probe_until, paused_until,
-                  next_start_at, now() AS "now!"
-           FROM outbox_destinations WHERE origin = $1 FOR UPDATE"#,
-        origin
-    )
-    .fetch_one(&mut *tx)
-    .await?;
+    // The row may be gone between the two statements (`prune` drops an idle destination's row
+    // when it saw nothing to send): made again, it is a closed destination with nothing due.
+    let row = loop {
+        sqlx::query!(
+            "INSERT INTO outbox_destinations (origin) VALUES ($1) ON CONFLICT (origin) DO NOTHING",
+            origin
+        )
+        .execute(&mut *tx)
+        .await?;
+        crate::stallpoint!("outbox::destination_before_lock");
+        let row = sqlx::query!(
+            r#"SELECT breaker AS "breaker: Breaker", open_until, probe_until, paused_until,
+                      next_start_at, now() AS "now!"
+               FROM outbox_destinations WHERE origin = $1 FOR UPDATE"#,
+            origin
+        )
+        .fetch_optional(&mut *tx)
+        .await?;
+        if let Some(row) = row {
+            break row;
+        }
+    };
     let state = DestinationState {
         breaker: row.breaker,
         open_until: row.open_until,

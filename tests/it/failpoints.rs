@@ -110,3 +110,53 @@ async fn a_delivery_is_not_started_with_less_than_a_request_timeout_left_on_the_
     assert_eq!(downstream.applied().get(&op), Some(&1));
     assert_eq!(downstream.max_in_flight(), 1);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_destination_row_pruned_while_a_dispatcher_leases_for_it_is_made_again() {
+    let _heavy = heavy().await;
+    if !crate::harness::isolation::in_child_process(
+        "failpoints::a_destination_row_pruned_while_a_dispatcher_leases_for_it_is_made_again",
+    ) {
+        return;
+    }
+    let (db, downstream) = (TestDb::new().await, Downstream::start().await);
+    let op = outbox::operation_key("evt-pruned", "deliver");
+    enqueue_http(&db, &downstream, &["evt-pruned".to_owned()], false).await;
+    // The destination's row exists, idle, as `prune` finds one.
+    sqlx::query(
+        "INSERT INTO outbox_destinations (origin, updated_at) \
+         SELECT origin, now() - interval '40 days' FROM outbox",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let d = Dispatcher::build(
+        DispatchSettings::new("w"),
+        db.pool.clone(),
+        DispatchMetrics::new(&prometheus::Registry::new()).unwrap(),
+        replayproof::telemetry::Health::default(),
+    )
+    .unwrap();
+    // The dispatcher stops after it made sure the row exists and before it locks it; prune's
+    // snapshot missed the new operation, so it deletes the row in that gap.
+    fail::cfg("outbox::destination_before_lock", "1*return(1500)").unwrap();
+    let dispatching = tokio::spawn(async move { d.dispatch_once().await });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let deleted = sqlx::query("DELETE FROM outbox_destinations")
+        .execute(&db.pool)
+        .await
+        .unwrap()
+        .rows_affected();
+    assert_eq!(
+        deleted, 1,
+        "the row was deleted while the dispatcher waited"
+    );
+    let leased = dispatching.await.unwrap();
+    fail::remove("outbox::destination_before_lock");
+    assert_eq!(leased.unwrap(), 1, "the lease went on with a fresh row");
+    assert_eq!(downstream.applied().get(&op), Some(&1));
+    assert_eq!(
+        db.count("SELECT count(*) FROM outbox_destinations").await,
+        1
+    );
+}
