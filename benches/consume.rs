@@ -639,11 +639,7 @@ async fn stage_d(
     messages: usize,
     otlp: Option<&str>,
 ) -> (Duration, u64, Vec<u64>) {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = common::free_port();
     let mut command = tokio::process::Command::new(env!("CARGO_BIN_EXE_replayproof"));
     if let Some(endpoint) = otlp {
         command

@@ -52,11 +52,7 @@ async fn process_run(
         "[[ingest.sources]]\nname = \"github\"\nkind = \"github\"\nsecrets_env = [\"S\"]\n",
     )
     .unwrap();
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = common::free_port();
     let mut command = tokio::process::Command::new(env!("CARGO_BIN_EXE_replayproof"));
     if let Some(endpoint) = otlp {
         command.env("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint);

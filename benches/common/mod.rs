@@ -2,6 +2,15 @@
 
 use std::time::Duration;
 
+/// A free TCP port on 127.0.0.1, for a child process's metrics server.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
 /// A size from the environment, or `default`.
 pub fn env_or(name: &str, default: usize) -> usize {
     std::env::var(name)
