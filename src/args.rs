@@ -291,3 +291,51 @@ impl ToArgs for KafkaOptions {
             .collect()
     }
 }
+
+/// A moment: an RFC 3339 time (`2026-12-02T10:00:00Z`), or a duration meaning that long ago
+/// (`40m`, `2h`, `3days`).
+pub fn parse_moment(text: &str) -> Result<chrono::DateTime<chrono::Utc>, String> {
+    moment_at(text, chrono::Utc::now())
+}
+
+/// [`parse_moment`] with `now` given.
+pub fn moment_at(
+    text: &str,
+    now: chrono::DateTime<chrono::Utc>,
+) -> Result<chrono::DateTime<chrono::Utc>, String> {
+    if let Ok(at) = chrono::DateTime::parse_from_rfc3339(text.trim()) {
+        return Ok(at.with_timezone(&chrono::Utc));
+    }
+    let ago = humantime::parse_duration(text.trim()).map_err(|_| {
+        format!("{text:?} is neither an RFC 3339 time (2026-12-02T10:00:00Z) nor a duration ago (40m, 2h)")
+    })?;
+    chrono::Duration::from_std(ago)
+        .ok()
+        .and_then(|ago| now.checked_sub_signed(ago))
+        .ok_or_else(|| format!("{text:?} is too long ago"))
+}
+
+#[cfg(test)]
+mod moment_tests {
+    use super::*;
+
+    #[test]
+    fn a_moment_is_a_time_or_a_duration_ago() {
+        let now = chrono::DateTime::parse_from_rfc3339("2026-12-02T10:00:00Z")
+            .unwrap()
+            .with_timezone(&chrono::Utc);
+        let at = |t| moment_at(t, now).map(|m| m.to_rfc3339());
+        assert_eq!(
+            at("2026-12-02T09:20:00Z").unwrap(),
+            "2026-12-02T09:20:00+00:00"
+        );
+        assert_eq!(
+            at("2026-12-02T10:20:00+01:00").unwrap(),
+            "2026-12-02T09:20:00+00:00"
+        );
+        assert_eq!(at("40m").unwrap(), "2026-12-02T09:20:00+00:00");
+        assert_eq!(at("1day").unwrap(), "2026-12-01T10:00:00+00:00");
+        assert!(at("yesterday").unwrap_err().contains("RFC 3339"));
+        assert!(at("100000000years").is_err());
+    }
+}

@@ -19,7 +19,7 @@ pub struct Args {
     pub command: Command,
 
     /// The configuration file every command reads (see replayproof.example.toml): sections
-    /// [kafka], [database], [consume], [dispatch], [ingest] and [retention]. A flag, then its environment
+    /// [kafka], [database], [consume], [dispatch], [ingest], [retention] and [console]. A flag, then its environment
     /// variable, then the file, then the default.
     #[allow(rustdoc::broken_intra_doc_links)] // The brackets name the file's sections.
     #[arg(long, global = true, env = crate::config::CONFIG_ENV, value_name = "FILE")]
@@ -71,6 +71,12 @@ pub enum Command {
     DeadLetters(DeadLettersCommand),
     /// One screen for an operator: lag, claims, the outbox and dead letters.
     Status(StatusArgs),
+    /// The operator's console in a browser: every event's story, the overview, and retry,
+    /// resolve and replay behind a login ([console] in the configuration file).
+    Console(crate::console::args::ConsoleArgs),
+    /// Read a window of the topic again, outside the live group, through the claim path: only
+    /// events with no claim are applied; --dry-run counts them.
+    Replay(crate::operator::args::ReplayArgs),
     /// Delete settled claims older than their source's retention, with their operations, and
     /// the other tables' rows past their lifetimes; --dry-run prints what would go.
     Prune(crate::retention::args::PruneArgs),
@@ -119,6 +125,8 @@ impl Command {
             Self::Events(_) => "events",
             Self::DeadLetters(_) => "dead-letters",
             Self::Status(_) => "status",
+            Self::Console(_) => "console",
+            Self::Replay(_) => "replay",
             Self::Prune(_) => "prune",
             Self::Config(_) => "config",
             Self::Probe { .. } => "probe",
@@ -137,6 +145,8 @@ impl Command {
             Self::Consume(args) => Some(&mut args.kafka.options),
             Self::Ingest(args) => Some(&mut args.kafka),
             Self::Status(args) => Some(&mut args.kafka),
+            Self::Console(args) => Some(&mut args.kafka),
+            Self::Replay(args) => Some(&mut args.consume.kafka.options),
             Self::Prune(args) => Some(&mut args.kafka.options),
             Self::DeadLetters(DeadLettersCommand::Replay { kafka, .. }) => Some(kafka),
             _ => None,
@@ -221,6 +231,8 @@ impl Cli {
             Command::Events(command) => command.run(&self.effects).await,
             Command::DeadLetters(command) => command.run().await,
             Command::Status(args) => args.run().await,
+            Command::Console(console) => console.run(&self.effects, args.file.as_ref()).await,
+            Command::Replay(replay) => replay.run(&self.effects).await,
             Command::Prune(prune) => prune.run(args.file.as_ref()).await,
             Command::Config(ConfigCommand::Check { no_connect }) => {
                 use clap::CommandFactory as _;

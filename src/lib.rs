@@ -18,6 +18,8 @@ pub mod cli;
 pub mod config;
 #[cfg(feature = "cli")]
 pub mod config_check;
+#[cfg(feature = "cli")]
+pub mod console;
 pub mod consume;
 pub mod db;
 #[cfg(feature = "devkit")]

@@ -45,7 +45,7 @@ pub async fn insert(
 }
 
 /// A dead letter as the operator sees it; the raw bytes shown as text where they are text.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
 pub struct DeadLetterRow {
     pub id: i64,
     pub created_at: DateTime<Utc>,
@@ -72,6 +72,44 @@ pub async fn list(pool: &PgPool, limit: i64) -> sqlx::Result<Vec<DeadLetterRow>>
     )
     .fetch_all(pool)
     .await
+}
+
+/// Which dead letters a list or a bulk replay takes.
+#[derive(Debug, Clone, Default)]
+pub struct LetterSearch {
+    /// Only those stored at or after this time.
+    pub since: Option<DateTime<Utc>>,
+    /// Only those whose reason is `LIKE` this pattern (`%not JSON%`).
+    pub reason_like: Option<String>,
+    /// Only those never replayed.
+    pub not_replayed: bool,
+    /// The page after this id (ids are listed newest first).
+    pub before_id: Option<i64>,
+    pub limit: i64,
+}
+
+/// The newest dead letters matching `search`, by keyset on the id.
+pub async fn search(pool: &PgPool, search: &LetterSearch) -> sqlx::Result<Vec<DeadLetterRow>> {
+    let mut q = sqlx::QueryBuilder::new(
+        "SELECT id, created_at, kafka_topic AS topic, kafka_partition AS partition, \
+         kafka_offset AS offset, reason, replayed_at, encode(raw_key, 'escape') AS key, \
+         NULL::text AS value FROM dead_letters WHERE true",
+    );
+    if let Some(since) = search.since {
+        q.push(" AND created_at >= ").push_bind(since);
+    }
+    if let Some(pattern) = &search.reason_like {
+        q.push(" AND reason LIKE ").push_bind(pattern.clone());
+    }
+    if search.not_replayed {
+        q.push(" AND replayed_at IS NULL");
+    }
+    if let Some(id) = search.before_id {
+        q.push(" AND id < ").push_bind(id);
+    }
+    q.push(" ORDER BY id DESC LIMIT ")
+        .push_bind(search.limit.max(1));
+    q.build_query_as().fetch_all(pool).await
 }
 
 /// One dead letter with its value.

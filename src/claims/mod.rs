@@ -365,6 +365,8 @@ pub struct ClaimRow {
     pub last_error: Option<String>,
     pub payload_sha256: String,
     pub first_seen_at: String,
+    /// When the ingress received the delivery that was claimed, if the envelope says.
+    pub received_at: Option<DateTime<Utc>>,
     pub claimed_at: DateTime<Utc>,
     pub completed_at: Option<DateTime<Utc>>,
     /// When a deferred claim's effect is tried again.
@@ -389,7 +391,7 @@ pub async fn find(pool: &PgPool, key: &str) -> sqlx::Result<Option<ClaimRow>> {
         r#"SELECT event_key, source, event_type, status AS "status: ClaimStatus", attempts,
                   last_error, encode(payload_sha256, 'hex') AS "payload_sha256!",
                   kafka_topic || '/' || kafka_partition || '@' || kafka_offset AS "first_seen_at!",
-                  claimed_at, completed_at, due_at, deadline_at, deferred_reason,
+                  received_at, claimed_at, completed_at, due_at, deadline_at, deferred_reason,
                   payload AS "payload: JsonText", request_id, traceparent
            FROM processed_events WHERE event_key = $1"#,
         key

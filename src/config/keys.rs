@@ -37,6 +37,17 @@ fn section_of(command_path: &[String], long: &str) -> Option<(&'static str, Stri
         _ => {}
     }
     match command_path.first().map(String::as_str) {
+        // A replay applies as `consume` does, from the same settings; its window is its own.
+        Some("replay") => match long {
+            "since" | "until" | "partition" | "dry-run" | "force" | "actor" | "reason" | "json" => {
+                None
+            }
+            _ => Some(("consume", key)),
+        },
+        Some("console") => match long {
+            "listen" => Some(("console", key)),
+            _ => None,
+        },
         Some(command @ ("consume" | "dispatch" | "ingest")) => {
             let section = SECTIONS.iter().find(|s| **s == command)?;
             Some((section, key))
@@ -92,11 +103,15 @@ fn known_keys(root: &Command) -> BTreeMap<(&'static str, String), Vec<String>> {
             .or_default()
             .push(path.join(" "));
     }
+    let console = crate::console::FILE_KEYS.iter().map(|k| ("console", *k));
     for (section, table) in [
         ("ingest", "sources"),
         ("dispatch", "destinations"),
         ("dispatch", "credentials"),
-    ] {
+    ]
+    .into_iter()
+    .chain(console)
+    {
         known
             .entry((section, table.into()))
             .or_default()

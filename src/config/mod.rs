@@ -43,6 +43,7 @@ pub const SECTIONS: &[&str] = &[
     "dispatch",
     "ingest",
     "retention",
+    "console",
 ];
 
 /// The environment the file's `${NAME}` and `REPLAYPROOF_KAFKA_*` are read from.

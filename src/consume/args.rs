@@ -360,15 +360,7 @@ impl ConsumeArgs {
             };
             tokio::spawn(background.run(process.shutdown.clone()));
         }
-        let processor = BatchProcessor::new(
-            pool,
-            registry.build(&self.effects, self.http.outbox().as_ref())?,
-        )
-        .with_retry(EffectRetry {
-            attempts: self.effect_attempts,
-            ..EffectRetry::default()
-        })
-        .with_defer(self.defer_settings()?);
+        let processor = self.processor(pool, registry)?;
         Consumer::build(self.settings(), processor, metrics, process.health)?
             .run_until_stopped(process.shutdown)
             .stopped()
@@ -377,6 +369,23 @@ impl ConsumeArgs {
 }
 
 impl ConsumeArgs {
+    /// What applies each batch: the effects, their retries and deferrals, through `pool`.
+    pub fn processor(
+        &self,
+        pool: sqlx::PgPool,
+        registry: &Registry,
+    ) -> anyhow::Result<BatchProcessor> {
+        Ok(BatchProcessor::new(
+            pool,
+            registry.build(&self.effects, self.http.outbox().as_ref())?,
+        )
+        .with_retry(EffectRetry {
+            attempts: self.effect_attempts,
+            ..EffectRetry::default()
+        })
+        .with_defer(self.defer_settings()?))
+    }
+
     /// The sources whose events this consumer expects: the configuration file's
     /// `[[ingest.sources]]` and the `--defer-source` ones.
     fn known_sources(

@@ -1,6 +1,6 @@
 //! The operator commands' flags, and how each runs: `events`, `dead-letters` and `status`.
 
-use super::events::{self, EventFilter, Resolution, Retry, RetryFilter, StateName};
+use super::events::{self, Cursor, Resolution, Retry, RetryFilter, Search, SearchState, StateName};
 use super::{dead_letters, expired, render, status, Act};
 use crate::args::{DatabaseArgs, KafkaOptions};
 use crate::effect::Registry;
@@ -48,17 +48,35 @@ pub const DEFAULT_RETRY_LIMIT: i64 = 1000;
 
 #[derive(Debug, Clone, Subcommand)]
 pub enum EventsCommand {
-    /// List events, newest first.
+    /// List events, newest first, a page at a time: the next page is `--after` the cursor
+    /// printed under this one.
     List {
         #[command(flatten)]
         op: OperatorArgs,
         /// A claim status (done, failed) or an operation state (pending, in_progress,
-        /// retryable, uncertain, done, failed, dead).
+        /// retryable, uncertain, done, failed, dead), or `conflict` for events with a key
+        /// conflict.
         #[arg(long)]
-        state: Option<StateName>,
+        state: Option<SearchState>,
         /// Only events of this source.
         #[arg(long)]
         source: Option<String>,
+        /// Only events of this type (payment_intent.succeeded).
+        #[arg(long = "type", value_name = "TYPE")]
+        event_type: Option<String>,
+        /// Only this key, or the keys starting with it when it ends with `*` (stripe:evt_1*).
+        #[arg(long)]
+        key: Option<String>,
+        /// Only events claimed at or after this moment: an RFC 3339 time or a duration ago
+        /// (2026-12-02T10:00:00Z, 40m).
+        #[arg(long, value_name = "WHEN", value_parser = crate::args::parse_moment)]
+        since: Option<chrono::DateTime<chrono::Utc>>,
+        /// Only events claimed before this moment, as --since.
+        #[arg(long, value_name = "WHEN", value_parser = crate::args::parse_moment)]
+        until: Option<chrono::DateTime<chrono::Utc>>,
+        /// The page after this cursor, as the previous page printed it.
+        #[arg(long, value_name = "CURSOR")]
+        after: Option<Cursor>,
         /// Only events claimed at least this long ago: a duration such as 30m, 2h or 3days
         /// (`--older-than-secs` is its old spelling, in seconds).
         #[arg(long, value_name = "DURATION", value_parser = crate::args::age(), conflicts_with = "older_than_secs")]
@@ -194,18 +212,35 @@ impl EventsCommand {
                 op,
                 state,
                 source,
+                event_type,
+                key,
+                since,
+                until,
+                after,
                 older_than,
                 older_than_secs,
                 limit,
             } => {
-                let filter = EventFilter {
-                    state,
+                let older_than = older_than.or(older_than_secs.map(Duration::from_secs));
+                let aged = older_than.map(|age| {
+                    chrono::Utc::now() - chrono::Duration::from_std(age).unwrap_or_default()
+                });
+                let search = Search {
+                    key,
                     source,
-                    older_than: older_than.or(older_than_secs.map(Duration::from_secs)),
+                    event_type,
+                    state,
+                    since,
+                    until: [until, aged].into_iter().flatten().min(),
+                    after,
                     limit,
                 };
-                let events = events::list(&op.pool()?, &filter).await?;
-                render::print(op.json, &events, |e| render::rows(e));
+                let page = events::search(&op.pool()?, &search).await?;
+                render::print(op.json, &page.events, |e| render::rows(e));
+                // On stderr, so that the JSON and the table stay the list alone.
+                if let Some(next) = &page.next {
+                    eprintln!("next page: --after {next}");
+                }
             }
             Self::Show { op, key } => {
                 let detail = events::show(&op.pool()?, &key).await?;
@@ -367,6 +402,14 @@ pub enum DeadLettersCommand {
     List {
         #[command(flatten)]
         op: OperatorArgs,
+        #[command(flatten)]
+        select: LetterSelect,
+        /// Only those never replayed.
+        #[arg(long)]
+        not_replayed: bool,
+        /// The page after this id: the last id of the previous page.
+        #[arg(long, value_name = "ID")]
+        before: Option<i64>,
         /// The most rows shown.
         #[arg(long, default_value_t = DEFAULT_LIST_LIMIT)]
         limit: i64,
@@ -378,12 +421,25 @@ pub enum DeadLettersCommand {
         /// The dead letter's id, as `dead-letters list` shows it.
         id: i64,
     },
-    /// Produce a dead letter's raw bytes again, to its topic or another.
+    /// Produce dead letters' raw bytes again, to their topic or another: one by id, or in bulk
+    /// every letter never replayed that --all, --since or --reason-like selects.
     Replay {
         #[command(flatten)]
         op: OperatorArgs,
         /// The dead letter's id, as `dead-letters list` shows it.
-        id: i64,
+        #[arg(required_unless_present_any = ["all", "since", "reason_like"], conflicts_with_all = ["all", "since", "reason_like"])]
+        id: Option<i64>,
+        /// Bulk: every dead letter never replayed.
+        #[arg(long, conflicts_with_all = ["since", "reason_like"])]
+        all: bool,
+        #[command(flatten)]
+        select: LetterSelect,
+        /// Bulk: at most this many letters.
+        #[arg(long, default_value_t = DEFAULT_RETRY_LIMIT)]
+        limit: i64,
+        /// Bulk: list the letters that would be replayed, and change nothing.
+        #[arg(long)]
+        dry_run: bool,
         /// Kafka bootstrap servers.
         #[arg(long, env = "REPLAYPROOF_BROKERS")]
         brokers: String,
@@ -398,12 +454,50 @@ pub enum DeadLettersCommand {
     },
 }
 
+/// Which dead letters a list or a bulk replay takes.
+#[derive(Debug, Clone, Args)]
+pub struct LetterSelect {
+    /// Only those stored at or after this moment: an RFC 3339 time or a duration ago (2h).
+    #[arg(long, value_name = "WHEN", value_parser = crate::args::parse_moment)]
+    pub since: Option<chrono::DateTime<chrono::Utc>>,
+    /// Only those whose reason is LIKE this pattern (%not JSON%).
+    #[arg(long, value_name = "PATTERN")]
+    pub reason_like: Option<String>,
+}
+
+impl LetterSelect {
+    fn search(&self, limit: i64) -> crate::claims::dead_letters::LetterSearch {
+        crate::claims::dead_letters::LetterSearch {
+            since: self.since,
+            reason_like: self.reason_like.clone(),
+            limit,
+            ..Default::default()
+        }
+    }
+}
+
 impl DeadLettersCommand {
     pub async fn run(self) -> anyhow::Result<()> {
         match self {
-            Self::List { op, limit } => {
-                let letters = dead_letters::list(&op.pool()?, limit).await?;
+            Self::List {
+                op,
+                select,
+                not_replayed,
+                before,
+                limit,
+            } => {
+                let search = crate::claims::dead_letters::LetterSearch {
+                    not_replayed,
+                    before_id: before,
+                    ..select.search(limit)
+                };
+                let letters = crate::claims::dead_letters::search(&op.pool()?, &search).await?;
                 render::print(op.json, &letters, |l| render::rows(l));
+                if letters.len() as i64 == limit {
+                    if let Some(last) = letters.last() {
+                        eprintln!("next page: --before {}", last.id);
+                    }
+                }
             }
             Self::Show { op, id } => {
                 let letter = dead_letters::show(&op.pool()?, id).await?;
@@ -412,21 +506,48 @@ impl DeadLettersCommand {
             Self::Replay {
                 op,
                 id,
+                select,
+                limit,
+                dry_run,
                 brokers,
                 kafka,
                 topic,
                 reason,
+                all: _,
             } => {
-                let producer = crate::kafka::producer(&brokers, &kafka.kafka_options)?;
-                let produce = |letter: crate::claims::dead_letters::RawLetter| async move {
-                    let topic = topic.unwrap_or(letter.topic);
-                    let (key, value) = (letter.key.as_deref(), letter.value.as_deref());
-                    crate::kafka::produce_raw(&producer, &topic, key, value).await?;
-                    Ok(topic)
+                let pool = op.pool()?;
+                let ids = match id {
+                    Some(id) => vec![id],
+                    None => dead_letters::to_replay(&pool, &select.search(limit))
+                        .await?
+                        .into_iter()
+                        .map(|l| l.id)
+                        .collect(),
                 };
+                if dry_run {
+                    for id in &ids {
+                        println!("dead_letter:{id}: would be replayed");
+                    }
+                    println!(
+                        "{} dead letters would be replayed (dry run: nothing changed)",
+                        ids.len()
+                    );
+                    return Ok(());
+                }
+                let producer =
+                    dead_letters::LetterProducer::new(&brokers, &kafka.kafka_options, topic)?;
                 let act = op.act(&reason);
-                let changes = dead_letters::replay(&op.pool()?, id, &act, produce).await?;
-                render::print(op.json, &changes, |c| render::changes(c));
+                let done = dead_letters::replay_many(&pool, &ids, &act, &producer).await;
+                render::print(op.json, &done.changes, |c| render::changes(c));
+                for (id, why) in &done.refused {
+                    eprintln!("dead_letter:{id}: not replayed: {why}");
+                }
+                anyhow::ensure!(
+                    done.refused.is_empty(),
+                    "{} of {} dead letters were not replayed",
+                    done.refused.len(),
+                    ids.len()
+                );
             }
         }
         Ok(())
@@ -456,6 +577,10 @@ pub struct StatusArgs {
     /// Print JSON instead of text.
     #[arg(long)]
     pub json: bool,
+
+    /// Show the screen again every INTERVAL (2s unless given) until interrupted.
+    #[arg(long, value_name = "INTERVAL", num_args = 0..=1, default_missing_value = "2s", value_parser = crate::args::wait(Duration::from_millis(100)))]
+    pub watch: Option<Duration>,
 }
 
 impl StatusArgs {
@@ -467,8 +592,122 @@ impl StatusArgs {
             group: self.group.clone(),
             options: self.kafka.kafka_options.clone(),
         });
-        let status = status::gather(&pool, kafka).await?;
-        render::print(self.json, &status, render::status);
+        let Some(every) = self.watch else {
+            let status = status::gather(&pool, kafka).await?;
+            render::print(self.json, &status, render::status);
+            return Ok(());
+        };
+        let stop = crate::shutdown::on_signal();
+        loop {
+            let shown = match status::gather(&pool, kafka.clone()).await {
+                Ok(status) if self.json => serde_json::to_string(&status)?,
+                Ok(status) => render::status(&status),
+                // A watch outlives a database restart: the error is the screen until it ends.
+                Err(e) => format!("status unavailable: {e:#}\n"),
+            };
+            if self.json {
+                println!("{shown}");
+            } else {
+                let at = chrono::Utc::now().format("%Y-%m-%d %H:%M:%S UTC");
+                // Clear the terminal and home the cursor, then the screen.
+                print!(
+                    "\x1b[2J\x1b[H{at} (every {})\n\n{shown}",
+                    humantime::format_duration(every)
+                );
+            }
+            use std::io::Write as _;
+            std::io::stdout().flush()?;
+            tokio::select! {
+                _ = stop.cancelled() => return Ok(()),
+                _ = tokio::time::sleep(every) => {}
+            }
+        }
+    }
+}
+
+/// `replayproof replay`: read a window of the topic again through the claim path.
+#[derive(Debug, Clone, Args)]
+pub struct ReplayArgs {
+    /// The brokers, topic, database and effects, as `consume` has them (and from the same
+    /// [kafka], [database] and [consume] settings): the window is applied as `consume` applies.
+    #[command(flatten)]
+    pub consume: crate::consume::args::ConsumeArgs,
+
+    /// The window's start: an RFC 3339 time or a duration ago (2026-12-02T10:00:00Z, 3h).
+    #[arg(long, value_name = "WHEN", value_parser = crate::args::parse_moment)]
+    pub since: chrono::DateTime<chrono::Utc>,
+
+    /// The window's end, not included, as --since; the partitions' ends when not given.
+    #[arg(long, value_name = "WHEN", value_parser = crate::args::parse_moment)]
+    pub until: Option<chrono::DateTime<chrono::Utc>>,
+
+    /// Only this partition.
+    #[arg(long)]
+    pub partition: Option<i32>,
+
+    /// Read and count what would be applied; change nothing.
+    #[arg(long)]
+    pub dry_run: bool,
+
+    /// Replay a window that starts before the topic's retained data or before the claims'
+    /// retention, which is refused otherwise.
+    #[arg(long)]
+    pub force: bool,
+
+    /// Who is acting, for the audit table. [default: $USER]
+    #[arg(long, env = "REPLAYPROOF_ACTOR")]
+    pub actor: Option<String>,
+
+    /// Why, for the audit table.
+    #[arg(long, default_value = "replay by time")]
+    pub reason: String,
+
+    /// Print JSON instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+impl ReplayArgs {
+    pub async fn run(self, registry: &Registry) -> anyhow::Result<()> {
+        let consume = &self.consume;
+        let pool = consume.database.pool(4)?;
+        let processor = consume.processor(pool.clone(), registry)?;
+        let window = super::replay::Window {
+            brokers: consume.kafka.brokers.clone(),
+            topic: consume.topic.clone(),
+            options: consume.kafka.options.kafka_options.clone(),
+            since: self.since,
+            until: self.until,
+            partition: self.partition,
+            dry_run: self.dry_run,
+            force: self.force,
+        };
+        let actor = self
+            .actor
+            .clone()
+            .or_else(|| std::env::var("USER").ok())
+            .unwrap_or_else(|| "operator".into());
+        let act = Act::new(&actor, &self.reason);
+        let report = super::replay::replay(&pool, &processor, &window, &act).await?;
+        render::print(self.json, &report, |r| {
+            let mut out = String::new();
+            for p in &r.partitions {
+                out.push_str(&format!(
+                    "partition {}: offsets {} to {}\n",
+                    p.partition, p.from, p.to
+                ));
+            }
+            let would = if r.dry_run {
+                " (dry run: nothing changed)"
+            } else {
+                ""
+            };
+            out.push_str(&format!(
+                "read {}, already applied {}, newly applied {}, dead-lettered {}, conflicts {}, failed {}, deferred {}, expired replays {}{would}\n",
+                r.read, r.already_applied, r.newly_applied, r.dead_lettered, r.conflicts, r.failed, r.deferred, r.expired
+            ));
+            out
+        });
         Ok(())
     }
 }

@@ -5,9 +5,74 @@
 //! produce it; the consumer treats the second copy as the redelivery it is.
 
 use super::{Act, Change, OperatorError};
-use crate::claims::dead_letters::{self, DeadLetterRow, RawLetter};
+use crate::claims::dead_letters::{self, DeadLetterRow, LetterSearch, RawLetter};
 use sqlx::PgPool;
 use std::future::Future;
+
+/// Puts dead letters back on a topic: their own, or the one given.
+pub struct LetterProducer {
+    producer: rdkafka::producer::FutureProducer,
+    topic: Option<String>,
+}
+
+impl LetterProducer {
+    /// A producer to `brokers` with the librdkafka `options`; `topic` replaces each letter's own.
+    pub fn new(
+        brokers: &str,
+        options: &[(String, String)],
+        topic: Option<String>,
+    ) -> anyhow::Result<Self> {
+        Ok(Self {
+            producer: crate::kafka::producer(brokers, options)?,
+            topic,
+        })
+    }
+
+    /// Produces `letter`'s bytes and answers the topic it went to, once the broker acknowledged.
+    pub async fn produce(&self, letter: RawLetter) -> anyhow::Result<String> {
+        let topic = self.topic.clone().unwrap_or(letter.topic);
+        let (key, value) = (letter.key.as_deref(), letter.value.as_deref());
+        crate::kafka::produce_raw(&self.producer, &topic, key, value).await?;
+        Ok(topic)
+    }
+}
+
+/// The dead letters a bulk replay takes: never replayed, matching `search`, newest first.
+pub async fn to_replay(
+    pool: &PgPool,
+    search: &LetterSearch,
+) -> Result<Vec<DeadLetterRow>, OperatorError> {
+    let search = LetterSearch {
+        not_replayed: true,
+        ..search.clone()
+    };
+    Ok(dead_letters::search(pool, &search).await?)
+}
+
+/// What a bulk replay did: the changes, and the letters it could not replay with why.
+#[derive(Debug, Default, serde::Serialize)]
+pub struct Replayed {
+    pub changes: Vec<Change>,
+    pub refused: Vec<(i64, String)>,
+}
+
+/// Replays each of `ids` as [`replay`] does, one at a time, each audited; one that fails is
+/// reported and the rest go on.
+pub async fn replay_many(
+    pool: &PgPool,
+    ids: &[i64],
+    act: &Act,
+    producer: &LetterProducer,
+) -> Replayed {
+    let mut done = Replayed::default();
+    for &id in ids {
+        match replay(pool, id, act, |letter| producer.produce(letter)).await {
+            Ok(changes) => done.changes.extend(changes),
+            Err(e) => done.refused.push((id, format!("{e:#}"))),
+        }
+    }
+    done
+}
 
 /// The newest dead letters first.
 pub async fn list(pool: &PgPool, limit: i64) -> Result<Vec<DeadLetterRow>, OperatorError> {

@@ -74,7 +74,7 @@ pub struct EventFilter {
 }
 
 /// An event in a list: its claim and its operations' states.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
 pub struct EventSummary {
     pub event_key: Option<String>,
     pub source: Option<String>,
@@ -86,24 +86,217 @@ pub struct EventSummary {
     pub claimed_at: Option<DateTime<Utc>>,
 }
 
-/// The newest events matching `f`.
+/// The newest events matching `f`: [`search`] with an age for its upper bound.
 pub async fn list(pool: &PgPool, f: &EventFilter) -> Result<Vec<EventSummary>, OperatorError> {
-    Ok(sqlx::query_as!(
-        EventSummary,
-        r#"SELECT event_key, source, event_type, claim, operations, attempts, claimed_at
-           FROM event_summaries
-           WHERE ($1::text IS NULL OR claim = $1 OR $1 = ANY(operation_states))
-             AND ($2::text IS NULL OR source = $2)
-             AND ($3::float8 IS NULL OR claimed_at <= now() - make_interval(secs => $3))
-           ORDER BY claimed_at DESC, event_key
-           LIMIT $4"#,
-        f.state.map(StateName::as_str),
-        f.source.as_deref(),
-        f.older_than.map(|d| d.as_secs_f64()),
-        f.limit,
+    let until = match f.older_than {
+        Some(age) => {
+            Some(Utc::now() - chrono::Duration::from_std(age).map_err(anyhow::Error::from)?)
+        }
+        None => None,
+    };
+    let found = search(
+        pool,
+        &Search {
+            state: f.state.map(SearchState::State),
+            source: f.source.clone(),
+            until,
+            limit: f.limit,
+            ..Search::default()
+        },
     )
-    .fetch_all(pool)
-    .await?)
+    .await?;
+    Ok(found.events)
+}
+
+/// What `events list --since/--until/--type/--after`, and the console's events page, look for.
+/// Every field narrows the search; an empty search is every event, newest first.
+#[derive(Debug, Clone, Default)]
+pub struct Search {
+    /// An event key: exact, or a prefix when it ends with `*` (`stripe:evt_1*`).
+    pub key: Option<String>,
+    pub source: Option<String>,
+    pub event_type: Option<String>,
+    /// A claim status or an operation state, or [`Search::CONFLICT`].
+    pub state: Option<SearchState>,
+    /// Only events claimed at or after this time.
+    pub since: Option<DateTime<Utc>>,
+    /// Only events claimed before this time.
+    pub until: Option<DateTime<Utc>>,
+    /// The page after this one.
+    pub after: Option<Cursor>,
+    pub limit: i64,
+}
+
+/// What `state` narrows a search to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SearchState {
+    /// The claim is in it, or one of its operations is.
+    State(StateName),
+    /// Events with a key conflict recorded.
+    Conflict,
+}
+
+impl std::str::FromStr for SearchState {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            Search::CONFLICT => Ok(Self::Conflict),
+            _ => s
+                .parse()
+                .map(Self::State)
+                .map_err(|e| format!("{e}, or {}", Search::CONFLICT)),
+        }
+    }
+}
+
+impl SearchState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::State(s) => s.as_str(),
+            Self::Conflict => Search::CONFLICT,
+        }
+    }
+}
+
+impl Search {
+    /// The `state` of events with a key conflict.
+    pub const CONFLICT: &'static str = "conflict";
+}
+
+/// Where a page of a search ended: the last event's claim time and key. Written as one opaque
+/// URL-safe word.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Cursor {
+    pub claimed_at: DateTime<Utc>,
+    pub key: String,
+}
+
+impl std::fmt::Display for Cursor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        use base64::Engine as _;
+        let micros = self.claimed_at.timestamp_micros();
+        let text = format!("{micros}:{}", self.key);
+        f.write_str(&base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(text))
+    }
+}
+
+impl std::str::FromStr for Cursor {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        use base64::Engine as _;
+        let bad = || format!("{s:?} is not a cursor a list printed");
+        let bytes = base64::engine::general_purpose::URL_SAFE_NO_PAD
+            .decode(s)
+            .map_err(|_| bad())?;
+        let text = String::from_utf8(bytes).map_err(|_| bad())?;
+        let (micros, key) = text.split_once(':').ok_or_else(bad)?;
+        let micros: i64 = micros.parse().map_err(|_| bad())?;
+        let claimed_at = DateTime::from_timestamp_micros(micros).ok_or_else(bad)?;
+        Ok(Self {
+            claimed_at,
+            key: key.into(),
+        })
+    }
+}
+
+/// One page of a search, and the cursor of the next when there is one.
+#[derive(Debug, Clone, Serialize)]
+pub struct Page {
+    pub events: Vec<EventSummary>,
+    #[serde(serialize_with = "display_opt")]
+    pub next: Option<Cursor>,
+}
+
+fn display_opt<S: serde::Serializer>(c: &Option<Cursor>, s: S) -> Result<S::Ok, S::Error> {
+    match c {
+        Some(c) => s.collect_str(c),
+        None => s.serialize_none(),
+    }
+}
+
+/// The char after every other: a key prefix `p` is every key in `[p, p || LAST)`, compared byte
+/// by byte (the key columns are `COLLATE "C"`).
+const LAST_CHAR: char = '\u{10FFFF}';
+
+/// A page of events matching `search`, newest claim first, by keyset on
+/// `(claimed_at, event_key)`: a deep page costs what the first does.
+pub async fn search(pool: &PgPool, search: &Search) -> Result<Page, OperatorError> {
+    let mut q = sqlx::QueryBuilder::new(
+        "SELECT p.event_key, p.source, p.event_type, p.status AS claim, \
+         (SELECT string_agg(o.operation || '=' || o.state, ', ' ORDER BY o.operation) \
+            FROM outbox o WHERE o.event_key = p.event_key) AS operations, \
+         p.attempts, p.claimed_at FROM processed_events p WHERE true",
+    );
+    match search.key.as_deref() {
+        Some(key) if key.ends_with('*') => {
+            let prefix = key.trim_end_matches('*');
+            q.push(" AND p.event_key >= ").push_bind(prefix.to_owned());
+            q.push(" AND p.event_key < ")
+                .push_bind(format!("{prefix}{LAST_CHAR}"));
+        }
+        Some(key) => {
+            q.push(" AND p.event_key = ").push_bind(key.to_owned());
+        }
+        None => {}
+    }
+    if let Some(source) = &search.source {
+        q.push(" AND p.source = ").push_bind(source.clone());
+    }
+    if let Some(event_type) = &search.event_type {
+        q.push(" AND p.event_type = ").push_bind(event_type.clone());
+    }
+    match search.state {
+        Some(SearchState::State(StateName::Claim(status))) => {
+            let name = status.as_str();
+            q.push(" AND (p.status = ").push_bind(name);
+            if name.parse::<OutboxState>().is_ok() {
+                q.push(" OR EXISTS (SELECT 1 FROM outbox o WHERE o.event_key = p.event_key AND o.state = ")
+                    .push_bind(name)
+                    .push(")");
+            }
+            q.push(")");
+        }
+        Some(SearchState::State(StateName::Operation(state))) => {
+            q.push(" AND EXISTS (SELECT 1 FROM outbox o WHERE o.event_key = p.event_key AND o.state = ")
+                .push_bind(state.as_str())
+                .push(")");
+        }
+        Some(SearchState::Conflict) => {
+            q.push(" AND EXISTS (SELECT 1 FROM key_conflicts k WHERE k.event_key = p.event_key)");
+        }
+        None => {}
+    }
+    if let Some(since) = search.since {
+        q.push(" AND p.claimed_at >= ").push_bind(since);
+    }
+    if let Some(until) = search.until {
+        q.push(" AND p.claimed_at < ").push_bind(until);
+    }
+    if let Some(after) = &search.after {
+        q.push(" AND (p.claimed_at, p.event_key) < (")
+            .push_bind(after.claimed_at)
+            .push(", ")
+            .push_bind(after.key.clone())
+            .push(")");
+    }
+    let limit = search.limit.max(1);
+    q.push(" ORDER BY p.claimed_at DESC, p.event_key DESC LIMIT ")
+        .push_bind(limit + 1);
+    let mut events: Vec<EventSummary> = q.build_query_as().fetch_all(pool).await?;
+    let next = if events.len() as i64 > limit {
+        events.truncate(limit as usize);
+        events.last().and_then(|e| {
+            Some(Cursor {
+                claimed_at: e.claimed_at?,
+                key: e.event_key.clone()?,
+            })
+        })
+    } else {
+        None
+    };
+    Ok(Page { events, next })
 }
 
 /// Everything known about one event.

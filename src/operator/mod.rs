@@ -12,6 +12,7 @@ pub mod events;
 pub mod expired;
 #[cfg(feature = "cli")]
 pub mod render;
+pub mod replay;
 pub mod status;
 
 use serde::Serialize;

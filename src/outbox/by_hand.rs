@@ -72,8 +72,12 @@ pub struct AttemptRow {
     pub duration_ms: i32,
     /// The worker that made it.
     pub worker: String,
+    /// The fencing token of the lease it was made under.
+    pub fencing_token: i64,
     /// What went wrong, if anything.
     pub error: Option<String>,
+    /// The start of the downstream's answer, sanitised and capped as the operation's last one.
+    pub response_excerpt: Option<String>,
 }
 
 /// Every attempt at an event's operations, in order.
@@ -81,7 +85,8 @@ pub async fn attempts_of_event(pool: &PgPool, key: &str) -> sqlx::Result<Vec<Att
     sqlx::query_as!(
         AttemptRow,
         r#"SELECT o.operation, a.kind AS "kind: AttemptKind", a.outcome AS "outcome: Outcome",
-                  a.status_code, a.applied, a.started_at, a.duration_ms, a.worker, a.error
+                  a.status_code, a.applied, a.started_at, a.duration_ms, a.worker,
+                  a.fencing_token, a.error, a.response_excerpt
            FROM outbox_attempts a JOIN outbox o ON o.id = a.outbox_id
            WHERE o.event_key = $1 ORDER BY a.id"#,
         key

@@ -532,8 +532,8 @@ async fn record_attempt(
     let sha: [u8; 32] = <sha2::Sha256 as sha2::Digest>::digest(&leased.payload).into();
     sqlx::query!(
         "INSERT INTO outbox_attempts (outbox_id, fencing_token, worker, kind, idempotency_key, \
-         payload_sha256, started_at, duration_ms, status_code, error, outcome, applied) \
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)",
+         payload_sha256, started_at, duration_ms, status_code, error, outcome, applied, \
+         response_excerpt) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)",
         leased.id,
         leased.fencing_token,
         attempt.worker,
@@ -546,6 +546,7 @@ async fn record_attempt(
         settlement.error.as_deref(),
         attempt.outcome.as_str(),
         applied,
+        settlement.response.as_deref(),
     )
     .execute(conn)
     .await?;

@@ -23,6 +23,10 @@ mod ingest {
 }
 /// Every connection over TLS: PostgreSQL, Kafka with SASL/SCRAM, dispatch over HTTPS.
 mod tls;
+/// The operator's console: its pages and actions over HTTP, and in a real browser.
+mod console {
+    mod pages;
+}
 /// The operator's commands, `status`, and retention: prune, expired replays, erasure.
 mod operator {
     mod commands;

@@ -1,6 +1,7 @@
 //! Test helpers: a fresh database per test, a broker per test, producers, processes, an
 //! ingress envelope builder and a fake downstream.
 
+pub mod console;
 pub mod database;
 pub mod dispatcher;
 pub mod ingress;
