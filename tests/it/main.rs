@@ -30,6 +30,7 @@ mod console {
 /// The operator's commands, `status`, and retention: prune, expired replays, erasure.
 mod operator {
     mod commands;
+    mod replay;
     mod retention;
     mod status;
 }

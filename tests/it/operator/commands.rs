@@ -547,3 +547,172 @@ async fn bulk_retry_dry_runs_then_retries_each_matching_event_with_an_audit_row(
     // Nothing is failed any more: a second bulk retry finds nothing.
     assert!(run(&["--dry-run"]).contains("0 events would be retried"));
 }
+
+/// Runs `replayproof ARGS` and answers (stdout, stderr), asserting it succeeded.
+fn run_cli(args: &[&str]) -> (String, String) {
+    let out = crate::harness::replayproof().args(args).output().unwrap();
+    let (stdout, stderr) = (
+        String::from_utf8(out.stdout).unwrap(),
+        String::from_utf8(out.stderr).unwrap(),
+    );
+    assert!(out.status.success(), "{args:?}: {stderr}");
+    (stdout, stderr)
+}
+
+#[tokio::test]
+async fn events_list_pages_by_cursor_and_narrows_by_time_and_type() {
+    let db = TestDb::new().await;
+    let messages: Vec<_> = (0..7).map(|i| message(i, &format!("k{i}"))).collect();
+    process(&db, Arc::new(Ledger), &messages).await;
+    sqlx::query("UPDATE processed_events SET claimed_at = now() - interval '3 hours', event_type = 'old.kind' WHERE event_key IN ('k0', 'k1')")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let keys = |json: &str| -> Vec<String> {
+        let rows: Vec<serde_json::Value> = serde_json::from_str(json).unwrap();
+        rows.iter()
+            .map(|r| r["event_key"].as_str().unwrap().to_owned())
+            .collect()
+    };
+    let base = ["events", "list", "--json", "--database-url", &db.url];
+    let mut seen = Vec::new();
+    let mut after: Option<String> = None;
+    loop {
+        let mut args = base.to_vec();
+        args.extend(["--limit", "3"]);
+        if let Some(a) = &after {
+            args.extend(["--after", a.as_str()]);
+        }
+        let (stdout, stderr) = run_cli(&args);
+        seen.extend(keys(&stdout));
+        match stderr
+            .lines()
+            .find_map(|l| l.strip_prefix("next page: --after "))
+        {
+            Some(next) => after = Some(next.to_owned()),
+            None => break,
+        }
+    }
+    assert_eq!(
+        seen,
+        ["k6", "k5", "k4", "k3", "k2", "k1", "k0"],
+        "every event once, newest first"
+    );
+    let recent = keys(&run_cli(&[&base[..], &["--since", "1h"]].concat()).0);
+    assert_eq!(recent.len(), 5);
+    let old = keys(&run_cli(&[&base[..], &["--until", "1h", "--type", "old.kind"]].concat()).0);
+    assert_eq!(old, ["k1", "k0"]);
+    let prefix = keys(&run_cli(&[&base[..], &["--key", "k1*"]].concat()).0);
+    assert_eq!(prefix, ["k1"]);
+    let bad = crate::harness::replayproof()
+        .args([&base[..], &["--after", "not-a-cursor"]].concat())
+        .output()
+        .unwrap();
+    assert!(!bad.status.success());
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("not a cursor"));
+}
+
+#[tokio::test]
+async fn dead_letters_replay_in_bulk_takes_only_the_letters_selected_and_a_dry_run_none() {
+    let db = TestDb::new().await;
+    let kafka = TestKafka::mock();
+    let topic = kafka.topic(1).await;
+    let letter = |offset: i64, value: &str| RawMessage {
+        offset,
+        key: None,
+        value: Some(value.as_bytes().to_vec()),
+        traceparent: None,
+    };
+    // Three that are not JSON, one JSON that is no envelope.
+    process(
+        &db,
+        Arc::new(Ledger),
+        &[
+            letter(1, "oops"),
+            letter(2, "{\"x\": 1}"),
+            letter(3, "nope"),
+            letter(4, "bad"),
+        ],
+    )
+    .await;
+    let replayed = || async {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM dead_letters WHERE replayed_at IS NOT NULL",
+        )
+        .fetch_one(&db.pool)
+        .await
+        .unwrap()
+    };
+    let brokers = kafka.brokers();
+    let base = [
+        "dead-letters",
+        "replay",
+        "--database-url",
+        &db.url,
+        "--brokers",
+        &brokers,
+        "--topic",
+        &topic,
+        "--reason",
+        "parser fixed",
+        "--actor",
+        "dave",
+    ];
+    let (dry, _) = run_cli(&[&base[..], &["--all", "--dry-run"]].concat());
+    assert!(dry.contains("4 dead letters would be replayed"), "{dry}");
+    assert_eq!(replayed().await, 0, "a dry run changes nothing");
+    let reasons: Vec<String> = sqlx::query_scalar("SELECT reason FROM dead_letters ORDER BY id")
+        .fetch_all(&db.pool)
+        .await
+        .unwrap();
+    // The letter whose reason is the one of the JSON that is no envelope.
+    assert!(reasons.iter().filter(|r| **r == reasons[1]).count() == 1, "{reasons:?}");
+    let pattern = reasons[1].clone();
+    let (like, _) = run_cli(&[&base[..], &["--reason-like", &pattern]].concat());
+    assert_eq!(replayed().await, 1, "{like}");
+    run_cli(&[&base[..], &["--all"]].concat());
+    assert_eq!(replayed().await, 4);
+    let (again, _) = run_cli(&[&base[..], &["--all", "--dry-run"]].concat());
+    assert!(
+        again.contains("0 dead letters would be replayed"),
+        "replayed ones are not taken again: {again}"
+    );
+    let audited: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM operator_actions WHERE actor = 'dave' AND action = 'replay'",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(audited, 4);
+}
+
+#[tokio::test]
+async fn status_watch_shows_the_screen_again_until_interrupted() {
+    let db = TestDb::new().await;
+    let mut child = crate::harness::replayproof()
+        .args(["status", "--watch", "200ms", "--database-url", &db.url])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdout = child.stdout.take().unwrap();
+    let reader = std::thread::spawn(move || {
+        let mut text = String::new();
+        std::io::Read::read_to_string(&mut stdout, &mut text).unwrap();
+        text
+    });
+    // Three screens at least, then SIGINT.
+    tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(child.id() as i32),
+        nix::sys::signal::Signal::SIGINT,
+    )
+    .unwrap();
+    let status = child.wait().unwrap();
+    assert!(status.success(), "{status:?}");
+    let text = reader.join().unwrap();
+    assert!(text.matches("(every 200ms)").count() >= 3, "{text}");
+    assert!(
+        text.contains("\x1b[2J"),
+        "the screen is cleared between views"
+    );
+}
