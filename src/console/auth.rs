@@ -91,6 +91,11 @@ pub fn hash_password_with(password: &str, params: argon2::Params) -> anyhow::Res
         .to_string())
 }
 
+/// `N` random bytes from the operating system, as hex.
+pub fn random_hex<const N: usize>() -> String {
+    hex::encode(random_bytes::<N>())
+}
+
 /// Random bytes from the operating system.
 fn random_bytes<const N: usize>() -> [u8; N] {
     use argon2::password_hash::rand_core::{OsRng, RngCore};

@@ -19,7 +19,7 @@ mod pages;
 mod story;
 
 pub use argon2::Params as HashParams;
-pub use auth::{hash_password, hash_password_with, Role, UserConfig};
+pub use auth::{hash_password, hash_password_with, random_hex, Role, UserConfig};
 
 use crate::effect::Registry;
 use crate::operator::status::KafkaTarget;

@@ -217,6 +217,9 @@ pub(crate) async fn overview(
             div class="grid" {
                 section {
                     h2 { "Claims" }
+                    @if status.claims.is_empty() {
+                        p { "No claim waits for anything. Done claims are estimated from the table's statistics, once PostgreSQL has analysed it." }
+                    }
                     table id="claims" {
                         @for (status_name, n) in &status.claims {
                             tr { td { a href=(format!("/events?state={}", q(status_name))) { (status_name) } } td class="n" { (n) } }
@@ -242,7 +245,7 @@ pub(crate) async fn overview(
                         tr { td { a href="/dead-letters" { "dead letters (estimate)" } } td class="n" { "~" (status.dead_letters) } }
                         tr { td { a href="/events?state=conflict" { "key conflicts (estimate)" } } td class="n" { "~" (status.key_conflicts) } }
                         tr { td { a href="/expired" { "expired replays" } } td class="n" { (status.expired_replays) } }
-                        tr { td { a href="/events?state=failed" { "failed" } } td class="n" { (status.claims.iter().find(|(s, _)| s == "failed").map(|(_, n)| *n).unwrap_or(0)) } }
+                        tr { td { a href="/events?state=failed" { "failed claims" } } td class="n" { (status.claims.iter().find(|(s, _)| s == "failed").map(|(_, n)| *n).unwrap_or(0)) } }
                     }
                 }
                 section {

@@ -47,6 +47,69 @@ pub struct DevArgs {
     /// Also POST each event here through the outbox, and run a dispatcher.
     #[arg(long, env = "REPLAYPROOF_TARGET_URL")]
     pub target_url: Option<String>,
+
+    /// Where the console is served; this machine only by default. Its users are the
+    /// configuration file's [console] section, or else one operator, `dev`, with a password
+    /// made at start and printed.
+    #[arg(long, env = "REPLAYPROOF_CONSOLE_LISTEN", default_value = crate::console::DEFAULT_LISTEN)]
+    pub console_listen: SocketAddr,
+}
+
+/// The console's settings in `dev`, and how to log in.
+fn console_settings(
+    opts: &DevArgs,
+    config: Option<&crate::config::ConfigFile>,
+    stack: &Stack,
+) -> anyhow::Result<(crate::console::ConsoleSettings, String)> {
+    use crate::console::{ConsoleFile, ConsoleSettings, Role, UserConfig};
+    let section = config.map(ConsoleFile::from_config).transpose()?;
+    let (mut settings, login) = match section {
+        Some(section) if !section.users.is_empty() => (
+            ConsoleSettings::new(opts.console_listen, section)?,
+            "as a user of [console]".to_owned(),
+        ),
+        _ => {
+            let password = crate::console::random_hex::<12>();
+            crate::secrets::register(&password);
+            let file = ConsoleFile {
+                session_key: Some(crate::console::random_hex::<32>()),
+                users: vec![UserConfig {
+                    name: "dev".into(),
+                    role: Role::Operator,
+                    password_hash: Some(crate::console::hash_password(&password)?),
+                }],
+                ..ConsoleFile::default()
+            };
+            let login = format!("user dev, password {password} (made for this run)");
+            (ConsoleSettings::new(opts.console_listen, file)?, login)
+        }
+    };
+    settings.kafka = Some(crate::operator::status::KafkaTarget {
+        brokers: stack.brokers.clone(),
+        topic: stack.topic.clone(),
+        group: DEV_GROUP.into(),
+        options: Vec::new(),
+    });
+    settings.effects = effects(opts);
+    settings.http = http_outbox(opts);
+    Ok((settings, login))
+}
+
+/// The consumer group of `dev`.
+const DEV_GROUP: &str = "replayproof-dev";
+
+fn effects(opts: &DevArgs) -> Vec<String> {
+    let mut effects = vec!["ledger".to_owned()];
+    effects.extend(opts.target_url.as_ref().map(|_| "http".to_owned()));
+    effects
+}
+
+fn http_outbox(opts: &DevArgs) -> Option<HttpOutbox> {
+    opts.target_url.clone().map(|target_url| HttpOutbox {
+        target_url,
+        reconcile_url: None,
+        max_attempts: crate::consume::args::DEFAULT_MAX_ATTEMPTS,
+    })
 }
 
 /// Runs ingest, a consumer and (with a target) a dispatcher until a signal stops them.
@@ -80,12 +143,25 @@ pub async fn run(
         Some(_) => Some(start_dispatcher(&stack, shutdown.clone())?),
         None => None,
     };
+    let (settings, login) = console_settings(&opts, config, &stack)?;
+    let console =
+        crate::console::Console::bind(settings, stack.pool.clone(), registry.clone()).await?;
+    let console_line = format!("http://{}/ ({login})", console.addr());
+    let console = console.run_until_stopped(shutdown.clone());
     eprintln!(
         "{}",
-        banner(&stack, &base, &names, &secrets, opts.target_url.as_deref())
+        banner(
+            &stack,
+            &base,
+            &names,
+            &secrets,
+            opts.target_url.as_deref(),
+            &console_line
+        )
     );
     ingress.stopped().await?;
     consumer.stopped().await?;
+    console.stopped().await?;
     if let Some(d) = dispatcher {
         d.stopped().await?;
     }
@@ -99,18 +175,14 @@ fn start_consumer(
     registry: &Registry,
     stop: CancellationToken,
 ) -> anyhow::Result<Running> {
-    let mut effects = vec!["ledger".to_owned()];
-    effects.extend(opts.target_url.as_ref().map(|_| "http".to_owned()));
-    let http = opts.target_url.clone().map(|target_url| HttpOutbox {
-        target_url,
-        reconcile_url: None,
-        max_attempts: crate::consume::args::DEFAULT_MAX_ATTEMPTS,
-    });
-    let processor =
-        BatchProcessor::new(stack.pool.clone(), registry.build(&effects, http.as_ref())?);
+    let http = http_outbox(opts);
+    let processor = BatchProcessor::new(
+        stack.pool.clone(),
+        registry.build(&effects(opts), http.as_ref())?,
+    );
     let settings = ConsumerSettings {
         kafka_options: vec![("session.timeout.ms".into(), "6000".into())],
-        ..ConsumerSettings::new(&stack.brokers, &stack.topic, "replayproof-dev")
+        ..ConsumerSettings::new(&stack.brokers, &stack.topic, DEV_GROUP)
     };
     let metrics = ConsumeMetrics::new(&prometheus::Registry::new())?;
     Ok(
@@ -141,6 +213,7 @@ fn banner(
     names: &[String],
     secrets: &[String],
     target_url: Option<&str>,
+    console: &str,
 ) -> String {
     let kafka = if stack.embedded_kafka {
         "in-process mock cluster"
@@ -173,5 +246,6 @@ fn banner(
     if let Some(url) = target_url {
         banner += &format!("  Outbox:      each event is also POSTed to {url}\n");
     }
+    banner += &format!("  Console:     {console}\n");
     banner + "  Ctrl-C stops everything.\n"
 }

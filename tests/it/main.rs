@@ -25,6 +25,7 @@ mod ingest {
 mod tls;
 /// The operator's console: its pages and actions over HTTP, and in a real browser.
 mod console {
+    mod browser;
     mod pages;
 }
 /// The operator's commands, `status`, and retention: prune, expired replays, erasure.

@@ -52,20 +52,39 @@ async fn dev_applies_a_signed_delivery_and_stops_on_sigint() {
         .local_addr()
         .unwrap()
         .port();
+    let console_port = crate::harness::free_port();
     let mut dev = tokio::process::Command::new(env!("CARGO_BIN_EXE_replayproof"))
         .args([
             "dev",
             "--listen",
             &format!("127.0.0.1:{port}"),
+            "--console-listen",
+            &format!("127.0.0.1:{console_port}"),
             "--database-url",
             &db.url,
         ])
         .env_remove("REPLAYPROOF_BROKERS")
         .env_remove("GITHUB_WEBHOOK_SECRET")
         .stdin(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
         .kill_on_drop(true)
         .spawn()
         .unwrap();
+    // The banner names the console and the password made for this run.
+    let stderr = dev.stderr.take().unwrap();
+    let (banner_tx, banner_rx) = tokio::sync::oneshot::channel();
+    tokio::spawn(async move {
+        use tokio::io::AsyncBufReadExt as _;
+        let mut lines = tokio::io::BufReader::new(stderr).lines();
+        let mut banner_tx = Some(banner_tx);
+        while let Ok(Some(line)) = lines.next_line().await {
+            if line.contains("Console:") {
+                if let Some(tx) = banner_tx.take() {
+                    let _ = tx.send(line);
+                }
+            }
+        }
+    });
     let http = reqwest::Client::new();
     let base = format!("http://127.0.0.1:{port}");
     wait_for("dev to be ready", Duration::from_secs(60), || async {
@@ -96,6 +115,45 @@ async fn dev_applies_a_signed_delivery_and_stops_on_sigint() {
             == 1
     })
     .await;
+    // The console `dev` serves shows it, to the user the banner names.
+    let banner = tokio::time::timeout(Duration::from_secs(30), banner_rx)
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(
+        banner.contains(&format!("http://127.0.0.1:{console_port}/")),
+        "{banner}"
+    );
+    let password = banner
+        .split("password ")
+        .nth(1)
+        .and_then(|rest| rest.split_whitespace().next())
+        .unwrap_or_else(|| panic!("no password in {banner}"));
+    let console = reqwest::Client::builder()
+        .redirect(reqwest::redirect::Policy::none())
+        .build()
+        .unwrap();
+    let login = console
+        .post(format!("http://127.0.0.1:{console_port}/login"))
+        .form(&[("username", "dev"), ("password", password)])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(login.status(), 303);
+    let cookie = login.headers()["set-cookie"].to_str().unwrap();
+    let cookie = cookie.split(';').next().unwrap().to_owned();
+    let page = console
+        .get(format!(
+            "http://127.0.0.1:{console_port}/events?q=github:dev-1"
+        ))
+        .header("cookie", cookie)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(page.contains("/events/github:dev-1"), "{page}");
     nix::sys::signal::kill(
         nix::unistd::Pid::from_raw(dev.id().unwrap() as i32),
         nix::sys::signal::Signal::SIGINT,

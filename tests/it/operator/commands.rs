@@ -666,7 +666,10 @@ async fn dead_letters_replay_in_bulk_takes_only_the_letters_selected_and_a_dry_r
         .await
         .unwrap();
     // The letter whose reason is the one of the JSON that is no envelope.
-    assert!(reasons.iter().filter(|r| **r == reasons[1]).count() == 1, "{reasons:?}");
+    assert!(
+        reasons.iter().filter(|r| **r == reasons[1]).count() == 1,
+        "{reasons:?}"
+    );
     let pattern = reasons[1].clone();
     let (like, _) = run_cli(&[&base[..], &["--reason-like", &pattern]].concat());
     assert_eq!(replayed().await, 1, "{like}");
