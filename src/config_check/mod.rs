@@ -148,7 +148,9 @@ pub struct Report {
 }
 
 /// The commands `config check` tries to start, each from the file and the environment alone.
-const CHECKED_COMMANDS: &[&str] = &["migrate", "consume", "dispatch", "ingest", "status"];
+const CHECKED_COMMANDS: &[&str] = &[
+    "migrate", "consume", "dispatch", "ingest", "status", "console",
+];
 
 /// `replayproof config check`: reads the file, replaces its variables, refuses unknown
 /// sections and keys, parses every command from the file and the environment as it would
@@ -268,6 +270,11 @@ impl Report {
             "\n# Commands, started from the file and the environment alone:"
         )?;
         for command in CHECKED_COMMANDS {
+            let configured = |f: &ConfigFile| !f.section("console").is_empty();
+            if *command == "console" && !file.is_some_and(configured) {
+                writeln!(self.text, "console: not configured (no [console] section)")?;
+                continue;
+            }
             let argv: Vec<OsString> = vec!["replayproof".into(), (*command).into()];
             let parsed = layered_over(root.clone(), file.cloned(), argv, env);
             match parsed {
@@ -320,6 +327,15 @@ impl Report {
 /// What stops a command whose flags all parse: ingest without its sources, or with a secret
 /// variable unset; dispatch with a destination or credential it cannot read.
 fn own_problem(command: &str, file: Option<&ConfigFile>, env: &dyn Env) -> Option<anyhow::Error> {
+    if command == "console" {
+        let listen = crate::console::DEFAULT_LISTEN
+            .parse()
+            .expect("a socket address");
+        let file = file?;
+        return crate::console::ConsoleFile::from_config(file)
+            .and_then(|section| crate::console::ConsoleSettings::new(listen, section))
+            .err();
+    }
     if command == "dispatch" {
         let section = file.map(|f| f.section("dispatch")).unwrap_or_default();
         return crate::dispatch::Destinations::from_table(section.get("destinations"))
@@ -396,6 +412,49 @@ mod tests {
             url.ends_with("# file") && !url.contains("pw-secret"),
             "{url}"
         );
+    }
+
+    #[test]
+    fn the_console_is_checked_when_the_file_configures_it() {
+        let env = BTreeMap::<String, String>::new();
+        let report = |text: &str| {
+            let file = ConfigFile::parse(std::path::Path::new("c.toml"), text, &env).unwrap();
+            check(&crate::cli::Args::command(), Some(&file), &env).unwrap()
+        };
+        let none = report("[kafka]\nbrokers = \"b:9092\"\n");
+        assert!(
+            none.text.contains("console: not configured"),
+            "{}",
+            none.text
+        );
+        let db = "[database]\nurl = \"postgres://u@db/x\"\n";
+        let short = report(&format!("{db}[console]\nsession_key = \"short\"\n"));
+        assert!(short.text.contains("console: problem:"), "{}", short.text);
+        assert!(short.text.contains("at least 32"), "{}", short.text);
+        let hash = crate::console::hash_password_with(
+            "pw",
+            argon2::Params::new(1024, 1, 1, None).unwrap(),
+        )
+        .unwrap();
+        let fine = report(&format!(
+            "{db}[console]\nsession_key = \"{}\"\nlisten = \"127.0.0.1:9999\"\n\
+             [[console.users]]\nname = \"ann\"\nrole = \"operator\"\npassword_hash = \"{hash}\"\n",
+            "k".repeat(40)
+        ));
+        assert!(fine.text.contains("console: ready"), "{}", fine.text);
+        assert!(
+            fine.text
+                .contains("[console]\nlisten = \"127.0.0.1:9999\"    # file"),
+            "{}",
+            fine.text
+        );
+        let typo = ConfigFile::parse(
+            std::path::Path::new("c.toml"),
+            "[console]\nsesion_key = \"x\"\n",
+            &env,
+        )
+        .unwrap();
+        assert!(check(&crate::cli::Args::command(), Some(&typo), &env).is_err());
     }
 
     #[test]
