@@ -15,6 +15,8 @@
 #     manifests of deploy/kubernetes/ against the Kubernetes schemas and a security linter;
 #     both run offline.
 #   - groff (Debian's groff-base, installed when missing), which renders the manual pages.
+#   - Debian's chromium and chromium-driver (installed when missing): the console's browser test
+#     drives a real browser through WebDriver.
 #   - cargo-audit (pinned, installed when missing) when a copy of the RustSec advisory database
 #     is on disk (REPLAYPROOF_ADVISORY_DB, or ../shared/advisory-db): it cannot be fetched here.
 # Then: formatting, the query data, clippy with warnings denied, a library build without the
@@ -199,6 +201,15 @@ ensure_groff() {
   fi
 }
 
+# ------------------------------------------------------------------------------------ chromium
+ensure_chromium() {
+  if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then
+    log "Installing Debian's chromium and chromium-driver (the console's browser test; once)"
+    apt_install chromium chromium-driver
+    command -v chromedriver >/dev/null || die "chromedriver still missing after installing chromium-driver"
+  fi
+}
+
 # ------------------------------------------------------------------------- RustSec advisories
 # `cargo audit` checks Cargo.lock against the RustSec advisory database, which lives in a git
 # repository (rustsec/advisory-db) this machine's network cannot reach. So it reads a copy on
@@ -273,6 +284,7 @@ ensure_postgres_binaries
 ensure_sqlx_cli
 ensure_promtool
 ensure_groff
+ensure_chromium
 ensure_kubernetes_checkers
 export SQLX_OFFLINE=true
 

@@ -223,12 +223,79 @@ const LAST_CHAR: char = '\u{10FFFF}';
 /// A page of events matching `search`, newest claim first, by keyset on
 /// `(claimed_at, event_key)`: a deep page costs what the first does.
 pub async fn search(pool: &PgPool, search: &Search) -> Result<Page, OperatorError> {
-    let mut q = sqlx::QueryBuilder::new(
+    let limit = search.limit.max(1);
+    // A narrow state or key prefix is looked up by its own index first, and its few events
+    // ordered by time here: walking the time index for a few rare events scattered over
+    // millions would read most of it, which is what PostgreSQL's plan for `ORDER BY … LIMIT`
+    // would do.
+    let mut narrow = None;
+    for candidates in [Candidates::of_state(search), Candidates::of_prefix(search)]
+        .into_iter()
+        .flatten()
+    {
+        if let Some(keys) = candidates.few(pool).await? {
+            // Keys found by their state are in it: the condition need not be checked again.
+            let by_state = !matches!(candidates, Candidates::Prefix(_));
+            narrow = Some((keys, by_state));
+            break;
+        }
+    }
+    let mut events: Vec<EventSummary> = match narrow {
+        Some((keys, by_state)) => {
+            let mut q = sqlx::QueryBuilder::new(
+                "SELECT p.event_key, p.claimed_at FROM processed_events p WHERE p.event_key = ANY(",
+            );
+            q.push_bind(keys).push(")");
+            push_filters(&mut q, search, by_state);
+            let mut found: Vec<(String, DateTime<Utc>)> =
+                q.build_query_as().fetch_all(pool).await?;
+            found.sort_by(|a, b| (b.1, &b.0).cmp(&(a.1, &a.0)));
+            found.truncate(limit as usize + 1);
+            let page: Vec<String> = found.into_iter().map(|(k, _)| k).collect();
+            let mut q = summaries();
+            q.push(" AND p.event_key = ANY(").push_bind(page).push(")");
+            q.push(" ORDER BY p.claimed_at DESC, p.event_key DESC");
+            q.build_query_as().fetch_all(pool).await?
+        }
+        None => {
+            let mut q = summaries();
+            push_filters(&mut q, search, false);
+            q.push(" ORDER BY p.claimed_at DESC, p.event_key DESC LIMIT ")
+                .push_bind(limit + 1);
+            q.build_query_as().fetch_all(pool).await?
+        }
+    };
+    let next = if events.len() as i64 > limit {
+        events.truncate(limit as usize);
+        events.last().and_then(|e| {
+            Some(Cursor {
+                claimed_at: e.claimed_at?,
+                key: e.event_key.clone()?,
+            })
+        })
+    } else {
+        None
+    };
+    Ok(Page { events, next })
+}
+
+/// The events' summaries, to be narrowed by `AND …`.
+fn summaries() -> sqlx::QueryBuilder<'static, sqlx::Postgres> {
+    sqlx::QueryBuilder::new(
         "SELECT p.event_key, p.source, p.event_type, p.status AS claim, \
          (SELECT string_agg(o.operation || '=' || o.state, ', ' ORDER BY o.operation) \
             FROM outbox o WHERE o.event_key = p.event_key) AS operations, \
          p.attempts, p.claimed_at FROM processed_events p WHERE true",
-    );
+    )
+}
+
+/// Every condition of `search`, as `AND …` on `processed_events p`; its state's unless
+/// `state_checked`.
+fn push_filters(
+    q: &mut sqlx::QueryBuilder<'_, sqlx::Postgres>,
+    search: &Search,
+    state_checked: bool,
+) {
     match search.key.as_deref() {
         Some(key) if key.ends_with('*') => {
             let prefix = key.trim_end_matches('*');
@@ -247,7 +314,7 @@ pub async fn search(pool: &PgPool, search: &Search) -> Result<Page, OperatorErro
     if let Some(event_type) = &search.event_type {
         q.push(" AND p.event_type = ").push_bind(event_type.clone());
     }
-    match search.state {
+    match search.state.filter(|_| !state_checked) {
         Some(SearchState::State(StateName::Claim(status))) => {
             let name = status.as_str();
             q.push(" AND (p.status = ").push_bind(name);
@@ -281,22 +348,76 @@ pub async fn search(pool: &PgPool, search: &Search) -> Result<Page, OperatorErro
             .push_bind(after.key.clone())
             .push(")");
     }
-    let limit = search.limit.max(1);
-    q.push(" ORDER BY p.claimed_at DESC, p.event_key DESC LIMIT ")
-        .push_bind(limit + 1);
-    let mut events: Vec<EventSummary> = q.build_query_as().fetch_all(pool).await?;
-    let next = if events.len() as i64 > limit {
-        events.truncate(limit as usize);
-        events.last().and_then(|e| {
-            Some(Cursor {
-                claimed_at: e.claimed_at?,
-                key: e.event_key.clone()?,
-            })
-        })
-    } else {
-        None
-    };
-    Ok(Page { events, next })
+}
+
+/// The most events a narrow search looks up by its own index before ordering them by time.
+const FEW: i64 = 5000;
+
+/// The keys a search's state or key prefix selects, by their own index.
+enum Candidates {
+    /// Events whose claim or an operation is in a state other than `done`.
+    State(&'static str, bool, bool),
+    Conflict,
+    Prefix(String),
+}
+
+impl Candidates {
+    fn of_state(search: &Search) -> Option<Self> {
+        match search.state? {
+            // Nearly every event is done: the time index finds them at once.
+            SearchState::State(s) if s.as_str() == "done" => None,
+            SearchState::State(StateName::Claim(status)) => {
+                let name = status.as_str();
+                Some(Self::State(name, true, name.parse::<OutboxState>().is_ok()))
+            }
+            SearchState::State(StateName::Operation(state)) => {
+                Some(Self::State(state.as_str(), false, true))
+            }
+            SearchState::Conflict => Some(Self::Conflict),
+        }
+    }
+
+    fn of_prefix(search: &Search) -> Option<Self> {
+        let key = search.key.as_deref()?;
+        key.strip_suffix('*')
+            .map(|p| Self::Prefix(p.trim_end_matches('*').to_owned()))
+    }
+
+    fn push(&self, q: &mut sqlx::QueryBuilder<'_, sqlx::Postgres>) {
+        match self {
+            Self::State(name, claims, operations) => {
+                if *claims {
+                    q.push("SELECT event_key FROM processed_events WHERE status = ")
+                        .push_bind(*name);
+                }
+                if *claims && *operations {
+                    q.push(" UNION ");
+                }
+                if *operations {
+                    q.push("SELECT event_key FROM outbox WHERE state = ")
+                        .push_bind(*name);
+                }
+            }
+            Self::Conflict => {
+                q.push("SELECT DISTINCT event_key FROM key_conflicts");
+            }
+            Self::Prefix(prefix) => {
+                q.push("SELECT event_key FROM processed_events WHERE event_key >= ")
+                    .push_bind(prefix.clone())
+                    .push(" AND event_key < ")
+                    .push_bind(format!("{prefix}{LAST_CHAR}"));
+            }
+        }
+    }
+
+    /// The keys, when there are at most [`FEW`]; read no further than that.
+    async fn few(&self, pool: &PgPool) -> sqlx::Result<Option<Vec<String>>> {
+        let mut q = sqlx::QueryBuilder::new("SELECT event_key FROM (");
+        self.push(&mut q);
+        q.push(" LIMIT ").push_bind(FEW + 1).push(") AS c");
+        let keys: Vec<String> = q.build_query_scalar().fetch_all(pool).await?;
+        Ok((keys.len() as i64 <= FEW).then_some(keys))
+    }
 }
 
 /// Everything known about one event.

@@ -514,6 +514,15 @@ async fn events_are_searched_by_key_state_and_time_and_paged_by_cursor() {
         seen, expected,
         "every event once, newest first, across pages"
     );
+    // The same through a prefix, which looks its few events up by key first.
+    let mut by_prefix = Vec::new();
+    let mut path = Some("/events?q=evt:*".to_owned());
+    while let Some(p) = path {
+        let page = vic.get(&p).await;
+        by_prefix.extend(keys_on(&page.body));
+        path = next_link(&page.body);
+    }
+    assert_eq!(by_prefix, expected, "the same order and pages by prefix");
 
     let exact = vic.get("/events?q=evt:007").await;
     assert_eq!(keys_on(&exact.body), ["evt:007"]);
