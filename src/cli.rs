@@ -72,7 +72,7 @@ pub enum Command {
     /// One screen for an operator: lag, claims, the outbox and dead letters.
     Status(StatusArgs),
     /// The operator's console in a browser: every event's story, the overview, and retry,
-    /// resolve and replay behind a login ([console] in the configuration file).
+    /// resolve and replay behind a login (`[console]` in the configuration file).
     Console(crate::console::args::ConsoleArgs),
     /// Read a window of the topic again, outside the live group, through the claim path: only
     /// events with no claim are applied; --dry-run counts them.

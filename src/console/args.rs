@@ -14,7 +14,7 @@ pub struct ConsoleArgs {
     pub command: Option<ConsoleCommand>,
 
     /// Where the console listens; this machine only by default. Users and the session key are
-    /// the configuration file's [console] section.
+    /// the configuration file's `[console]` section.
     #[arg(long, env = "REPLAYPROOF_CONSOLE_LISTEN", default_value = DEFAULT_LISTEN)]
     pub listen: SocketAddr,
 
@@ -71,7 +71,7 @@ impl ConsoleArgs {
         super::run(settings, pool, registry.clone()).await
     }
 
-    /// The settings from these flags and the file's [console] section.
+    /// The settings from these flags and the file's `[console]` section.
     pub fn settings(
         &self,
         file: Option<&crate::config::ConfigFile>,

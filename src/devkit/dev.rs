@@ -49,7 +49,7 @@ pub struct DevArgs {
     pub target_url: Option<String>,
 
     /// Where the console is served; this machine only by default. Its users are the
-    /// configuration file's [console] section, or else one operator, `dev`, with a password
+    /// configuration file's `[console]` section, or else one operator, `dev`, with a password
     /// made at start and printed.
     #[arg(long, env = "REPLAYPROOF_CONSOLE_LISTEN", default_value = crate::console::DEFAULT_LISTEN)]
     pub console_listen: SocketAddr,

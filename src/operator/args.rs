@@ -629,7 +629,7 @@ impl StatusArgs {
 #[derive(Debug, Clone, Args)]
 pub struct ReplayArgs {
     /// The brokers, topic, database and effects, as `consume` has them (and from the same
-    /// [kafka], [database] and [consume] settings): the window is applied as `consume` applies.
+    /// `[kafka]`, `[database]` and `[consume]` settings): the window is applied as `consume` applies.
     #[command(flatten)]
     pub consume: crate::consume::args::ConsumeArgs,
 

@@ -6,7 +6,7 @@
 use crate::harness::console::{settings, TestConsole};
 use crate::harness::dispatcher::Downstream;
 use crate::harness::{
-    envelope, free_port, produce, producer, test_kafka_options, wait_for, Record, TestDb, TestKafka,
+    envelope, produce, producer, test_kafka_options, wait_for, Record, TestDb, TestKafka,
 };
 use fantoccini::{Client, ClientBuilder, Locator};
 use replayproof::consume::{BatchProcessor, EffectRetry, RawMessage};
@@ -40,14 +40,31 @@ fn program(name: &str) -> PathBuf {
     })
 }
 
+/// chromedriver on a port it chose itself (`--port=0`), read from what it prints: no other
+/// test can take the port between its choice and its use.
 async fn driver() -> Driver {
-    let port = free_port();
-    let child = Command::new(program("chromedriver"))
-        .arg(format!("--port={port}"))
-        .stdout(Stdio::null())
+    use std::io::BufRead as _;
+    let mut child = Command::new(program("chromedriver"))
+        .arg("--port=0")
+        .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()
         .expect("chromedriver starts");
+    let stdout = child.stdout.take().unwrap();
+    let port = tokio::task::spawn_blocking(move || {
+        let mut lines = std::io::BufReader::new(stdout).lines();
+        let port = lines.by_ref().find_map(|line| {
+            let line = line.ok()?;
+            let rest = line.split("started successfully on port ").nth(1)?;
+            rest.trim_end_matches('.').trim().parse::<u16>().ok()
+        });
+        // Keep reading, so chromedriver never blocks on a full pipe.
+        std::thread::spawn(move || lines.for_each(drop));
+        port
+    })
+    .await
+    .unwrap()
+    .expect("chromedriver says its port");
     wait_for(
         "chromedriver listening",
         Duration::from_secs(30),

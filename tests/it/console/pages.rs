@@ -699,3 +699,41 @@ async fn a_trusted_proxy_s_header_names_the_user_and_anyone_else_s_is_ignored() 
     let (status, page) = get(elsewhere.base.clone(), "ann").await;
     assert_eq!(status, 303, "{page}");
 }
+
+#[tokio::test]
+async fn a_session_cookie_is_secure_behind_tls_and_logging_out_removes_it() {
+    let db = TestDb::new().await;
+    let mut s = settings();
+    s.trusted_proxies = vec!["127.0.0.1".parse().unwrap()];
+    let console = TestConsole::start(&db, s).await;
+    let http = reqwest::Client::builder()
+        .redirect(reqwest::redirect::Policy::none())
+        .build()
+        .unwrap();
+    let login = |proto: &'static str| {
+        let http = http.clone();
+        let base = console.base.clone();
+        async move {
+            let r = http
+                .post(format!("{base}/login"))
+                .header("X-Forwarded-Proto", proto)
+                .form(&[("username", "ann"), ("password", "ann-pass")])
+                .send()
+                .await
+                .unwrap();
+            r.headers()["set-cookie"].to_str().unwrap().to_owned()
+        }
+    };
+    assert!(login("https").await.contains("Secure"), "behind TLS");
+    assert!(!login("http").await.contains("Secure"), "plain HTTP");
+    let ann = console.login("ann").await;
+    let out = ann.post("/logout", &[]).await;
+    assert_eq!(out.status, 303);
+    assert_eq!(out.location.as_deref(), Some("/login"));
+    let removed = out.set_cookie.expect("the cookie is removed");
+    assert!(removed.starts_with("replayproof_session=;"), "{removed}");
+    assert!(
+        removed.contains("Max-Age=0") || removed.contains("1970"),
+        "{removed}"
+    );
+}

@@ -52,14 +52,14 @@ async fn dev_applies_a_signed_delivery_and_stops_on_sigint() {
         .local_addr()
         .unwrap()
         .port();
-    let console_port = crate::harness::free_port();
     let mut dev = tokio::process::Command::new(env!("CARGO_BIN_EXE_replayproof"))
         .args([
             "dev",
             "--listen",
             &format!("127.0.0.1:{port}"),
+            // Port 0: the banner says the one it got.
             "--console-listen",
-            &format!("127.0.0.1:{console_port}"),
+            "127.0.0.1:0",
             "--database-url",
             &db.url,
         ])
@@ -120,10 +120,13 @@ async fn dev_applies_a_signed_delivery_and_stops_on_sigint() {
         .await
         .unwrap()
         .unwrap();
-    assert!(
-        banner.contains(&format!("http://127.0.0.1:{console_port}/")),
-        "{banner}"
-    );
+    let console_base = banner
+        .split("http://")
+        .nth(1)
+        .and_then(|rest| rest.split('/').next())
+        .map(|addr| format!("http://{addr}"))
+        .unwrap_or_else(|| panic!("no console address in {banner}"));
+    assert!(!console_base.ends_with(":0"), "{banner}");
     let password = banner
         .split("password ")
         .nth(1)
@@ -134,7 +137,7 @@ async fn dev_applies_a_signed_delivery_and_stops_on_sigint() {
         .build()
         .unwrap();
     let login = console
-        .post(format!("http://127.0.0.1:{console_port}/login"))
+        .post(format!("{console_base}/login"))
         .form(&[("username", "dev"), ("password", password)])
         .send()
         .await
@@ -143,9 +146,7 @@ async fn dev_applies_a_signed_delivery_and_stops_on_sigint() {
     let cookie = login.headers()["set-cookie"].to_str().unwrap();
     let cookie = cookie.split(';').next().unwrap().to_owned();
     let page = console
-        .get(format!(
-            "http://127.0.0.1:{console_port}/events?q=github:dev-1"
-        ))
+        .get(format!("{console_base}/events?q=github:dev-1"))
         .header("cookie", cookie)
         .send()
         .await
