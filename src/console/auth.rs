@@ -17,6 +17,9 @@ use sha2::Sha256;
 use std::net::{IpAddr, SocketAddr};
 use std::num::NonZeroU32;
 
+/// How many addresses and names the login limiter holds before it forgets the idle ones.
+const FORGET_AFTER_KEYS: usize = 10_000;
+
 /// The session cookie's name.
 pub(crate) const SESSION_COOKIE: &str = "replayproof_session";
 
@@ -297,6 +300,11 @@ pub(crate) async fn login(
         .first()
         .map(|p| p.to_string())
         .unwrap_or_default();
+    // Forget the addresses and names whose minute has passed, so made-up names cannot grow
+    // the limiter without bound.
+    if state.auth.limiter.len() > FORGET_AFTER_KEYS {
+        state.auth.limiter.retain_recent();
+    }
     let by_address = state
         .auth
         .limiter

@@ -317,6 +317,27 @@ async fn each_action_writes_its_audit_row_with_the_logged_in_user() {
     let console = TestConsole::start(&db, s).await;
     let ann = console.login("ann").await;
     let token = ann.csrf("/events/f").await;
+    // A dead letter's raw bytes, as text and hex, to an operator only.
+    let letter = ann.get(&format!("/dead-letters/{}", ids[0])).await;
+    assert!(letter.body.contains("not json 10"), "{}", letter.body);
+    assert!(
+        letter.body.contains("6e 6f 74 20 6a 73 6f 6e"),
+        "hex: {}",
+        letter.body
+    );
+    let vic = console.login("vic").await;
+    let hidden = vic.get(&format!("/dead-letters/{}", ids[0])).await;
+    assert_eq!(hidden.status, 200);
+    assert!(!hidden.body.contains("not json 10"), "{}", hidden.body);
+    assert!(hidden
+        .body
+        .contains("Raw bytes are shown to operators only"));
+    let listed = vic.get("/dead-letters?not_replayed=1").await;
+    assert!(
+        listed.body.contains(&format!("/dead-letters/{}", ids[1])),
+        "{}",
+        listed.body
+    );
 
     let retried = ann
         .post(
