@@ -3,52 +3,13 @@
 
 use crate::harness::console::{settings, TestConsole};
 use crate::harness::dispatcher::Downstream;
-use crate::harness::{envelope, TestDb, TestKafka};
-use replayproof::consume::{BatchProcessor, EffectRetry, RawMessage};
-use replayproof::effect::{Effect, HttpOutbox, Ledger};
+use crate::harness::{TestDb, TestKafka};
+use replayproof::consume::{BatchProcessor, RawMessage};
+use replayproof::effect::{HttpOutbox, Ledger};
 use serde_json::json;
 use std::sync::Arc;
 
-fn message(offset: i64, key: &str, payload: serde_json::Value) -> RawMessage {
-    RawMessage {
-        offset,
-        key: Some(key.as_bytes().to_vec()),
-        value: Some(envelope(key, payload)),
-        traceparent: None,
-    }
-}
-
-async fn process(db: &TestDb, effect: Arc<dyn Effect>, messages: &[RawMessage]) {
-    let p = BatchProcessor::new(db.pool.clone(), effect).with_retry(EffectRetry {
-        attempts: 1,
-        backoff: std::time::Duration::ZERO,
-    });
-    p.process("webhooks", 0, messages).await.unwrap();
-}
-
-/// Events whose one operation (`deliver`) is then put in the state given.
-async fn operations_in(db: &TestDb, states: &[(&str, &str)]) {
-    let downstream = Downstream::start().await;
-    let effect = HttpOutbox {
-        target_url: downstream.url(),
-        reconcile_url: None,
-        max_attempts: 3,
-    };
-    let messages: Vec<_> = states
-        .iter()
-        .enumerate()
-        .map(|(i, (k, _))| message(i as i64, k, json!({"n": i})))
-        .collect();
-    process(db, Arc::new(effect), &messages).await;
-    for (key, state) in states {
-        sqlx::query("UPDATE outbox SET state = $2, attempts = 3 WHERE event_key = $1")
-            .bind(key)
-            .bind(state)
-            .execute(&db.pool)
-            .await
-            .unwrap();
-    }
-}
+use crate::harness::operator::{message, operations_in, process};
 
 async fn op_state(db: &TestDb, key: &str) -> String {
     sqlx::query_scalar("SELECT state FROM outbox WHERE event_key = $1")

@@ -7,6 +7,7 @@ pub mod dispatcher;
 pub mod ingress;
 pub mod isolation;
 pub mod kafka;
+pub mod operator;
 pub mod otlp;
 pub mod processes;
 pub mod recorder;

@@ -2,9 +2,9 @@
 //! writes its audit row.
 
 use crate::harness::dispatcher::Downstream;
-use crate::harness::{envelope, stdout_of, TestDb, TestKafka};
+use crate::harness::{stdout_of, TestDb, TestKafka};
 use async_trait::async_trait;
-use replayproof::consume::{BatchProcessor, EffectRetry, RawMessage};
+use replayproof::consume::RawMessage;
 use replayproof::effect::Registry;
 use replayproof::effect::{Effect, EffectError, HttpOutbox, Ledger, Tx};
 use replayproof::envelope::Event;
@@ -49,45 +49,10 @@ fn change(target: &str, before: &str, after: &str) -> Change {
 }
 
 fn message(offset: i64, key: &str) -> RawMessage {
-    RawMessage {
-        offset,
-        key: Some(key.as_bytes().to_vec()),
-        value: Some(envelope(key, json!({"n": offset}))),
-        traceparent: None,
-    }
+    crate::harness::operator::message(offset, key, json!({"n": offset}))
 }
 
-async fn process(db: &TestDb, effect: Arc<dyn Effect>, messages: &[RawMessage]) {
-    let p = BatchProcessor::new(db.pool.clone(), effect).with_retry(EffectRetry {
-        attempts: 1,
-        backoff: std::time::Duration::ZERO,
-    });
-    p.process("t", 0, messages).await.unwrap();
-}
-
-/// Operations for `keys`, each then put in the state given.
-async fn operations_in(db: &TestDb, states: &[(&str, &str)]) {
-    let downstream = Downstream::start().await;
-    let effect = HttpOutbox {
-        target_url: downstream.url(),
-        reconcile_url: None,
-        max_attempts: 3,
-    };
-    let messages: Vec<_> = states
-        .iter()
-        .enumerate()
-        .map(|(i, (k, _))| message(i as i64, k))
-        .collect();
-    process(db, Arc::new(effect), &messages).await;
-    for (key, state) in states {
-        sqlx::query("UPDATE outbox SET state = $2, attempts = 3 WHERE event_key = $1")
-            .bind(key)
-            .bind(state)
-            .execute(&db.pool)
-            .await
-            .unwrap();
-    }
-}
+use crate::harness::operator::{operations_in, process};
 
 async fn state(db: &TestDb, key: &str) -> (String, i32) {
     sqlx::query_as("SELECT state, attempts FROM outbox WHERE event_key = $1")
