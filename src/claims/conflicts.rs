@@ -149,6 +149,8 @@ pub struct ConflictRow {
     pub first_seen_at: DateTime<Utc>,
     pub last_seen_at: DateTime<Utc>,
     pub payload: JsonText,
+    /// The Kafka message that first carried it: topic/partition@offset.
+    pub message: String,
 }
 
 /// The conflicting payloads seen for `key`, oldest first.
@@ -156,7 +158,8 @@ pub async fn of_event(pool: &PgPool, key: &str) -> sqlx::Result<Vec<ConflictRow>
     sqlx::query_as!(
         ConflictRow,
         r#"SELECT encode(payload_sha256, 'hex') AS "payload_sha256!", times_seen, reason,
-                  first_seen_at, last_seen_at, payload AS "payload: JsonText"
+                  first_seen_at, last_seen_at, payload AS "payload: JsonText",
+                  kafka_topic || '/' || kafka_partition || '@' || kafka_offset AS "message!"
            FROM key_conflicts WHERE event_key = $1 ORDER BY first_seen_at"#,
         key
     )

@@ -224,7 +224,8 @@ fn timeline(d: &EventDetail, sees: bool) -> Vec<Entry> {
             what: format!("key conflict: another payload, seen {} time(s)", c.times_seen),
             bad: true,
             detail: html! {
-                "payload sha256 " code { (c.payload_sha256) } ", last seen " (when(c.last_seen_at))
+                "Kafka message " code { (c.message) } " (topic/partition@offset), payload sha256 "
+                code { (c.payload_sha256) } ", last seen " (when(c.last_seen_at))
                 @if let Some(r) = &c.reason { " · " (r) }
                 @if sees {
                     @match &kept {

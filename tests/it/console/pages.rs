@@ -605,6 +605,7 @@ async fn an_event_s_story_has_its_message_claim_attempts_conflicts_and_dead_lett
         "class=\"ins\"",
         "dead letter",
         "webhooks/0@7",
+        "webhooks/0@6",
     ] {
         assert!(
             body.contains(expected),
