@@ -24,8 +24,14 @@ pub const DEFAULT_TOPIC: &str = "webhooks";
 pub enum Role {
     /// `consume`: reads the topic and commits offsets only after its transactions.
     Consumer,
-    /// `ingest` and the tools that put records back on a topic.
+    /// The tools that put records back on a topic (the dead-letter replay, the development
+    /// stack): `acks=all` and idempotence guarded.
     Producer,
+    /// `ingest`: `acks=all` guarded. Idempotence is a tuning default (off), not a guard: every
+    /// record carries its event's dedupe key, so the duplicate a producer retry may write is the
+    /// replay the consumers absorb, and librdkafka's idempotent producer sends one request at a
+    /// time per partition and busy-polls while it waits (see `ingest::IngestSettings`).
+    Ingress,
     /// A client that only reads metadata and a group's committed offsets (`status`).
     Reader,
 }
@@ -105,6 +111,7 @@ fn guards(role: Role, brokers: &str, group: Option<&str>) -> Vec<Guard> {
     match role {
         Role::Consumer => guards.extend(consumer_guards()),
         Role::Producer => guards.extend(producer_guards()),
+        Role::Ingress => guards.push(acks_guard()),
         Role::Reader => {}
     }
     guards
@@ -144,18 +151,22 @@ fn consumer_guards() -> [Guard; 6] {
     ]
 }
 
+/// What makes a producer's acknowledgement mean the record is durable.
+fn acks_guard() -> Guard {
+    Guard::new(
+        Scope::Topic,
+        "request.required.acks",
+        "all",
+        "a 2xx is answered only after every in-sync replica has the record (acks=all)",
+    )
+}
+
 /// What makes a producer's acknowledgement mean the record is durable, once.
 fn producer_guards() -> [Guard; 2] {
-    use Scope::{Global, Topic};
     [
+        acks_guard(),
         Guard::new(
-            Topic,
-            "request.required.acks",
-            "all",
-            "a 2xx is answered only after every in-sync replica has the record (acks=all)",
-        ),
-        Guard::new(
-            Global,
+            Scope::Global,
             "enable.idempotence",
             "true",
             "a producer retry never writes a record twice or out of order",
@@ -494,6 +505,29 @@ mod tests {
             let err = producer_config(&[(key, value)]).unwrap_err().to_string();
             assert!(err.contains("refused"), "{key}={value}: {err}");
         }
+    }
+
+    #[test]
+    fn the_ingress_keeps_acks_all_and_leaves_idempotence_to_the_operator() {
+        let ingress = |pairs: &[(&str, &str)]| {
+            client_config(Role::Ingress, "b:9092", None, &[], &options(pairs))
+        };
+        for (key, value) in [("acks", "1"), ("topic.request.required.acks", "0")] {
+            let err = ingress(&[(key, value)]).unwrap_err().to_string();
+            assert!(err.contains("refused"), "{key}={value}: {err}");
+        }
+        let on = ingress(&[("enable.idempotence", "true")]).unwrap();
+        assert_eq!(on.get("enable.idempotence"), Some("true"));
+        let settings = crate::ingest::IngestSettings::new(
+            "127.0.0.1:0".parse().unwrap(),
+            "b:9092",
+            "webhooks",
+        );
+        let config = settings.producer_config().unwrap();
+        assert_eq!(config.get("enable.idempotence"), Some("false"));
+        assert_eq!(config.get("topic.request.required.acks"), Some("all"));
+        // The tools' producer still guards idempotence.
+        assert!(producer_config(&[("enable.idempotence", "false")]).is_err());
     }
 
     #[test]

@@ -57,6 +57,10 @@ pub const DEFAULT_SHUTDOWN_DELAY: Duration = Duration::from_secs(5);
 /// Once the listener closed, a body still arriving gets at most this long before its 408,
 /// whatever `--body-timeout` says, so that a stop is bounded.
 pub const SHUTDOWN_BODY_TIMEOUT: Duration = Duration::from_secs(5);
+/// The ingress producer's `linger.ms`.
+const INGEST_LINGER_MS: &str = "0.5";
+/// The ingress producer's requests in flight per broker connection.
+const INGEST_MAX_IN_FLIGHT: &str = "2";
 /// How long a stop waits for the producer's last records, once every request was answered.
 const FLUSH_LIMIT: Duration = Duration::from_secs(5);
 
@@ -109,10 +113,21 @@ impl IngestSettings {
         self.max_body_bytes * 2 + 64 * 1024
     }
 
-    pub(super) fn producer_config(&self) -> anyhow::Result<ClientConfig> {
+    /// The producer's librdkafka configuration: replayproof's tuning, then the options, then
+    /// `acks=all`, which no option changes.
+    ///
+    /// Tuned for many small records, each awaited by a request: `linger.ms` 0.5 sends a lone
+    /// record at once, and at most 2 requests in flight per broker (`max.in.flight`) let what
+    /// arrives meanwhile gather into the next request, so a busy or slow broker gets fewer,
+    /// larger requests instead of more, smaller ones. Idempotence is off by default (see
+    /// [`crate::kafka::Role::Ingress`]). `benches/ingest.rs` measured these against the
+    /// alternatives (docs/performance.md).
+    pub fn producer_config(&self) -> anyhow::Result<ClientConfig> {
         let mut settings = crate::kafka::producer_tuning("replayproof-ingest");
         settings.extend([
-            ("linger.ms", "2".to_owned()),
+            ("enable.idempotence", "false".to_owned()),
+            ("linger.ms", INGEST_LINGER_MS.to_owned()),
+            ("max.in.flight", INGEST_MAX_IN_FLIGHT.to_owned()),
             (
                 "message.timeout.ms",
                 self.produce_timeout.as_millis().to_string(),
@@ -120,7 +135,7 @@ impl IngestSettings {
             ("message.max.bytes", self.max_message_bytes().to_string()),
         ]);
         crate::kafka::client_config(
-            crate::kafka::Role::Producer,
+            crate::kafka::Role::Ingress,
             &self.brokers,
             None,
             &settings,

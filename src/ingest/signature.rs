@@ -160,10 +160,6 @@ impl Request<'_> {
         self.headers.get(name).and_then(|v| v.to_str().ok())
     }
 
-    fn json(&self) -> Result<serde_json::Value, Rejection> {
-        serde_json::from_slice(self.body).map_err(not_json)
-    }
-
     /// The body's JSON text, checked to be JSON.
     fn json_text(&self) -> Result<&RawValue, Rejection> {
         serde_json::from_slice(self.body).map_err(not_json)
@@ -174,10 +170,62 @@ impl Request<'_> {
     /// written again, so what is produced is what the sender signed.
     fn payload(&self) -> Box<RawValue> {
         match self.json_text() {
-            Ok(json) if !nests_deeper_than(json.get(), MAX_NESTING) => json.to_owned(),
-            _ => serde_json::value::to_raw_value(&String::from_utf8_lossy(self.body))
-                .expect("a string always serialises"),
+            Ok(json) => self.payload_of(json),
+            Err(_) => self.as_string(),
         }
+    }
+
+    /// [`Request::payload`] for a body already read as `json`.
+    fn payload_of(&self, json: &RawValue) -> Box<RawValue> {
+        if nests_deeper_than(json.get(), MAX_NESTING) {
+            self.as_string()
+        } else {
+            json.to_owned()
+        }
+    }
+
+    fn as_string(&self) -> Box<RawValue> {
+        serde_json::value::to_raw_value(&String::from_utf8_lossy(self.body))
+            .expect("a string always serialises")
+    }
+}
+
+/// A JSON body's top-level members, read once without building a value for any of them (a
+/// body that is JSON but not an object has none). A key given twice means its last value, as a
+/// parsed value would.
+struct Top<'a>(Vec<(std::borrow::Cow<'a, str>, &'a RawValue)>);
+
+impl<'a> Top<'a> {
+    fn of(json: &'a RawValue) -> Self {
+        match json.get().as_bytes().first() {
+            Some(b'{') => Self(
+                serde_json::from_str::<Members>(json.get())
+                    .map(|Members(m)| m)
+                    .unwrap_or_default(),
+            ),
+            _ => Self(Vec::new()),
+        }
+    }
+
+    fn get(&self, field: &str) -> Option<&'a RawValue> {
+        self.0
+            .iter()
+            .rev()
+            .find(|(k, _)| k == field)
+            .map(|(_, v)| *v)
+    }
+
+    /// The non-empty string at `field`.
+    fn string(&self, field: &str) -> Option<String> {
+        let Text(text) = serde_json::from_str(self.get(field)?.get()).ok()?;
+        Some(text.into_owned()).filter(|s| !s.is_empty())
+    }
+
+    /// A time within the years a sender could mean (1970 to 9999), from Unix seconds at
+    /// `field`.
+    fn unix_time(&self, field: &str) -> Option<DateTime<Utc>> {
+        let secs: i64 = serde_json::from_str(self.get(field)?.get()).ok()?;
+        DateTime::from_timestamp(secs, 0).filter(plausible)
     }
 }
 
@@ -258,12 +306,6 @@ fn occurred(
     })
 }
 
-/// A time within the years a sender could mean (1970 to 9999), from Unix seconds at `field`.
-fn unix_time_at(value: &serde_json::Value, field: &str) -> Option<DateTime<Utc>> {
-    let secs = value.get(field)?.as_i64()?;
-    DateTime::from_timestamp(secs, 0).filter(plausible)
-}
-
 /// An RFC 3339 time within the years a sender could mean.
 fn rfc3339(text: Option<&str>) -> Option<DateTime<Utc>> {
     let at = DateTime::parse_from_rfc3339(text?.trim()).ok()?;
@@ -281,14 +323,6 @@ fn require(ok: bool) -> Result<(), Rejection> {
     } else {
         Err(Unauthorized("no signature matches"))
     }
-}
-
-fn string_at(value: &serde_json::Value, field: &str) -> Option<String> {
-    value
-        .get(field)
-        .and_then(|v| v.as_str())
-        .filter(|s| !s.is_empty())
-        .map(str::to_owned)
 }
 
 /// `Stripe-Signature: t=…,v1=…[,v1=…]`: HMAC-SHA256 of `"{t}.{body}"`, hex. `v0` is ignored.
@@ -312,15 +346,18 @@ fn stripe(secrets: &[Secret], tolerance: i64, req: &Request<'_>) -> Result<Verif
         &[timestamp.as_bytes(), b".", req.body],
         &signatures,
     ))?;
-    let body = req.json()?;
-    let id = string_at(&body, "id").ok_or_else(|| BadRequest("the event has no id".into()))?;
-    let id = match string_at(&body, "account") {
+    let json = req.json_text()?;
+    let body = Top::of(json);
+    let id = body
+        .string("id")
+        .ok_or_else(|| BadRequest("the event has no id".into()))?;
+    let id = match body.string("account") {
         Some(account) => format!("{account}:{id}"),
         None => id,
     };
-    let event_type = string_at(&body, "type");
-    let created = unix_time_at(&body, "created");
-    occurred(event(id, event_type, req.payload()), created)
+    let event_type = body.string("type");
+    let created = body.unix_time("created");
+    occurred(event(id, event_type, req.payload_of(json)), created)
 }
 
 /// `X-Hub-Signature-256: sha256=<hex>` over the body; the id is `X-GitHub-Delivery`, which a
@@ -369,8 +406,11 @@ fn standard_webhooks(
         &[id.as_bytes(), b".", timestamp.as_bytes(), b".", req.body],
         &signatures,
     ))?;
-    let event_type = req.json().ok().and_then(|body| string_at(&body, "type"));
-    event(id.to_owned(), event_type, req.payload())
+    let (event_type, payload) = match req.json_text() {
+        Ok(json) => (Top::of(json).string("type"), req.payload_of(json)),
+        Err(_) => (None, req.as_string()),
+    };
+    event(id.to_owned(), event_type, payload)
 }
 
 /// `X-Shopify-Hmac-Sha256`: HMAC-SHA256 of the body, base64. The id is `X-Shopify-Event-Id`
@@ -418,23 +458,29 @@ fn slack(secrets: &[Secret], tolerance: i64, req: &Request<'_>) -> Result<Verifi
         &[b"v0:", timestamp.as_bytes(), b":", req.body],
         &Vec::from_iter(sig),
     ))?;
-    let body = req.json()?;
-    if body.get("type").and_then(|t| t.as_str()) == Some("url_verification") {
-        let challenge =
-            string_at(&body, "challenge").ok_or_else(|| BadRequest("no challenge".into()))?;
+    let json = req.json_text()?;
+    let body = Top::of(json);
+    if body.string("type").as_deref() == Some("url_verification") {
+        let challenge = body
+            .string("challenge")
+            .ok_or_else(|| BadRequest("no challenge".into()))?;
         return Ok(Verified::Challenge(challenge));
     }
-    let event_id = string_at(&body, "event_id")
+    let event_id = body
+        .string("event_id")
         .ok_or_else(|| BadRequest("the event has no event_id".into()))?;
-    let team = string_at(&body, "team_id").unwrap_or_else(|| "no-team".into());
+    let team = body.string("team_id").unwrap_or_else(|| "no-team".into());
     let event_type = body
-        .pointer("/event/type")
-        .and_then(|t| t.as_str())
-        .map(str::to_owned);
-    let event_type = event_type.or_else(|| string_at(&body, "type"));
-    let event_time = unix_time_at(&body, "event_time");
+        .get("event")
+        .and_then(|event| Top::of(event).string("type"))
+        .or_else(|| body.string("type"));
+    let event_time = body.unix_time("event_time");
     occurred(
-        event(format!("{team}:{event_id}"), event_type, req.payload()),
+        event(
+            format!("{team}:{event_id}"),
+            event_type,
+            req.payload_of(json),
+        ),
         event_time,
     )
 }
