@@ -1,25 +1,41 @@
-//! Drives `ingest` with many concurrent signed requests against a real broker and reports
-//! requests per second with p50 and p99 latency, next to a bare endpoint that only answers 200
-//! (the ceiling of the HTTP layer on this machine).
+//! The acknowledged path against a bare endpoint, with an external load generator.
 //!
-//! Then the `replayproof ingest` process, without an OTLP endpoint and with every request's
-//! span exported to a collector in this process, interleaved (`BENCH_ROUNDS`, 3; medians),
-//! with the CPU the process used per 10,000 requests: what tracing costs when it is on, and
-//! that it costs nothing when it is not.
+//! `wrk` (Debian's package) drives the release `replayproof ingest` process from outside it,
+//! 64 connections, 10 s per run, side by side in one run, interleaved, three rounds, medians:
 //!
-//! `cargo bench --bench ingest` uses `KAFKA_BROKERS` when set, otherwise librdkafka's mock
-//! cluster in this process. `BENCH_REQUESTS` (default 20000) and `BENCH_CONCURRENCY` (default
-//! 64) size the run. The load generator shares the machine with what it measures.
+//! - **bare**: `GET /healthz` of the same server: the ceiling of its HTTP layer here.
+//! - **ingest**: signed Stripe deliveries with distinct ids (so records spread over the
+//!   partitions), each answered 2xx only after the broker acknowledged it (`acks=all`), with
+//!   bodies of 512 B, 2 KiB and 32 KiB; against librdkafka's mock cluster (in a process of its
+//!   own) and against nisshi.
+//! - **produce loop**: the same number of concurrent sends, each waiting for its
+//!   acknowledgement before the next, with the ingress's own producer settings and envelopes of
+//!   the same size, from a process of its own against the same broker: what the broker allows.
+//! - **two processes**: two `ingest` processes on two ports sharing only the broker, one `wrk`
+//!   each (half the connections each), summed.
+//! - **traced**: the ingest process exporting every request's span to a collector in this
+//!   process, next to the same process without an endpoint.
+//!
+//! For each: requests per second, p50 and p99 latency, answers other than 2xx, and the CPU
+//! seconds per 10,000 requests of the ingest process (or the produce loop) and of the broker.
+//!
+//! `scripts/bench-ingest.sh` installs wrk and nisshi and runs this. Without the script: nisshi
+//! is taken from `REPLAYPROOF_NISSHI`, the `PATH` or `~/.cargo/bin` (its runs are left out,
+//! loudly, when it is missing), `KAFKA_BROKERS` adds a broker of your own (its CPU unmeasured),
+//! `BENCH_SECONDS` (10), `BENCH_ROUNDS` (3), `BENCH_CONNECTIONS` (64) and `BENCH_SIZES`
+//! (`512,2048,32768`) size the run, `BENCH_BROKERS` (`mock,nisshi,external`) picks the brokers.
 
-use replayproof::devkit::embedded::EmbeddedKafka;
-use replayproof::ingest::config::FileConfig;
-use replayproof::ingest::{self, IngestSettings};
-use std::sync::Arc;
+use std::io::{BufRead as _, Write as _};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
-use tokio_util::sync::CancellationToken;
 
 mod common;
-use common::{create_topic, env_or};
+use common::env_or;
+
+const SECRET: &str = "whsec_bench_0123456789abcdef";
+const PARTITIONS: i32 = 4;
+const WRK_THREADS: usize = 2;
 
 /// CPU seconds a process has used (user and system), from `/proc`.
 fn cpu_seconds(pid: u32) -> f64 {
@@ -36,231 +52,823 @@ fn cpu_seconds(pid: u32) -> f64 {
     (ticks(11) + ticks(12)) / 100.0
 }
 
-/// The `replayproof ingest` process on `brokers`, traced to `otlp` when given: the requests'
-/// report and the CPU seconds it used per 10,000 requests.
-async fn process_run(
-    brokers: &str,
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+}
+
+/// One measured run.
+#[derive(Debug, Clone, Copy, Default)]
+struct Run {
+    requests: f64,
+    seconds: f64,
+    p50_ms: f64,
+    p99_ms: f64,
+    /// Answers other than 2xx, and connection errors and timeouts.
+    errors: f64,
+    /// CPU seconds of the measured process (ingest, or the produce loop).
+    cpu: f64,
+    /// CPU seconds of the broker process, when known.
+    broker_cpu: Option<f64>,
+}
+
+impl Run {
+    fn rps(&self) -> f64 {
+        self.requests / self.seconds
+    }
+    fn per_10k(&self, cpu: f64) -> f64 {
+        cpu * 10_000.0 / self.requests.max(1.0)
+    }
+}
+
+/// A Kafka-protocol broker the runs produce to.
+struct Broker {
+    name: &'static str,
+    bootstrap: String,
+    /// Its process, whose CPU is measured; none for `KAFKA_BROKERS`.
+    pid: Option<u32>,
+    _child: Option<ChildGuard>,
+    /// Topics are created per run on brokers that keep everything (nisshi), and deleted after.
+    fresh_topics: bool,
+}
+
+impl Broker {
+    fn cpu(&self) -> Option<f64> {
+        self.pid.map(cpu_seconds)
+    }
+}
+
+/// Kills its process (by its own pid) when dropped.
+struct ChildGuard(Child);
+
+impl Drop for ChildGuard {
+    fn drop(&mut self) {
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(self.0.id() as i32),
+            nix::sys::signal::Signal::SIGTERM,
+        );
+        let deadline = Instant::now() + Duration::from_secs(15);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.0.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// librdkafka's mock cluster in a process of its own (this benchmark, as a role), so its CPU
+/// is counted apart from everything else; `topics` are created before it answers.
+fn start_mock(topics: &[String]) -> Broker {
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .env("BENCH_ROLE", "mock-broker")
+        .env("BENCH_TOPICS", topics.join(","))
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    Broker {
+        name: "mock cluster",
+        bootstrap: line.trim().to_owned(),
+        pid: Some(child.id()),
+        _child: Some(ChildGuard(child)),
+        fresh_topics: false,
+    }
+}
+
+fn mock_broker_role() {
+    let mock = replayproof::devkit::embedded::EmbeddedKafka::start().unwrap();
+    for topic in std::env::var("BENCH_TOPICS").unwrap().split(',') {
+        mock.create_topic(topic, PARTITIONS).unwrap();
+    }
+    println!("{}", mock.bootstrap_servers());
+    std::io::stdout().flush().unwrap();
+    // Until the benchmark closes the pipe (or dies).
+    let _ = std::io::stdin().read_line(&mut String::new());
+}
+
+fn nisshi_binary() -> Option<PathBuf> {
+    let candidates = std::env::var_os("REPLAYPROOF_NISSHI")
+        .map(PathBuf::from)
+        .into_iter()
+        .chain(
+            std::env::var_os("PATH")
+                .map(|p| {
+                    std::env::split_paths(&p)
+                        .map(|d| d.join("nisshi"))
+                        .collect::<Vec<_>>()
+                })
+                .unwrap_or_default(),
+        )
+        .chain(std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cargo/bin/nisshi")));
+    candidates.into_iter().find(|p| p.is_file())
+}
+
+fn start_nisshi(bin: &Path, dir: &Path) -> Broker {
+    let port = common::free_port();
+    let url = format!("tcp://127.0.0.1:{port}");
+    let log = std::fs::File::create(dir.join("nisshi.log")).unwrap();
+    let child = Command::new(bin)
+        .args([
+            "broker",
+            "--listener-url",
+            &url,
+            "--advertised-listener-url",
+            &url,
+        ])
+        .args(["--storage-engine", "memory://nisshi/"])
+        .args(["--group-initial-rebalance-delay", "0s"])
+        .stdout(log.try_clone().unwrap())
+        .stderr(log)
+        .spawn()
+        .unwrap();
+    let guard = ChildGuard(child);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(Instant::now() < deadline, "nisshi did not start");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    Broker {
+        name: "nisshi",
+        bootstrap: format!("127.0.0.1:{port}"),
+        pid: Some(guard.0.id()),
+        _child: Some(guard),
+        fresh_topics: true,
+    }
+}
+
+/// A Stripe event of exactly `size` bytes (padding fills it up), with the id `id`.
+fn stripe_body(id: &str, size: usize) -> String {
+    let now = chrono::Utc::now().timestamp();
+    let head = format!(
+        r#"{{"id":"{id}","object":"event","api_version":"2024-06-20","created":{now},"type":"invoice.paid","livemode":false,"pending_webhooks":1,"data":{{"object":{{"id":"in_{id}","object":"invoice","amount_paid":2000,"currency":"eur","padding":""#
+    );
+    let tail = r#""}}}"#;
+    let pad = size.saturating_sub(head.len() + tail.len());
+    let mut body = String::with_capacity(size);
+    body.push_str(&head);
+    // Varied text, as real payloads are, rather than one repeated byte.
+    body.extend((0..pad).map(|i| (b'a' + (i * 7 % 26) as u8) as char));
+    body.push_str(tail);
+    body
+}
+
+/// Writes the requests each wrk thread sends, signed now: `{prefix}-{thread}`, requests
+/// separated by a NUL byte. Each thread cycles through its own; ids differ across all of them.
+fn write_requests(dir: &Path, run: &str, port: u16, size: usize, seconds: usize) -> PathBuf {
+    let now = chrono::Utc::now().timestamp().to_string();
+    // Enough for the run at 50,000 req/s, within 192 MiB per thread.
+    let per_thread = (50_000 * seconds / WRK_THREADS).min(192 * 1024 * 1024 / (size + 300));
+    let prefix = dir.join(format!("requests-{run}"));
+    for thread in 0..WRK_THREADS {
+        let file = std::fs::File::create(format!("{}-{thread}", prefix.display())).unwrap();
+        let mut out = std::io::BufWriter::new(file);
+        for i in 0..per_thread {
+            let body = stripe_body(&format!("evt_{run}_{thread}_{i}"), size);
+            let signature = replayproof::devkit::sign::stripe(SECRET, &now, &body);
+            write!(
+                out,
+                "POST /webhooks/stripe HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\
+                 Content-Type: application/json; charset=utf-8\r\nStripe-Signature: {signature}\r\n\
+                 Content-Length: {}\r\n\r\n{body}\0",
+                body.len()
+            )
+            .unwrap();
+        }
+        out.flush().unwrap();
+    }
+    prefix
+}
+
+/// wrk's script: each thread reads its own requests and cycles through them; the summary is
+/// printed as one JSON line.
+const WRK_SCRIPT: &str = r#"
+local counter = 0
+function setup(thread)
+  thread:set("id", counter)
+  counter = counter + 1
+end
+function init(args)
+  requests = {}
+  if args[1] then
+    local f = assert(io.open(args[1] .. "-" .. id, "rb"))
+    local data = f:read("*a")
+    f:close()
+    local pos = 1
+    while true do
+      local e = data:find("\0", pos, true)
+      if not e then break end
+      requests[#requests + 1] = data:sub(pos, e - 1)
+      pos = e + 1
+    end
+  end
+  i = 0
+end
+function request()
+  if #requests == 0 then return wrk.format() end
+  i = i + 1
+  if i > #requests then i = 1 end
+  return requests[i]
+end
+function done(summary, latency, requests)
+  local e = summary.errors
+  io.write(string.format('{"requests":%d,"duration_us":%d,"errors":%d,"p50_us":%d,"p99_us":%d}\n',
+    summary.requests, summary.duration, e.status + e.connect + e.read + e.write + e.timeout,
+    latency:percentile(50), latency:percentile(99)))
+end
+"#;
+
+/// Starts wrk against `url` for `seconds` with `connections`, sending the requests at `prefix`
+/// (none: `GET url`).
+fn spawn_wrk(
+    dir: &Path,
+    url: &str,
+    threads: usize,
+    connections: usize,
+    seconds: usize,
+    prefix: Option<&Path>,
+) -> Child {
+    let script = dir.join("bench.lua");
+    if !script.exists() {
+        std::fs::write(&script, WRK_SCRIPT).unwrap();
+    }
+    let mut wrk = Command::new("wrk");
+    wrk.arg(format!("-t{threads}"))
+        .arg(format!("-c{connections}"))
+        .arg(format!("-d{seconds}s"))
+        .arg("--timeout")
+        .arg("10s")
+        .arg("-s")
+        .arg(&script)
+        .arg(url);
+    if let Some(prefix) = prefix {
+        wrk.arg("--").arg(prefix);
+    }
+    wrk.stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("wrk is needed: apt-get install wrk (scripts/bench-ingest.sh installs it)")
+}
+
+/// wrk's summary line, as a run without CPU figures.
+fn wrk_result(child: Child) -> Run {
+    let out = child.wait_with_output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    let line = text
+        .lines()
+        .rev()
+        .find(|l| l.starts_with('{'))
+        .unwrap_or_else(|| panic!("wrk printed no summary: {text}"));
+    let v: serde_json::Value = serde_json::from_str(line).unwrap();
+    let n = |k: &str| v[k].as_f64().unwrap();
+    Run {
+        requests: n("requests"),
+        seconds: n("duration_us") / 1e6,
+        p50_ms: n("p50_us") / 1e3,
+        p99_ms: n("p99_us") / 1e3,
+        errors: n("errors"),
+        ..Run::default()
+    }
+}
+
+/// A `replayproof ingest` process on `port`, ready.
+fn start_ingest(
+    dir: &Path,
+    broker: &Broker,
     topic: &str,
-    requests: usize,
-    concurrency: usize,
+    port: u16,
     otlp: Option<&str>,
-) -> (Report, f64) {
-    let dir = tempfile::tempdir().unwrap();
-    let config = dir.path().join("replayproof.toml");
+) -> ChildGuard {
+    let config = dir.join("replayproof.toml");
     std::fs::write(
         &config,
-        "[[ingest.sources]]\nname = \"github\"\nkind = \"github\"\nsecrets_env = [\"S\"]\n",
+        "[[ingest.sources]]\nname = \"stripe\"\nkind = \"stripe\"\nsecrets_env = [\"S\"]\n",
     )
     .unwrap();
-    let port = common::free_port();
-    let mut command = tokio::process::Command::new(env!("CARGO_BIN_EXE_replayproof"));
+    let mut command = Command::new(env!("CARGO_BIN_EXE_replayproof"));
     if let Some(endpoint) = otlp {
         command.env("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint);
     }
-    let mut child = command
-        .arg("ingest")
-        .arg("--config")
-        .arg(&config)
-        .args(["--listen", &format!("127.0.0.1:{port}")])
-        .args(["--brokers", brokers, "--topic", topic])
-        .args(["--kafka-option", "broker.address.family=v4"])
-        .args(["--metrics-addr", "127.0.0.1:0"])
-        .env("S", "bench-secret-0123456789")
-        .env("RUST_LOG", "warn")
-        .stdin(std::process::Stdio::null())
-        .kill_on_drop(true)
+    let child = ChildGuard(
+        command
+            .arg("ingest")
+            .arg("--config")
+            .arg(&config)
+            .args(["--listen", &format!("127.0.0.1:{port}")])
+            .args(["--brokers", &broker.bootstrap, "--topic", topic])
+            .args(["--kafka-option", "broker.address.family=v4"])
+            .args(
+                kafka_options()
+                    .iter()
+                    .flat_map(|(k, v)| ["--kafka-option".into(), format!("{k}={v}")]),
+            )
+            .args(["--metrics-addr", "127.0.0.1:0", "--shutdown-delay", "0s"])
+            .env("S", SECRET)
+            .env_remove("RUST_LOG")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        assert!(Instant::now() < deadline, "ingest did not become ready");
+        if let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", port)) {
+            let _ = s.write_all(b"GET /readyz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+            let mut answer = String::new();
+            let _ = std::io::Read::read_to_string(&mut s, &mut answer);
+            if answer.starts_with("HTTP/1.1 200") {
+                return child;
+            }
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// `BENCH_KAFKA_OPTIONS` (`key=value,…`): librdkafka options for the ingress and the produce
+/// loop alike, to compare producer settings.
+fn kafka_options() -> Vec<(String, String)> {
+    std::env::var("BENCH_KAFKA_OPTIONS")
+        .unwrap_or_default()
+        .split(',')
+        .filter_map(|kv| kv.split_once('='))
+        .map(|(k, v)| (k.trim().to_owned(), v.trim().to_owned()))
+        .collect()
+}
+
+/// Creates `topic` on `broker` when its topics are made per run.
+fn create_topic(runtime: &tokio::runtime::Runtime, broker: &Broker, topic: &str) {
+    if broker.fresh_topics {
+        runtime.block_on(common::create_topic(&broker.bootstrap, topic, PARTITIONS));
+    }
+}
+
+fn delete_topic(runtime: &tokio::runtime::Runtime, broker: &Broker, topic: &str) {
+    if broker.fresh_topics {
+        use rdkafka::admin::{AdminClient, AdminOptions};
+        let admin: AdminClient<_> = common::client(&broker.bootstrap).create().unwrap();
+        let _ = runtime.block_on(admin.delete_topics(&[topic], &AdminOptions::new()));
+    }
+}
+
+struct Settings {
+    seconds: usize,
+    connections: usize,
+}
+
+/// One ingest process under wrk for a warm-up and a measured run of signed deliveries of
+/// `size` bytes (or `GET /healthz` when `size` is None).
+#[allow(clippy::too_many_arguments)]
+fn ingest_run(
+    runtime: &tokio::runtime::Runtime,
+    dir: &Path,
+    broker: &Broker,
+    topic: &str,
+    size: Option<usize>,
+    otlp: Option<&str>,
+    run: &str,
+    s: &Settings,
+) -> Run {
+    create_topic(runtime, broker, topic);
+    let port = common::free_port();
+    let ingest = start_ingest(dir, broker, topic, port, otlp);
+    let pid = ingest.0.id();
+    let prefix = size.map(|size| write_requests(dir, run, port, size, s.seconds));
+    let url = match size {
+        Some(_) => format!("http://127.0.0.1:{port}/"),
+        None => format!("http://127.0.0.1:{port}/healthz"),
+    };
+    // A warm-up: connections, the producer's metadata, the allocator's pools.
+    let warm = spawn_wrk(dir, &url, WRK_THREADS, s.connections, 2, prefix.as_deref());
+    wrk_result(warm);
+    let (cpu, broker_cpu) = (cpu_seconds(pid), broker.cpu());
+    let wrk = spawn_wrk(
+        dir,
+        &url,
+        WRK_THREADS,
+        s.connections,
+        s.seconds,
+        prefix.as_deref(),
+    );
+    let mut result = wrk_result(wrk);
+    result.cpu = cpu_seconds(pid) - cpu;
+    result.broker_cpu = broker.cpu().zip(broker_cpu).map(|(b, a)| b - a);
+    drop(ingest);
+    if let Some(prefix) = prefix {
+        for thread in 0..WRK_THREADS {
+            let _ = std::fs::remove_file(format!("{}-{thread}", prefix.display()));
+        }
+    }
+    delete_topic(runtime, broker, topic);
+    result
+}
+
+/// Two ingest processes on two ports, one wrk each with half the connections, at once.
+fn two_processes_run(
+    runtime: &tokio::runtime::Runtime,
+    dir: &Path,
+    broker: &Broker,
+    topic: &str,
+    size: usize,
+    s: &Settings,
+) -> Run {
+    create_topic(runtime, broker, topic);
+    let ports = [common::free_port(), common::free_port()];
+    let processes: Vec<ChildGuard> = ports
+        .iter()
+        .map(|&port| start_ingest(dir, broker, topic, port, None))
+        .collect();
+    let prefixes: Vec<PathBuf> = ports
+        .iter()
+        .enumerate()
+        .map(|(i, &port)| write_requests(dir, &format!("two{i}"), port, size, s.seconds))
+        .collect();
+    let url = |port: u16| format!("http://127.0.0.1:{port}/");
+    let spawn_both = |seconds| -> Vec<Child> {
+        ports
+            .iter()
+            .zip(&prefixes)
+            .map(|(&port, prefix)| {
+                spawn_wrk(dir, &url(port), 1, s.connections / 2, seconds, Some(prefix))
+            })
+            .collect()
+    };
+    spawn_both(2).into_iter().for_each(|w| {
+        wrk_result(w);
+    });
+    let cpu = |ps: &[ChildGuard]| ps.iter().map(|p| cpu_seconds(p.0.id())).sum::<f64>();
+    let (before, broker_before) = (cpu(&processes), broker.cpu());
+    let results: Vec<Run> = spawn_both(s.seconds).into_iter().map(wrk_result).collect();
+    let mut sum = Run {
+        requests: results.iter().map(|r| r.requests).sum(),
+        seconds: results.iter().map(|r| r.seconds).fold(0.0, f64::max),
+        p50_ms: results.iter().map(|r| r.p50_ms).fold(0.0, f64::max),
+        p99_ms: results.iter().map(|r| r.p99_ms).fold(0.0, f64::max),
+        errors: results.iter().map(|r| r.errors).sum(),
+        ..Run::default()
+    };
+    sum.cpu = cpu(&processes) - before;
+    sum.broker_cpu = broker.cpu().zip(broker_before).map(|(b, a)| b - a);
+    drop(processes);
+    for prefix in prefixes {
+        for thread in 0..WRK_THREADS {
+            let _ = std::fs::remove_file(format!("{}-{thread}", prefix.display()));
+        }
+    }
+    delete_topic(runtime, broker, topic);
+    sum
+}
+
+/// The produce loop, in a process of its own: `connections` tasks, each sending an envelope
+/// of a `size`-byte body and waiting for its acknowledgement before the next.
+fn produce_loop_run(
+    runtime: &tokio::runtime::Runtime,
+    broker: &Broker,
+    topic: &str,
+    size: usize,
+    s: &Settings,
+) -> Run {
+    create_topic(runtime, broker, topic);
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .env("BENCH_ROLE", "produce-loop")
+        .env("BENCH_BOOTSTRAP", &broker.bootstrap)
+        .env("BENCH_TOPIC", topic)
+        .env("BENCH_SIZE", size.to_string())
+        .env("BENCH_CONNECTIONS", s.connections.to_string())
+        .env("BENCH_SECONDS", s.seconds.to_string())
+        .stdout(Stdio::piped())
         .spawn()
         .unwrap();
-    let pid = child.id().unwrap();
-    let base = format!("http://127.0.0.1:{port}");
-    while reqwest::get(format!("{base}/readyz"))
-        .await
-        .map_or(true, |r| !r.status().is_success())
-    {
-        tokio::time::sleep(Duration::from_millis(50)).await;
+    let mut lines = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
+    let mut broker_before = None;
+    let mut result = None;
+    for line in lines.by_ref() {
+        let line = line.unwrap();
+        if line == "measuring" {
+            broker_before = broker.cpu();
+        } else if line.starts_with('{') {
+            let v: serde_json::Value = serde_json::from_str(&line).unwrap();
+            let n = |k: &str| v[k].as_f64().unwrap();
+            result = Some(Run {
+                requests: n("requests"),
+                seconds: n("seconds"),
+                p50_ms: n("p50_us") / 1e3,
+                p99_ms: n("p99_us") / 1e3,
+                errors: n("errors"),
+                cpu: n("cpu"),
+                broker_cpu: broker.cpu().zip(broker_before).map(|(b, a)| b - a),
+            });
+        }
     }
-    let url = format!("{base}/webhooks/github");
-    drive(url.clone(), requests.min(2_000), concurrency).await; // warm-up
-    let cpu = cpu_seconds(pid);
-    let report = drive(url, requests, concurrency).await;
-    let cpu = cpu_seconds(pid) - cpu;
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(pid as i32),
-        nix::sys::signal::Signal::SIGTERM,
-    )
-    .unwrap();
-    child.wait().await.unwrap();
-    (report, cpu * 10_000.0 / requests as f64)
+    child.wait().unwrap();
+    delete_topic(runtime, broker, topic);
+    result.expect("the produce loop printed no result")
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    v[v.len() / 2]
-}
-
-struct Report {
-    rps: f64,
-    p50: Duration,
-    p99: Duration,
-    errors: usize,
-}
-
-/// Sends `requests` POSTs from `concurrency` clients; request `i` carries delivery id `i`.
-async fn drive(url: String, requests: usize, concurrency: usize) -> Report {
-    let http = reqwest::Client::builder()
-        .pool_max_idle_per_host(concurrency)
-        .build()
-        .unwrap();
-    let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let started = Instant::now();
-    let workers: Vec<_> = (0..concurrency)
-        .map(|_| {
-            let (http, url, next) = (http.clone(), url.clone(), next.clone());
-            tokio::spawn(async move {
-                let (mut latencies, mut errors) = (Vec::new(), 0);
-                loop {
-                    let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    if i >= requests {
-                        return (latencies, errors);
-                    }
-                    let body = format!(
-                        r#"{{"action":"opened","number":{i},"padding":"{}"}}"#,
-                        "x".repeat(512)
-                    );
-                    let t = Instant::now();
-                    let r = http
-                        .post(&url)
-                        .header(
-                            "x-hub-signature-256",
-                            replayproof::devkit::sign::github("bench-secret-0123456789", &body),
-                        )
-                        .header("x-github-delivery", format!("bench-{i}"))
-                        .header("x-github-event", "pull_request")
-                        .body(body)
-                        .send()
-                        .await;
-                    latencies.push(t.elapsed());
-                    if !r.is_ok_and(|r| r.status().is_success()) {
-                        errors += 1;
-                    }
-                }
-            })
-        })
-        .collect();
-    let (mut all, mut errors) = (Vec::with_capacity(requests), 0);
-    for w in workers {
-        let (l, e) = w.await.unwrap();
-        all.extend(l);
-        errors += e;
-    }
-    let elapsed = started.elapsed();
-    all.sort();
-    Report {
-        rps: requests as f64 / elapsed.as_secs_f64(),
-        p50: all[all.len() / 2],
-        p99: all[all.len() * 99 / 100],
-        errors,
-    }
-}
-
-fn print(name: &str, r: &Report) {
-    println!(
-        "{name:<28} {:>9.0} req/s   p50 {:>7.2} ms   p99 {:>7.2} ms   errors {}",
-        r.rps,
-        r.p50.as_secs_f64() * 1e3,
-        r.p99.as_secs_f64() * 1e3,
-        r.errors
+fn produce_loop_role() {
+    use rdkafka::producer::{FutureProducer, FutureRecord};
+    let var = |k: &str| std::env::var(k).unwrap();
+    let (bootstrap, topic) = (var("BENCH_BOOTSTRAP"), var("BENCH_TOPIC"));
+    let size: usize = var("BENCH_SIZE").parse().unwrap();
+    let connections: usize = var("BENCH_CONNECTIONS").parse().unwrap();
+    let seconds: u64 = var("BENCH_SECONDS").parse().unwrap();
+    let mut settings = replayproof::ingest::IngestSettings::new(
+        "127.0.0.1:0".parse().unwrap(),
+        &bootstrap,
+        &topic,
     );
+    settings.kafka_options = vec![("broker.address.family".into(), "v4".into())];
+    settings.kafka_options.extend(kafka_options());
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    runtime.block_on(async move {
+        let producer: FutureProducer = settings.producer_config().unwrap().create().unwrap();
+        let producer = std::sync::Arc::new(producer);
+        let run = |duration: Duration, measure: bool| {
+            let producer = producer.clone();
+            let topic = topic.clone();
+            async move {
+                let until = Instant::now() + duration;
+                let tasks: Vec<_> = (0..connections)
+                    .map(|task| {
+                        let (producer, topic) = (producer.clone(), topic.clone());
+                        tokio::spawn(async move {
+                            let (mut latencies, mut errors, mut i) = (Vec::new(), 0usize, 0usize);
+                            while Instant::now() < until {
+                                let id = format!("evt_{measure}_{task}_{i}");
+                                i += 1;
+                                let envelope = replayproof::envelope::Envelope {
+                                    key: format!("stripe:{id}"),
+                                    source: "stripe".into(),
+                                    event_type: Some("invoice.paid".into()),
+                                    received_at: Some(chrono::Utc::now()),
+                                    occurred_at: Some(chrono::Utc::now()),
+                                    payload: serde_json::value::RawValue::from_string(
+                                        stripe_body(&id, size),
+                                    )
+                                    .unwrap(),
+                                    unhashed: vec!["pending_webhooks".into(), "request".into()],
+                                    replay_window_secs: None,
+                                    request_id: Some(format!("{:032x}", i)),
+                                };
+                                let value = envelope.to_bytes();
+                                let t = Instant::now();
+                                let sent = producer
+                                    .send(
+                                        FutureRecord::to(&topic)
+                                            .key(&envelope.key)
+                                            .payload(&value),
+                                        Duration::from_secs(10),
+                                    )
+                                    .await;
+                                latencies.push(t.elapsed());
+                                errors += usize::from(sent.is_err());
+                            }
+                            (latencies, errors)
+                        })
+                    })
+                    .collect();
+                let (mut all, mut errors) = (Vec::new(), 0);
+                for t in tasks {
+                    let (l, e) = t.await.unwrap();
+                    all.extend(l);
+                    errors += e;
+                }
+                all.sort();
+                (all, errors)
+            }
+        };
+        run(Duration::from_secs(2), false).await;
+        println!("measuring");
+        let pid = std::process::id();
+        let (cpu, started) = (cpu_seconds(pid), Instant::now());
+        let (all, errors) = run(Duration::from_secs(seconds), true).await;
+        let elapsed = started.elapsed().as_secs_f64();
+        let cpu = cpu_seconds(pid) - cpu;
+        let at = |q: usize| all[(all.len() * q / 100).min(all.len() - 1)].as_micros();
+        println!(
+            r#"{{"requests":{},"seconds":{elapsed},"errors":{errors},"p50_us":{},"p99_us":{},"cpu":{cpu}}}"#,
+            all.len(),
+            at(50),
+            at(99),
+        );
+    });
 }
 
-async fn bare_endpoint() -> String {
-    let app =
-        axum::Router::new().route("/webhooks/{source}", axum::routing::post(|| async { "ok" }));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, app).await });
-    format!("http://{addr}/webhooks/github")
+/// The medians of a row's runs, printed.
+fn print_row(name: &str, runs: &[Run]) -> Run {
+    let m = |f: &dyn Fn(&Run) -> f64| median(runs.iter().map(f).collect());
+    let row = Run {
+        requests: m(&|r| r.rps()),
+        seconds: 1.0,
+        p50_ms: m(&|r| r.p50_ms),
+        p99_ms: m(&|r| r.p99_ms),
+        errors: runs.iter().map(|r| r.errors).sum(),
+        cpu: m(&|r| r.per_10k(r.cpu)),
+        broker_cpu: runs
+            .iter()
+            .map(|r| r.broker_cpu.map(|b| r.per_10k(b)))
+            .collect::<Option<Vec<f64>>>()
+            .map(median),
+    };
+    let broker = row
+        .broker_cpu
+        .map_or_else(|| "n/a".to_owned(), |b| format!("{b:.2}"));
+    println!(
+        "| {name} | {:.0} | {:.2} | {:.2} | {:.0} | {:.2} | {broker} |",
+        row.requests, row.p50_ms, row.p99_ms, row.errors, row.cpu
+    );
+    row
 }
 
 fn main() {
-    let runtime = tokio::runtime::Runtime::new().unwrap();
-    let (requests, concurrency) = (
-        env_or("BENCH_REQUESTS", 20_000),
-        env_or("BENCH_CONCURRENCY", 64),
-    );
-    let mock = match std::env::var("KAFKA_BROKERS") {
-        Ok(b) if !b.is_empty() => None,
-        _ => Some(EmbeddedKafka::start().unwrap()),
-    };
-    let brokers = mock
-        .as_ref()
-        .map(|m| m.bootstrap_servers())
-        .unwrap_or_else(|| std::env::var("KAFKA_BROKERS").unwrap());
-    let topic = format!("bench_{}", std::process::id());
-    if let Some(m) = &mock {
-        m.create_topic(&topic, 4).unwrap();
-    } else {
-        runtime.block_on(create_topic(&brokers, &topic, 4));
+    match std::env::var("BENCH_ROLE").as_deref() {
+        Ok("mock-broker") => return mock_broker_role(),
+        Ok("produce-loop") => return produce_loop_role(),
+        _ => {}
     }
-    let broker_name = if mock.is_some() {
-        "mock cluster"
-    } else {
-        "KAFKA_BROKERS"
+    let s = Settings {
+        seconds: env_or("BENCH_SECONDS", 10),
+        connections: env_or("BENCH_CONNECTIONS", 64),
     };
-    println!("{requests} requests, {concurrency} concurrent clients, broker: {broker_name}");
-    runtime.block_on(async {
-        let bare = drive(bare_endpoint().await, requests, concurrency).await;
-        print("bare endpoint (200 only)", &bare);
+    let rounds = env_or("BENCH_ROUNDS", 3);
+    let sizes: Vec<usize> = std::env::var("BENCH_SIZES")
+        .unwrap_or_else(|_| "512,2048,32768".into())
+        .split(',')
+        .map(|s| s.trim().parse().unwrap())
+        .collect();
+    let wanted = std::env::var("BENCH_BROKERS").unwrap_or_else(|_| "mock,nisshi,external".into());
+    let wanted = |name: &str| wanted.split(',').any(|w| w.trim() == name);
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let dir = tempfile::tempdir().unwrap();
 
-        let config: FileConfig = toml::from_str(
-            "[[sources]]\nname = \"github\"\nkind = \"github\"\nsecrets_env = [\"S\"]",
-        )
-        .unwrap();
-        let sources = config
-            .sources_with(|_| Some("bench-secret-0123456789".into()))
-            .unwrap();
-        let mut settings = IngestSettings::new("127.0.0.1:0".parse().unwrap(), &brokers, &topic);
-        settings.kafka_options = vec![("broker.address.family".into(), "v4".into())];
-        let shutdown = CancellationToken::new();
-        let ingress = ingest::Ingress::build(settings, sources, prometheus::Registry::new())
-            .await
-            .unwrap();
-        let url = format!("http://{}/webhooks/github", ingress.addr());
-        let running = ingress.run_until_stopped(shutdown.clone());
-        drive(url.clone(), requests.min(2_000), concurrency).await; // warm-up
-        let ingress = drive(url, requests, concurrency).await;
-        print("ingest (signed, acks=all)", &ingress);
-        shutdown.cancel();
-        running.stopped().await.unwrap();
+    let mut brokers = Vec::new();
+    if wanted("mock") {
+        let mut topics: Vec<String> = sizes.iter().map(|s| format!("ingest_{s}")).collect();
+        topics.extend(sizes.iter().map(|s| format!("loop_{s}")));
+        topics.extend(["two", "traced"].map(String::from));
+        brokers.push(start_mock(&topics));
+    }
+    if wanted("nisshi") {
+        match nisshi_binary() {
+            Some(bin) => brokers.push(start_nisshi(&bin, dir.path())),
+            None => println!(
+                "NOT MEASURED: nisshi (not found; `cargo +nightly install nisshi --version 0.8.1 \
+                 --locked`, or scripts/bench-ingest.sh)"
+            ),
+        }
+    }
+    if let (true, Ok(bootstrap)) = (wanted("external"), std::env::var("KAFKA_BROKERS")) {
+        if !bootstrap.is_empty() {
+            brokers.push(Broker {
+                name: "KAFKA_BROKERS",
+                bootstrap,
+                pid: None,
+                _child: None,
+                fresh_topics: true,
+            });
+        }
+    }
+    println!(
+        "wrk {WRK_THREADS} threads, {} connections, {} s per run, {rounds} rounds (medians); \
+         topics of {PARTITIONS} partitions; signed Stripe deliveries, acks=all",
+        s.connections, s.seconds
+    );
 
-        let exported = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-        let endpoint = common::otlp_sink(exported.clone()).await;
-        let (mut off, mut on) = ((Vec::new(), Vec::new()), (Vec::new(), Vec::new()));
-        for _ in 0..env_or("BENCH_ROUNDS", 3) {
-            for (otlp, into) in [(None, &mut off), (Some(endpoint.as_str()), &mut on)] {
-                let (report, cpu) =
-                    process_run(&brokers, &topic, requests, concurrency, otlp).await;
-                let name = match otlp {
-                    None => "process, no OTLP endpoint",
-                    Some(_) => "process, spans exported",
+    // Every run of every row, interleaved round by round.
+    let mut rows: Vec<(String, Vec<Run>)> = Vec::new();
+    let mut push = |name: String, run: Run| {
+        eprintln!(
+            "  {name}: {:.0} req/s, p50 {:.2} ms, p99 {:.2} ms, errors {}",
+            run.rps(),
+            run.p50_ms,
+            run.p99_ms,
+            run.errors
+        );
+        match rows.iter_mut().find(|(n, _)| *n == name) {
+            Some((_, runs)) => runs.push(run),
+            None => rows.push((name, vec![run])),
+        }
+    };
+    let otlp = runtime.block_on(common::otlp_sink(Default::default()));
+    let tag = std::process::id();
+    for round in 0..rounds {
+        eprintln!("round {}", round + 1);
+        let first = &brokers[0];
+        let r = ingest_run(
+            &runtime,
+            dir.path(),
+            first,
+            "ingest_512",
+            None,
+            None,
+            "bare",
+            &s,
+        );
+        push("bare: GET /healthz, same server".into(), r);
+        for broker in &brokers {
+            for &size in &sizes {
+                let topic = match broker.fresh_topics {
+                    true => format!("ingest_{size}_{tag}_{round}"),
+                    false => format!("ingest_{size}"),
                 };
-                print(name, &report);
-                into.0.push(report.rps);
-                into.1.push(cpu);
+                let run = format!("{round}_{size}");
+                let r = ingest_run(
+                    &runtime,
+                    dir.path(),
+                    broker,
+                    &topic,
+                    Some(size),
+                    None,
+                    &run,
+                    &s,
+                );
+                push(format!("ingest, {size} B, {}", broker.name), r);
+                let topic = match broker.fresh_topics {
+                    true => format!("loop_{size}_{tag}_{round}"),
+                    false => format!("loop_{size}"),
+                };
+                let r = produce_loop_run(&runtime, broker, &topic, size, &s);
+                push(format!("produce loop, {size} B, {}", broker.name), r);
             }
         }
-        let (off_rps, on_rps) = (median(off.0), median(on.0));
-        println!(
-            "medians: no endpoint {off_rps:.0} req/s, {:.2} CPU s per 10,000; exported {on_rps:.0} \
-             req/s, {:.2} CPU s per 10,000; exported/no endpoint {:.2}; {} KiB of spans exported",
-            median(off.1),
-            median(on.1),
-            on_rps / off_rps,
-            exported.load(std::sync::atomic::Ordering::Relaxed) / 1024,
+        let last = brokers.last().unwrap();
+        let size = sizes[0];
+        let topic = match last.fresh_topics {
+            true => format!("two_{tag}_{round}"),
+            false => "two".into(),
+        };
+        let r = two_processes_run(&runtime, dir.path(), last, &topic, size, &s);
+        push(format!("two ingest processes, {size} B, {}", last.name), r);
+        let topic = match last.fresh_topics {
+            true => format!("traced_{tag}_{round}"),
+            false => "traced".into(),
+        };
+        let run = format!("traced{round}");
+        let r = ingest_run(
+            &runtime,
+            dir.path(),
+            last,
+            &topic,
+            Some(size),
+            Some(&otlp),
+            &run,
+            &s,
         );
-        println!(
-            "process with no endpoint ÷ bare endpoint: {:.2}",
-            off_rps / bare.rps
+        push(
+            format!("ingest, {size} B, {}, every span exported", last.name),
+            r,
         );
-    });
+    }
+
+    println!();
+    println!(
+        "| run | req/s | p50 ms | p99 ms | not 2xx | CPU s/10k, process | CPU s/10k, broker |"
+    );
+    println!("|---|---:|---:|---:|---:|---:|---:|");
+    let medians: Vec<(String, Run)> = rows
+        .iter()
+        .map(|(name, runs)| (name.clone(), print_row(name, runs)))
+        .collect();
+    let get = |name: &str| medians.iter().find(|(n, _)| n == name).map(|(_, r)| *r);
+    let bare = get("bare: GET /healthz, same server").unwrap();
+    println!();
+    println!("| broker | body | ingest ÷ bare | ingest ÷ produce loop |");
+    println!("|---|---:|---:|---:|");
+    for broker in &brokers {
+        for &size in &sizes {
+            let ingest = get(&format!("ingest, {size} B, {}", broker.name)).unwrap();
+            let produce = get(&format!("produce loop, {size} B, {}", broker.name)).unwrap();
+            println!(
+                "| {} | {size} B | {:.2} | {:.2} |",
+                broker.name,
+                ingest.requests / bare.requests,
+                ingest.requests / produce.requests
+            );
+        }
+    }
+    let last = brokers.last().unwrap();
+    let size = sizes[0];
+    if let (Some(one), Some(two), Some(traced)) = (
+        get(&format!("ingest, {size} B, {}", last.name)),
+        get(&format!("two ingest processes, {size} B, {}", last.name)),
+        get(&format!(
+            "ingest, {size} B, {}, every span exported",
+            last.name
+        )),
+    ) {
+        println!(
+            "two processes ÷ one: {:.2}; every span exported ÷ none: {:.2} ({:.0} µs of CPU per \
+             request for its span)",
+            two.requests / one.requests,
+            traced.requests / one.requests,
+            (traced.cpu - one.cpu) * 100.0
+        );
+    }
 }
