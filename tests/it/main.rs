@@ -18,6 +18,7 @@ mod destinations;
 mod dispatch;
 /// The HTTP ingress: requests, their answers and what reaches the topic; each signature scheme.
 mod ingest {
+    mod overload;
     mod requests;
     mod signatures;
 }
