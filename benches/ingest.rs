@@ -462,12 +462,17 @@ fn ingest_run(
     result.broker_cpu = broker.cpu().zip(broker_cpu).map(|(b, a)| b - a);
     drop(ingest);
     if let Some(prefix) = prefix {
-        for thread in 0..WRK_THREADS {
-            let _ = std::fs::remove_file(format!("{}-{thread}", prefix.display()));
-        }
+        remove_requests(&prefix);
     }
     delete_topic(runtime, broker, topic);
     result
+}
+
+/// Removes the request files [`write_requests`] wrote at `prefix`.
+fn remove_requests(prefix: &Path) {
+    for thread in 0..WRK_THREADS {
+        let _ = std::fs::remove_file(format!("{}-{thread}", prefix.display()));
+    }
 }
 
 /// Two ingest processes on two ports, one wrk each with half the connections, at once.
@@ -517,11 +522,7 @@ fn two_processes_run(
     sum.cpu = cpu(&processes) - before;
     sum.broker_cpu = broker.cpu().zip(broker_before).map(|(b, a)| b - a);
     drop(processes);
-    for prefix in prefixes {
-        for thread in 0..WRK_THREADS {
-            let _ = std::fs::remove_file(format!("{}-{thread}", prefix.display()));
-        }
-    }
+    prefixes.iter().for_each(|p| remove_requests(p));
     delete_topic(runtime, broker, topic);
     sum
 }

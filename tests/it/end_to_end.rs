@@ -120,20 +120,6 @@ impl Ingress {
     }
 }
 
-async fn wait_ready(http: &reqwest::Client, base: &str) {
-    wait_for(
-        "the ingress to be ready",
-        Duration::from_secs(60),
-        || async {
-            http.get(format!("{base}/readyz"))
-                .send()
-                .await
-                .is_ok_and(|r| r.status() == 200)
-        },
-    )
-    .await;
-}
-
 fn key(n: usize) -> String {
     if n.is_multiple_of(2) {
         format!("github:delivery-{n}")

@@ -52,6 +52,21 @@ pub fn metric_value(registry: &prometheus::Registry, name: &str) -> f64 {
         .sum()
 }
 
+/// Waits until the ingress at `base` answers 200 at `/readyz`, failing the test after 60 s.
+pub async fn wait_ready(http: &reqwest::Client, base: &str) {
+    wait_for(
+        "the ingress to be ready",
+        Duration::from_secs(60),
+        || async {
+            http.get(format!("{base}/readyz"))
+                .send()
+                .await
+                .is_ok_and(|r| r.status() == 200)
+        },
+    )
+    .await;
+}
+
 /// Polls `check` until it is true, failing the test after `timeout`.
 pub async fn wait_for<F, Fut>(what: &str, timeout: Duration, mut check: F)
 where

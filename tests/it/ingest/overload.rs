@@ -118,17 +118,7 @@ async fn load_far_above_capacity_gets_2xx_or_503_loses_no_2xx_and_memory_stays_b
         .timeout(Duration::from_secs(20))
         .build()
         .unwrap();
-    wait_for(
-        "the ingress to be ready",
-        Duration::from_secs(60),
-        || async {
-            http.get(format!("{base}/readyz"))
-                .send()
-                .await
-                .is_ok_and(|r| r.status() == 200)
-        },
-    )
-    .await;
+    wait_ready(&http, &base).await;
 
     let idle_rss = rss_kib(pid);
     let stop = Arc::new(AtomicBool::new(false));
