@@ -96,6 +96,20 @@ impl Broker {
     fn cpu(&self) -> Option<f64> {
         self.pid.map(cpu_seconds)
     }
+
+    /// The CPU seconds it used since [`Broker::cpu`] read `before`.
+    fn cpu_since(&self, before: Option<f64>) -> Option<f64> {
+        self.cpu().zip(before).map(|(now, before)| now - before)
+    }
+
+    /// The topic named `base` for a run: a fresh one per run (`tag` and `round`) where topics
+    /// are made per run, the one created at start otherwise.
+    fn topic(&self, base: &str, tag: u32, round: usize) -> String {
+        match self.fresh_topics {
+            true => format!("{base}_{tag}_{round}"),
+            false => base.to_owned(),
+        }
+    }
 }
 
 /// Kills its process (by its own pid) when dropped.
@@ -459,7 +473,7 @@ fn ingest_run(
     );
     let mut result = wrk_result(wrk);
     result.cpu = cpu_seconds(pid) - cpu;
-    result.broker_cpu = broker.cpu().zip(broker_cpu).map(|(b, a)| b - a);
+    result.broker_cpu = broker.cpu_since(broker_cpu);
     drop(ingest);
     if let Some(prefix) = prefix {
         remove_requests(&prefix);
@@ -520,7 +534,7 @@ fn two_processes_run(
         ..Run::default()
     };
     sum.cpu = cpu(&processes) - before;
-    sum.broker_cpu = broker.cpu().zip(broker_before).map(|(b, a)| b - a);
+    sum.broker_cpu = broker.cpu_since(broker_before);
     drop(processes);
     prefixes.iter().for_each(|p| remove_requests(p));
     delete_topic(runtime, broker, topic);
@@ -564,7 +578,7 @@ fn produce_loop_run(
                 p99_ms: n("p99_us") / 1e3,
                 errors: n("errors"),
                 cpu: n("cpu"),
-                broker_cpu: broker.cpu().zip(broker_before).map(|(b, a)| b - a),
+                broker_cpu: broker.cpu_since(broker_before),
             });
         }
     }
@@ -775,10 +789,7 @@ fn main() {
         push("bare: GET /healthz, same server".into(), r);
         for broker in &brokers {
             for &size in &sizes {
-                let topic = match broker.fresh_topics {
-                    true => format!("ingest_{size}_{tag}_{round}"),
-                    false => format!("ingest_{size}"),
-                };
+                let topic = broker.topic(&format!("ingest_{size}"), tag, round);
                 let run = format!("{round}_{size}");
                 let r = ingest_run(
                     &runtime,
@@ -791,26 +802,17 @@ fn main() {
                     &s,
                 );
                 push(format!("ingest, {size} B, {}", broker.name), r);
-                let topic = match broker.fresh_topics {
-                    true => format!("loop_{size}_{tag}_{round}"),
-                    false => format!("loop_{size}"),
-                };
+                let topic = broker.topic(&format!("loop_{size}"), tag, round);
                 let r = produce_loop_run(&runtime, broker, &topic, size, &s);
                 push(format!("produce loop, {size} B, {}", broker.name), r);
             }
         }
         let last = brokers.last().unwrap();
         let size = sizes[0];
-        let topic = match last.fresh_topics {
-            true => format!("two_{tag}_{round}"),
-            false => "two".into(),
-        };
+        let topic = last.topic("two", tag, round);
         let r = two_processes_run(&runtime, dir.path(), last, &topic, size, &s);
         push(format!("two ingest processes, {size} B, {}", last.name), r);
-        let topic = match last.fresh_topics {
-            true => format!("traced_{tag}_{round}"),
-            false => "traced".into(),
-        };
+        let topic = last.topic("traced", tag, round);
         let run = format!("traced{round}");
         let r = ingest_run(
             &runtime,
