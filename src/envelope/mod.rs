@@ -108,21 +108,27 @@ pub enum Malformed {
 pub const MAX_NESTING: usize = 127;
 
 /// Whether JSON `text` nests arrays and objects more than `limit` deep, found in one pass
-/// without recursion (brackets inside strings do not count).
+/// without recursion (brackets inside strings do not count). A string's contents are skipped
+/// to its next quote or backslash at once, so most of a body is passed over without looking at
+/// each byte.
 pub(crate) fn nests_deeper_than(text: &str, limit: usize) -> bool {
-    let (mut depth, mut in_string, mut escaped) = (0usize, false, false);
-    for &b in text.as_bytes() {
-        if in_string {
-            match (escaped, b) {
-                (true, _) => escaped = false,
-                (false, b'\\') => escaped = true,
-                (false, b'"') => in_string = false,
-                _ => {}
-            }
-            continue;
-        }
+    let bytes = text.as_bytes();
+    let (mut depth, mut i) = (0usize, 0usize);
+    while let Some(&b) = bytes.get(i) {
+        i += 1;
         match b {
-            b'"' => in_string = true,
+            b'"' => loop {
+                // Inside a string: jump to its next quote or backslash.
+                match memchr::memchr2(b'"', b'\\', &bytes[i.min(bytes.len())..]) {
+                    None => return false,
+                    Some(at) if bytes[i + at] == b'"' => {
+                        i += at + 1;
+                        break;
+                    }
+                    // A backslash escapes the byte after it.
+                    Some(at) => i += at + 2,
+                }
+            },
             b'[' | b'{' => {
                 depth += 1;
                 if depth > limit {
@@ -251,7 +257,11 @@ pub struct Envelope {
 impl Envelope {
     /// The bytes to write as the Kafka message value.
     pub fn to_bytes(&self) -> Vec<u8> {
-        serde_json::to_vec(self).expect("an envelope always serialises")
+        // Sized once for the payload and the fields around it: a large body is not copied over
+        // and over as the buffer grows.
+        let mut bytes = Vec::with_capacity(self.payload.get().len() + 512);
+        serde_json::to_writer(&mut bytes, self).expect("an envelope always serialises");
+        bytes
     }
 
     /// Whether a consumer will take this envelope: a valid key ([`EventKey`]) and nothing
@@ -611,6 +621,72 @@ mod tests {
             "[".repeat(500)
         );
         assert!(parse(&text).is_ok());
+    }
+
+    /// [`nests_deeper_than`] as a byte-by-byte walk: the reference the fast one must agree with.
+    fn nests_deeper_than_bytewise(text: &str, limit: usize) -> bool {
+        let (mut depth, mut in_string, mut escaped) = (0usize, false, false);
+        for &b in text.as_bytes() {
+            if in_string {
+                match (escaped, b) {
+                    (true, _) => escaped = false,
+                    (false, b'\\') => escaped = true,
+                    (false, b'"') => in_string = false,
+                    _ => {}
+                }
+                continue;
+            }
+            match b {
+                b'"' => in_string = true,
+                b'[' | b'{' => {
+                    depth += 1;
+                    if depth > limit {
+                        return true;
+                    }
+                }
+                b']' | b'}' => depth = depth.saturating_sub(1),
+                _ => {}
+            }
+        }
+        false
+    }
+
+    #[test]
+    fn nesting_skips_strings_with_their_escapes_as_a_bytewise_walk_does() {
+        // Escaped quotes and backslashes inside strings, brackets inside strings, a backslash
+        // as the text's last byte, an unterminated string.
+        let cases = [
+            r#"["\"[[[[", {"a":[1]}]"#,
+            r#"["\\", [[1]]]"#,
+            r#"{"k\"{":"\\\"[", "x":[[["y"]]]}"#,
+            r#"["abc\"#,
+            r#"[[["unterminated [[["#,
+            r#""\u005b[[""#,
+        ];
+        for text in cases {
+            for limit in 0..5 {
+                assert_eq!(
+                    nests_deeper_than(text, limit),
+                    nests_deeper_than_bytewise(text, limit),
+                    "{text} at {limit}"
+                );
+            }
+        }
+        // Random texts over the bytes that matter, against the reference.
+        let alphabet = b"[]{}\"\\a, ";
+        let mut rng = fastrand::Rng::with_seed(27);
+        for _ in 0..20_000 {
+            let len = rng.usize(0..40);
+            let text: String = (0..len)
+                .map(|_| alphabet[rng.usize(..alphabet.len())] as char)
+                .collect();
+            let limit = rng.usize(0..6);
+            assert_eq!(
+                nests_deeper_than(&text, limit),
+                nests_deeper_than_bytewise(&text, limit),
+                "{text} at {limit}"
+            );
+        }
     }
 
     #[test]
