@@ -16,8 +16,12 @@
 //! - **traced**: the ingest process exporting every request's span to a collector in this
 //!   process, next to the same process without an endpoint.
 //!
-//! For each: requests per second, p50 and p99 latency, answers other than 2xx, and the CPU
-//! seconds per 10,000 requests of the ingest process (or the produce loop) and of the broker.
+//! For each: requests per second, p50 and p99 latency, answers other than 2xx, the CPU seconds
+//! per 10,000 requests of the ingest process (or the produce loop), of the broker and of wrk,
+//! and the share of the machine's CPU left idle. From those, the *CPU ceiling*: what the cores
+//! would allow an ingress that cost nothing beyond the bare answer, given wrk's CPU and the
+//! broker's CPU per record at the produce loop's batching (when it is below the bare answer's
+//! rate, the broker's CPU is the limit before the ingress's).
 //!
 //! `scripts/bench-ingest.sh` installs wrk and nisshi and runs this. Without the script: nisshi
 //! is taken from `REPLAYPROOF_NISSHI`, the `PATH` or `~/.cargo/bin` (its runs are left out,
@@ -52,6 +56,38 @@ fn cpu_seconds(pid: u32) -> f64 {
     (ticks(11) + ticks(12)) / 100.0
 }
 
+/// The machine's idle and total CPU time so far, in ticks, from `/proc/stat`.
+#[derive(Debug, Clone, Copy, Default)]
+struct Ticks {
+    idle: f64,
+    total: f64,
+}
+
+impl Ticks {
+    fn now() -> Self {
+        let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
+        let cpu: Vec<f64> = stat
+            .lines()
+            .next()
+            .unwrap_or_default()
+            .split_whitespace()
+            .skip(1)
+            .filter_map(|f| f.parse().ok())
+            .collect();
+        // user nice system idle iowait irq softirq steal: idle and iowait are idle.
+        Self {
+            idle: cpu.get(3).copied().unwrap_or(0.0) + cpu.get(4).copied().unwrap_or(0.0),
+            total: cpu.iter().take(8).sum(),
+        }
+    }
+
+    /// The share of the machine's CPU time that was idle since `self`.
+    fn idle_since(self) -> f64 {
+        let now = Self::now();
+        (now.idle - self.idle) / (now.total - self.total).max(1.0)
+    }
+}
+
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
     v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
@@ -70,6 +106,10 @@ struct Run {
     cpu: f64,
     /// CPU seconds of the broker process, when known.
     broker_cpu: Option<f64>,
+    /// CPU seconds of the load generator (wrk), when it is a process of its own.
+    wrk_cpu: Option<f64>,
+    /// The share of the machine's CPU that stayed idle during the run.
+    idle: f64,
 }
 
 impl Run {
@@ -330,10 +370,16 @@ fn spawn_wrk(
         .expect("wrk is needed: apt-get install wrk (scripts/bench-ingest.sh installs it)")
 }
 
-/// wrk's summary line, as a run without CPU figures.
-fn wrk_result(child: Child) -> Run {
-    let out = child.wait_with_output().unwrap();
-    let text = String::from_utf8_lossy(&out.stdout);
+/// wrk's summary line, as a run with wrk's own CPU seconds (read once it exited, before it is
+/// reaped) and no other CPU figures.
+fn wrk_result(mut child: Child) -> Run {
+    let mut text = String::new();
+    std::io::Read::read_to_string(&mut child.stdout.take().unwrap(), &mut text).unwrap();
+    let pid = nix::unistd::Pid::from_raw(child.id() as i32);
+    let flags = nix::sys::wait::WaitPidFlag::WEXITED | nix::sys::wait::WaitPidFlag::WNOWAIT;
+    nix::sys::wait::waitid(nix::sys::wait::Id::Pid(pid), flags).unwrap();
+    let wrk_cpu = cpu_seconds(child.id());
+    child.wait().unwrap();
     let line = text
         .lines()
         .rev()
@@ -347,6 +393,7 @@ fn wrk_result(child: Child) -> Run {
         p50_ms: n("p50_us") / 1e3,
         p99_ms: n("p99_us") / 1e3,
         errors: n("errors"),
+        wrk_cpu: Some(wrk_cpu),
         ..Run::default()
     }
 }
@@ -462,7 +509,7 @@ fn ingest_run(
     // A warm-up: connections, the producer's metadata, the allocator's pools.
     let warm = spawn_wrk(dir, &url, WRK_THREADS, s.connections, 2, prefix.as_deref());
     wrk_result(warm);
-    let (cpu, broker_cpu) = (cpu_seconds(pid), broker.cpu());
+    let (cpu, broker_cpu, ticks) = (cpu_seconds(pid), broker.cpu(), Ticks::now());
     let wrk = spawn_wrk(
         dir,
         &url,
@@ -472,6 +519,7 @@ fn ingest_run(
         prefix.as_deref(),
     );
     let mut result = wrk_result(wrk);
+    result.idle = ticks.idle_since();
     result.cpu = cpu_seconds(pid) - cpu;
     result.broker_cpu = broker.cpu_since(broker_cpu);
     drop(ingest);
@@ -523,14 +571,17 @@ fn two_processes_run(
         wrk_result(w);
     });
     let cpu = |ps: &[ChildGuard]| ps.iter().map(|p| cpu_seconds(p.0.id())).sum::<f64>();
-    let (before, broker_before) = (cpu(&processes), broker.cpu());
+    let (before, broker_before, ticks) = (cpu(&processes), broker.cpu(), Ticks::now());
     let results: Vec<Run> = spawn_both(s.seconds).into_iter().map(wrk_result).collect();
+    let idle = ticks.idle_since();
     let mut sum = Run {
         requests: results.iter().map(|r| r.requests).sum(),
         seconds: results.iter().map(|r| r.seconds).fold(0.0, f64::max),
         p50_ms: results.iter().map(|r| r.p50_ms).fold(0.0, f64::max),
         p99_ms: results.iter().map(|r| r.p99_ms).fold(0.0, f64::max),
         errors: results.iter().map(|r| r.errors).sum(),
+        wrk_cpu: results.iter().map(|r| r.wrk_cpu).sum(),
+        idle,
         ..Run::default()
     };
     sum.cpu = cpu(&processes) - before;
@@ -562,12 +613,12 @@ fn produce_loop_run(
         .spawn()
         .unwrap();
     let mut lines = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
-    let mut broker_before = None;
+    let (mut broker_before, mut ticks) = (None, Ticks::now());
     let mut result = None;
     for line in lines.by_ref() {
         let line = line.unwrap();
         if line == "measuring" {
-            broker_before = broker.cpu();
+            (broker_before, ticks) = (broker.cpu(), Ticks::now());
         } else if line.starts_with('{') {
             let v: serde_json::Value = serde_json::from_str(&line).unwrap();
             let n = |k: &str| v[k].as_f64().unwrap();
@@ -579,6 +630,8 @@ fn produce_loop_run(
                 errors: n("errors"),
                 cpu: n("cpu"),
                 broker_cpu: broker.cpu_since(broker_before),
+                wrk_cpu: None,
+                idle: ticks.idle_since(),
             });
         }
     }
@@ -691,13 +744,24 @@ fn print_row(name: &str, runs: &[Run]) -> Run {
             .map(|r| r.broker_cpu.map(|b| r.per_10k(b)))
             .collect::<Option<Vec<f64>>>()
             .map(median),
+        wrk_cpu: runs
+            .iter()
+            .map(|r| r.wrk_cpu.map(|w| r.per_10k(w)))
+            .collect::<Option<Vec<f64>>>()
+            .map(median),
+        idle: m(&|r| r.idle),
     };
-    let broker = row
-        .broker_cpu
-        .map_or_else(|| "n/a".to_owned(), |b| format!("{b:.2}"));
+    let or_na = |v: Option<f64>| v.map_or_else(|| "n/a".to_owned(), |v| format!("{v:.2}"));
     println!(
-        "| {name} | {:.0} | {:.2} | {:.2} | {:.0} | {:.2} | {broker} |",
-        row.requests, row.p50_ms, row.p99_ms, row.errors, row.cpu
+        "| {name} | {:.0} | {:.2} | {:.2} | {:.0} | {:.2} | {} | {} | {:.0} |",
+        row.requests,
+        row.p50_ms,
+        row.p99_ms,
+        row.errors,
+        row.cpu,
+        or_na(row.broker_cpu),
+        or_na(row.wrk_cpu),
+        row.idle * 100.0
     );
     row
 }
@@ -832,9 +896,10 @@ fn main() {
 
     println!();
     println!(
-        "| run | req/s | p50 ms | p99 ms | not 2xx | CPU s/10k, process | CPU s/10k, broker |"
+        "| run | req/s | p50 ms | p99 ms | not 2xx | CPU s/10k, process | CPU s/10k, broker \
+         | CPU s/10k, wrk | machine idle % |"
     );
-    println!("|---|---:|---:|---:|---:|---:|---:|");
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|");
     let medians: Vec<(String, Run)> = rows
         .iter()
         .map(|(name, runs)| (name.clone(), print_row(name, runs)))
@@ -842,20 +907,37 @@ fn main() {
     let get = |name: &str| medians.iter().find(|(n, _)| n == name).map(|(_, r)| *r);
     let bare = get("bare: GET /healthz, same server").unwrap();
     println!();
-    println!("| broker | body | ingest ÷ bare | ingest ÷ produce loop |");
-    println!("|---|---:|---:|---:|");
+    // What the machine's cores allow an ingress that costs nothing beyond the bare answer: each
+    // acknowledged request still needs the bare answer's CPU, wrk's, and the broker's CPU per
+    // record at the produce loop's (best) batching.
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+    println!(
+        "| broker | body | ingest ÷ bare | ingest ÷ produce loop | produce loop ÷ bare \
+         | CPU ceiling ÷ bare |"
+    );
+    println!("|---|---:|---:|---:|---:|---:|");
     for broker in &brokers {
         for &size in &sizes {
             let ingest = get(&format!("ingest, {size} B, {}", broker.name)).unwrap();
             let produce = get(&format!("produce loop, {size} B, {}", broker.name)).unwrap();
+            let ceiling = produce.broker_cpu.zip(bare.wrk_cpu).map(|(record, wrk)| {
+                let per_request = (bare.cpu + wrk + record) / 10_000.0;
+                cores / per_request / bare.requests
+            });
             println!(
-                "| {} | {size} B | {:.2} | {:.2} |",
+                "| {} | {size} B | {:.2} | {:.2} | {:.2} | {} |",
                 broker.name,
                 ingest.requests / bare.requests,
-                ingest.requests / produce.requests
+                ingest.requests / produce.requests,
+                produce.requests / bare.requests,
+                ceiling.map_or_else(|| "n/a".to_owned(), |c| format!("{c:.2}")),
             );
         }
     }
+    println!(
+        "CPU ceiling: {cores} cores ÷ (bare's CPU + wrk's CPU per request + the broker's CPU per \
+         record in the produce loop), as a share of bare"
+    );
     let last = brokers.last().unwrap();
     let size = sizes[0];
     if let (Some(one), Some(two), Some(traced)) = (
