@@ -485,15 +485,9 @@ async fn verify(
         replay_window_secs: source.replay_window_secs,
         request_id: Some(request_id),
     };
-    // The key is valid (checked above); the rest is checked as the consumer will.
-    crate::envelope::check_storable(
-        &envelope.key,
-        &envelope.source,
-        envelope.event_type.as_deref(),
-        envelope.received_at,
-        &envelope.payload,
-    )
-    .map_err(|unstorable| Outcome::BadRequest(unstorable.to_string()))?;
+    envelope
+        .check_storable()
+        .map_err(|unstorable| Outcome::BadRequest(unstorable.to_string()))?;
     let traceparent = parts
         .headers
         .get(crate::trace::TRACEPARENT)
