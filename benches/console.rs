@@ -28,10 +28,11 @@ use common::env_or;
 
 async fn fill(pool: &PgPool, claims: i64) {
     sqlx::query(
-        "INSERT INTO processed_events (event_key, source, event_type, status, payload_sha256, \
-         payload, kafka_topic, kafka_partition, kafka_offset, attempts, last_error, claimed_at, \
-         completed_at) \
-         SELECT 'stripe:evt_' || lpad(i::text, 8, '0'), 'stripe', 'charge.succeeded', \
+        "INSERT INTO processed_events (event_key, route_key, source, event_type, status, \
+         payload_sha256, payload, kafka_topic, kafka_partition, kafka_offset, attempts, \
+         last_error, claimed_at, completed_at) \
+         SELECT 'stripe:evt_' || lpad(i::text, 8, '0'), 'stripe:evt_' || lpad(i::text, 8, '0'), \
+                'stripe', 'charge.succeeded', \
                 CASE WHEN i % 1000 = 0 THEN 'failed' ELSE 'done' END, \
                 sha256(i::text::bytea), \
                 CASE WHEN i % 1000 = 0 THEN jsonb_build_object('amount', i) END, \
@@ -45,9 +46,9 @@ async fn fill(pool: &PgPool, claims: i64) {
     .await
     .unwrap();
     sqlx::query(
-        "INSERT INTO outbox (operation_key, event_key, operation, destination, payload, state, \
-         attempts, origin) \
-         SELECT event_key || '#deliver', event_key, 'deliver', 'https://api.example.com/x', \
+        "INSERT INTO outbox (operation_key, event_key, route_key, operation, destination, payload, \
+         state, attempts, origin) \
+         SELECT event_key || '#deliver', event_key, route_key, 'deliver', 'https://api.example.com/x', \
                 '\\x7b7d', 'failed', 3, 'https://api.example.com' \
          FROM processed_events WHERE status = 'failed'",
     )

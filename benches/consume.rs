@@ -77,6 +77,7 @@ impl Workload {
         for i in order {
             let key = format!("{prefix}-{size}-{i:08}");
             let envelope = Envelope {
+                route: None,
                 key: key.clone(),
                 source: "bench".into(),
                 event_type: Some("bench.event".into()),
@@ -316,12 +317,12 @@ async fn claim_and_apply(pool: &PgPool, c: &Columns) {
     let mut tx = pool.begin().await.unwrap();
     let sources = vec!["bench"; c.keys.len()];
     let claimed: Vec<String> = sqlx::query_scalar(
-        r#"INSERT INTO processed_events (event_key, source, event_type, status, payload_sha256,
-                kafka_topic, kafka_partition, kafka_offset, attempts, completed_at)
-           SELECT k, s, 'bench.event', 'done', h, 'bench', 0, o, 1, now()
+        r#"INSERT INTO processed_events (event_key, route_key, source, event_type, status,
+                payload_sha256, kafka_topic, kafka_partition, kafka_offset, attempts, completed_at)
+           SELECT k, k, s, 'bench.event', 'done', h, 'bench', 0, o, 1, now()
            FROM unnest($1::text[], $2::text[], $3::bytea[], $4::int8[]) AS u(k, s, h, o)
            ORDER BY k COLLATE "C"
-           ON CONFLICT (event_key) DO NOTHING
+           ON CONFLICT (event_key, route_key) DO NOTHING
            RETURNING event_key"#,
     )
     .bind(&c.keys)
@@ -339,8 +340,8 @@ async fn claim_and_apply(pool: &PgPool, c: &Columns) {
         .filter(|(k, _)| claimed.contains(*k))
         .unzip();
     sqlx::query(
-        "INSERT INTO ledger (event_key, source, event_type, payload)
-         SELECT k, 'bench', 'bench.event', p::jsonb FROM unnest($1::text[], $2::text[]) AS u(k, p)",
+        "INSERT INTO ledger (event_key, route_key, source, event_type, payload)
+         SELECT k, k, 'bench', 'bench.event', p::jsonb FROM unnest($1::text[], $2::text[]) AS u(k, p)",
     )
     .bind(&keys)
     .bind(&payloads)
@@ -516,7 +517,7 @@ async fn stage_b(url: &str, w: &Workload, effect: Arc<dyn Effect>) -> Duration {
         last = last.max(lane.await.unwrap());
     }
     println!("    this process used {} ms of CPU", cpu_ms() - cpu);
-    processor.pool.close().await;
+    processor.shards.close().await;
     last - started
 }
 
@@ -592,9 +593,9 @@ async fn stage_e(brokers: &str, topic: &str, url: &str, messages: usize) -> Dura
         let key = event.key.as_str();
         let mut tx = pool.begin().await.unwrap();
         let claimed = sqlx::query(
-            "INSERT INTO processed_events (event_key, source, status, payload_sha256, kafka_topic,
-                 kafka_partition, kafka_offset, attempts, completed_at)
-             VALUES ($1, $2, 'done', $3, $4, $5, $6, 1, now()) ON CONFLICT DO NOTHING",
+            "INSERT INTO processed_events (event_key, route_key, source, status, payload_sha256,
+                 kafka_topic, kafka_partition, kafka_offset, attempts, completed_at)
+             VALUES ($1, $1, $2, 'done', $3, $4, $5, $6, 1, now()) ON CONFLICT DO NOTHING",
         )
         .bind(key)
         .bind(&event.source)
@@ -609,7 +610,8 @@ async fn stage_e(brokers: &str, topic: &str, url: &str, messages: usize) -> Dura
             == 1;
         if claimed {
             sqlx::query(
-                "INSERT INTO ledger (event_key, source, payload) VALUES ($1, $2, $3::jsonb)",
+                "INSERT INTO ledger (event_key, route_key, source, payload)
+                 VALUES ($1, $1, $2, $3::jsonb)",
             )
             .bind(key)
             .bind(&event.source)
@@ -956,9 +958,9 @@ fn main() {
                 .await
                 .unwrap();
             sqlx::query(
-                "INSERT INTO processed_events (event_key, source, status, payload_sha256,
+                "INSERT INTO processed_events (event_key, route_key, source, status, payload_sha256,
                      kafka_topic, kafka_partition, kafka_offset, attempts, completed_at)
-                 SELECT 'pre-' || g, 'bench', 'done', sha256(g::text::bytea), 'bench', 0, g, 1, now()
+                 SELECT 'pre-' || g, 'pre-' || g, 'bench', 'done', sha256(g::text::bytea), 'bench', 0, g, 1, now()
                  FROM generate_series(1, $1::int8) AS g",
             )
             .bind(keys as i64)

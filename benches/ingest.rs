@@ -672,6 +672,7 @@ fn produce_loop_role() {
                                 let id = format!("evt_{measure}_{task}_{i}");
                                 i += 1;
                                 let envelope = replayproof::envelope::Envelope {
+                                    route: None,
                                     key: format!("stripe:{id}"),
                                     source: "stripe".into(),
                                     event_type: Some("invoice.paid".into()),

@@ -112,6 +112,7 @@ fn batch(lane: i32, n: u64, timed: bool) -> Vec<RawMessage> {
         .map(|i| {
             let id = format!("evt_{lane}_{n}_{i}");
             let envelope = Envelope {
+                route: None,
                 key: format!("stripe:{id}"),
                 source: "stripe".into(),
                 event_type: Some("invoice.paid".into()),

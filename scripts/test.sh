@@ -110,7 +110,7 @@ start_postgres() {
   pg_run "$pg_bin/initdb" -D "$pg_dir/data" -U postgres --auth=trust -E UTF8 --no-sync >"$work/initdb.log" 2>&1 \
     || { cat "$work/initdb.log" >&2; die "initdb failed"; }
   pg_run "$pg_bin/pg_ctl" -D "$pg_dir/data" -l "$pg_dir/postgres.log" -w \
-    -o "-p $port -k $pg_dir -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=300" start >/dev/null \
+    -o "-p $port -k $pg_dir -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=300 -c max_prepared_transactions=16" start >/dev/null \
     || { cat "$pg_dir/postgres.log" >&2; die "PostgreSQL did not start"; }
   export DATABASE_URL="postgres://postgres@127.0.0.1:$port/postgres"
 }

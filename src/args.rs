@@ -120,8 +120,21 @@ pub fn or_old_secs(new: Duration, old: Option<u64>) -> Duration {
 #[command(next_help_heading = "Database")]
 pub struct DatabaseArgs {
     /// PostgreSQL URL, for example postgres://user:password@localhost:5432/replayproof.
-    #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
-    pub database_url: DatabaseUrl,
+    /// Repeated (or `[database] shards = [...]`), one per shard: the claims are spread over
+    /// them by route key, the buckets split into equal ranges in the order given
+    /// (docs/scaling.md).
+    #[arg(long, env = "DATABASE_URL", hide_env_values = true, required = true, action = clap::ArgAction::Append)]
+    pub database_url: Vec<DatabaseUrl>,
+
+    /// How many buckets route keys hash into: a power of two, fixed for the life of the data.
+    #[arg(long, env = "REPLAYPROOF_BUCKETS", default_value_t = crate::shard::DEFAULT_BUCKETS)]
+    pub buckets: u32,
+
+    /// The database URL is a Citus coordinator whose distributed tables have this many shards
+    /// (`migrate --citus` creates them): each batch is split into one transaction per Citus
+    /// shard, which Citus routes to one worker without two-phase commit.
+    #[arg(long, env = "REPLAYPROOF_CITUS_SHARDS", value_name = "SHARD_COUNT")]
+    pub citus_shards: Option<usize>,
 
     #[command(flatten)]
     pub session: SessionArgs,
@@ -200,9 +213,52 @@ impl SessionArgs {
 }
 
 impl DatabaseArgs {
-    /// A pool whose sessions run in the schema under the configured time limits.
+    /// A single database with `url`, at the default session settings.
+    pub fn single(url: DatabaseUrl) -> Self {
+        Self {
+            database_url: vec![url],
+            buckets: crate::shard::DEFAULT_BUCKETS,
+            citus_shards: None,
+            session: SessionArgs::default(),
+        }
+    }
+
+    /// The first database's URL: the only one, the Citus coordinator, or the first shard.
+    pub fn url(&self) -> &DatabaseUrl {
+        &self.database_url[0]
+    }
+
+    /// A pool of the database, for commands that run on one: refused when the claims are
+    /// spread over several databases, which such a command would see only a part of.
     pub fn pool(&self, max_connections: u32) -> anyhow::Result<sqlx::PgPool> {
-        self.session.pool(&self.database_url, max_connections)
+        anyhow::ensure!(
+            self.database_url.len() == 1,
+            "this command runs on one database, and {} are given: run it with --database-url \
+             naming each shard in turn",
+            self.database_url.len()
+        );
+        self.session.pool(self.url(), max_connections)
+    }
+
+    /// The shards: one pool per `--database-url`, in the order given, or the Citus
+    /// coordinator's pool once per Citus shard; `max_connections` per database.
+    pub fn shards(&self, max_connections: u32) -> anyhow::Result<crate::shard::Shards> {
+        use crate::shard::{Layout, Shards};
+        if let Some(count) = self.citus_shards {
+            anyhow::ensure!(
+                self.database_url.len() == 1,
+                "--citus-shards takes one --database-url, the coordinator's"
+            );
+            let pool = self.session.pool(self.url(), max_connections)?;
+            return Ok(Shards::citus(pool, self.buckets, count)?);
+        }
+        let layout = Layout::new(self.buckets, self.database_url.len())?;
+        let pools = self
+            .database_url
+            .iter()
+            .map(|url| self.session.pool(url, max_connections))
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        Ok(Shards::new(layout, pools)?)
     }
 }
 
@@ -251,7 +307,14 @@ pub trait ToArgs {
 
 impl ToArgs for DatabaseArgs {
     fn to_args(&self) -> Vec<String> {
-        let mut args = vec!["--database-url".into(), self.database_url.expose().into()];
+        let mut args: Vec<String> = Vec::new();
+        for url in &self.database_url {
+            args.extend(["--database-url".into(), url.expose().into()]);
+        }
+        args.extend(["--buckets".into(), self.buckets.to_string()]);
+        if let Some(count) = self.citus_shards {
+            args.extend(["--citus-shards".into(), count.to_string()]);
+        }
         args.extend(self.session.to_args());
         args
     }

@@ -1,7 +1,7 @@
 //! The command line: which command runs which role. Each role owns its flags (`args.rs` in its
 //! module); this file only routes, and lets an application register its own effects.
 
-use crate::args::{DatabaseArgs, KafkaOptions};
+use crate::args::KafkaOptions;
 use crate::config::{ConfigFile, Env, LayerError};
 use crate::consume::args::ConsumeArgs;
 use crate::dispatch::args::DispatchArgs;
@@ -55,8 +55,9 @@ pub use crate::telemetry::LogFormat;
 #[allow(clippy::large_enum_variant)]
 #[derive(Debug, Subcommand)]
 pub enum Command {
-    /// Apply the database migrations and exit.
-    Migrate(DatabaseArgs),
+    /// Apply the database migrations on every database and exit; --citus also distributes the
+    /// tables on a Citus coordinator.
+    Migrate(crate::shard::args::MigrateArgs),
     /// Join the consumer group and apply each event of the topic exactly once.
     Consume(ConsumeArgs),
     /// Receive signed webhooks over HTTP and write them to the topic.
@@ -77,6 +78,9 @@ pub enum Command {
     /// Read a window of the topic again, outside the live group, through the claim path: only
     /// events with no claim are applied; --dry-run counts them.
     Replay(crate::operator::args::ReplayArgs),
+    /// Check the shards' schema against the sharding rules, or locate a route key's shard.
+    #[command(subcommand)]
+    Shards(crate::shard::args::ShardsCommand),
     /// Delete settled claims older than their source's retention, with their operations, and
     /// the other tables' rows past their lifetimes; --dry-run prints what would go.
     Prune(crate::retention::args::PruneArgs),
@@ -128,6 +132,7 @@ impl Command {
             Self::Console(_) => "console",
             Self::Replay(_) => "replay",
             Self::Prune(_) => "prune",
+            Self::Shards(_) => "shards",
             Self::Config(_) => "config",
             Self::Probe { .. } => "probe",
             Self::Completions { .. } => "completions",
@@ -220,11 +225,8 @@ impl Cli {
     /// Runs a parsed command line to completion.
     pub async fn execute(&self, args: Args) -> anyhow::Result<()> {
         match args.command {
-            Command::Migrate(args) => {
-                crate::db::migrate_with(&args.pool(1)?, &self.migrations).await?;
-                tracing::info!(schema = %args.session.schema, "Migrations applied.");
-                Ok(())
-            }
+            Command::Migrate(args) => args.run(&self.migrations).await,
+            Command::Shards(command) => command.run().await,
             Command::Consume(consume) => consume.run(&self.effects, args.file.as_ref()).await,
             Command::Ingest(ingest) => ingest.run(args.file.as_ref()).await,
             Command::Dispatch(dispatch) => dispatch.run(args.file.as_ref()).await,

@@ -33,6 +33,7 @@ pub mod operator;
 pub mod outbox;
 pub mod retention;
 pub mod secrets;
+pub mod shard;
 pub mod shutdown;
 pub mod telemetry;
 #[cfg(feature = "devkit")]

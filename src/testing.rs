@@ -96,6 +96,7 @@ impl TestDatabase {
 pub fn envelope(key: &str, source: &str, event_type: &str, payload: serde_json::Value) -> Envelope {
     let payload = serde_json::value::to_raw_value(&payload).expect("a JSON value serialises");
     Envelope {
+        route: None,
         key: key.into(),
         source: source.into(),
         event_type: Some(event_type.into()),

@@ -24,9 +24,10 @@ pub async fn record(
     let mut seen = std::collections::HashSet::new();
     let unique: Vec<_> = conflicts
         .iter()
-        .filter(|(_, e, _)| seen.insert((e.key.as_str(), e.payload_sha256)))
+        .filter(|(_, e, _)| seen.insert((e.key.as_str(), e.route_key(), e.payload_sha256)))
         .collect();
     let keys: Vec<&str> = unique.iter().map(|(_, e, _)| e.key.as_str()).collect();
+    let routes: Vec<&str> = unique.iter().map(|(_, e, _)| e.route_key()).collect();
     let hashes: Vec<&[u8]> = unique
         .iter()
         .map(|(_, e, _)| &e.payload_sha256[..])
@@ -39,13 +40,14 @@ pub async fn record(
     let offsets: Vec<i64> = unique.iter().map(|(o, _, _)| *o).collect();
     let reasons: Vec<Option<&str>> = unique.iter().map(|(_, _, r)| r.as_deref()).collect();
     sqlx::query!(
-        r#"INSERT INTO key_conflicts (event_key, payload_sha256, payload, source, kafka_topic,
-                kafka_partition, kafka_offset, reason)
-           SELECT k, h, p::jsonb, s, $6, $7, o, r
-           FROM unnest($1::text[], $2::bytea[], $3::text[], $4::text[], $5::int8[], $8::text[])
-                AS u(k, h, p, s, o, r)
-           ORDER BY k COLLATE "C", h
-           ON CONFLICT (event_key, payload_sha256) DO UPDATE
+        r#"INSERT INTO key_conflicts (event_key, route_key, payload_sha256, payload, source,
+                kafka_topic, kafka_partition, kafka_offset, reason)
+           SELECT k, rk, h, p::jsonb, s, $6, $7, o, r
+           FROM unnest($1::text[], $2::bytea[], $3::text[], $4::text[], $5::int8[], $8::text[],
+                       $9::text[])
+                AS u(k, h, p, s, o, r, rk)
+           ORDER BY k COLLATE "C", h, rk COLLATE "C"
+           ON CONFLICT (event_key, payload_sha256, route_key) DO UPDATE
            SET last_seen_at = now(), times_seen = key_conflicts.times_seen + 1"#,
         &keys as _,
         &hashes as _,
@@ -55,6 +57,7 @@ pub async fn record(
         origin.topic,
         origin.partition,
         &reasons as _,
+        &routes as _,
     )
     .execute(conn)
     .await?;
@@ -81,21 +84,25 @@ pub async fn fingerprints(
     let sources: Vec<&str> = events.iter().map(|(_, e)| e.source.as_str()).collect();
     let hashes: Vec<&[u8]> = events.iter().map(|(_, e)| &e.payload_sha256[..]).collect();
     let keys: Vec<&str> = events.iter().map(|(_, e)| e.key.as_str()).collect();
+    let routes: Vec<&str> = events.iter().map(|(_, e)| fingerprint_route(e)).collect();
     let offsets: Vec<i64> = events.iter().map(|(o, _)| *o).collect();
     let windows: Vec<f64> = events
         .iter()
         .map(|(_, e)| e.replay_window_secs.unwrap_or(0) as f64)
         .collect();
-    remember_first_deliveries(conn, &sources, &hashes, &keys, &offsets).await?;
+    remember_first_deliveries(conn, &sources, &hashes, &keys, &offsets, &routes).await?;
     sqlx::query!(
         r#"UPDATE delivery_fingerprints AS f SET event_key = u.k, first_seen_at = now()
-           FROM unnest($1::text[], $2::bytea[], $3::text[], $4::float8[]) AS u(s, h, k, w)
-           WHERE f.source = u.s AND f.payload_sha256 = u.h AND f.event_key <> u.k
+           FROM unnest($1::text[], $2::bytea[], $3::text[], $4::float8[], $5::text[])
+                AS u(s, h, k, w, rk)
+           WHERE f.source = u.s AND f.payload_sha256 = u.h AND f.route_key = u.rk
+             AND f.event_key <> u.k
              AND f.first_seen_at < now() - make_interval(secs => u.w)"#,
         &sources as _,
         &hashes as _,
         &keys as _,
         &windows,
+        &routes as _,
     )
     .execute(&mut *conn)
     .await?;
@@ -103,10 +110,11 @@ pub async fn fingerprints(
         r#"SELECT f.source, f.payload_sha256, f.event_key,
                   extract(epoch FROM now() - f.first_seen_at)::float8 AS "age!"
            FROM delivery_fingerprints f
-           JOIN unnest($1::text[], $2::bytea[]) AS u(s, h)
-             ON f.source = u.s AND f.payload_sha256 = u.h"#,
+           JOIN unnest($1::text[], $2::bytea[], $3::text[]) AS u(s, h, rk)
+             ON f.source = u.s AND f.payload_sha256 = u.h AND f.route_key = u.rk"#,
         &sources as _,
         &hashes as _,
+        &routes as _,
     )
     .fetch_all(&mut *conn)
     .await?;
@@ -116,6 +124,13 @@ pub async fn fingerprints(
         .collect())
 }
 
+/// The route a fingerprint is kept under: the tenant's route key for sources that route by
+/// tenant (a capture replayed under another id is caught on the tenant's shard), '' for sources
+/// routed by the event key, whose fingerprints each shard keeps for the bodies it saw.
+fn fingerprint_route(event: &Event) -> &str {
+    event.tenant_route().unwrap_or("")
+}
+
 /// Stores the fingerprints of bodies seen for the first time; the earliest offset wins.
 async fn remember_first_deliveries(
     conn: &mut PgConnection,
@@ -123,17 +138,20 @@ async fn remember_first_deliveries(
     hashes: &[&[u8]],
     keys: &[&str],
     offsets: &[i64],
+    routes: &[&str],
 ) -> sqlx::Result<()> {
     sqlx::query!(
-        r#"INSERT INTO delivery_fingerprints AS f (source, payload_sha256, event_key)
-           SELECT s, h, k FROM unnest($1::text[], $2::bytea[], $3::text[], $4::int8[])
-                AS u(s, h, k, o)
-           ORDER BY s COLLATE "C", h, o
-           ON CONFLICT (source, payload_sha256) DO NOTHING"#,
+        r#"INSERT INTO delivery_fingerprints AS f (source, payload_sha256, event_key, route_key)
+           SELECT s, h, k, rk FROM unnest($1::text[], $2::bytea[], $3::text[], $4::int8[],
+                                          $5::text[])
+                AS u(s, h, k, o, rk)
+           ORDER BY s COLLATE "C", h, rk COLLATE "C", o
+           ON CONFLICT (source, payload_sha256, route_key) DO NOTHING"#,
         sources as _,
         hashes as _,
         keys as _,
         offsets,
+        routes as _,
     )
     .execute(conn)
     .await?;

@@ -31,7 +31,8 @@ pub async fn insert(
                 raw_value, reason)
            SELECT $5, $6, o, k, v, r
            FROM unnest($1::int8[], $2::bytea[], $3::bytea[], $4::text[]) AS u(o, k, v, r)
-           ON CONFLICT (kafka_topic, kafka_partition, kafka_offset, message_sha256) DO NOTHING"#,
+           ON CONFLICT (kafka_topic, kafka_partition, kafka_offset, message_sha256, route_key)
+           DO NOTHING"#,
         &offsets,
         &keys as _,
         &values as _,

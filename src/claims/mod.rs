@@ -90,6 +90,7 @@ pub async fn claim(
     events: &[(i64, &Event)],
 ) -> sqlx::Result<Vec<String>> {
     let keys: Vec<&str> = events.iter().map(|(_, e)| e.key.as_str()).collect();
+    let routes: Vec<&str> = events.iter().map(|(_, e)| e.route_key()).collect();
     let sources: Vec<&str> = events.iter().map(|(_, e)| e.source.as_str()).collect();
     let types: Vec<Option<&str>> = events
         .iter()
@@ -107,14 +108,15 @@ pub async fn claim(
         .map(|(_, e)| e.traceparent.as_deref())
         .collect();
     sqlx::query_scalar!(
-        r#"INSERT INTO processed_events (event_key, source, event_type, status, payload_sha256,
-                received_at, kafka_topic, kafka_partition, kafka_offset, attempts, completed_at,
-                request_id, traceparent)
-           SELECT k, s, t, 'done', h, r, $7, $8, o, 1, now(), q, tp
+        r#"INSERT INTO processed_events (event_key, route_key, source, event_type, status,
+                payload_sha256, received_at, kafka_topic, kafka_partition, kafka_offset, attempts,
+                completed_at, request_id, traceparent)
+           SELECT k, rk, s, t, 'done', h, r, $7, $8, o, 1, now(), q, tp
            FROM unnest($1::text[], $2::text[], $3::text[], $4::bytea[], $5::timestamptz[],
-                       $6::int8[], $9::text[], $10::text[]) AS u(k, s, t, h, r, o, q, tp)
-           ORDER BY k COLLATE "C"
-           ON CONFLICT (event_key) DO NOTHING
+                       $6::int8[], $9::text[], $10::text[], $11::text[])
+                AS u(k, s, t, h, r, o, q, tp, rk)
+           ORDER BY k COLLATE "C", rk COLLATE "C"
+           ON CONFLICT (event_key, route_key) DO NOTHING
            RETURNING event_key"#,
         &keys as _,
         &sources as _,
@@ -126,19 +128,24 @@ pub async fn claim(
         origin.partition,
         &requests as _,
         &traces as _,
+        &routes as _,
     )
     .fetch_all(conn)
     .await
 }
 
-/// The payload hashes already stored for `keys`.
+/// The payload hashes already stored for `keys`, each a pair of event key and route key.
 pub async fn stored_hashes(
     conn: &mut PgConnection,
-    keys: &[&str],
+    keys: &[(&str, &str)],
 ) -> sqlx::Result<HashMap<String, Vec<u8>>> {
+    let (keys, routes): (Vec<&str>, Vec<&str>) = keys.iter().copied().unzip();
     let rows = sqlx::query!(
-        "SELECT event_key, payload_sha256 FROM processed_events WHERE event_key = ANY($1)",
-        keys as _
+        r#"SELECT p.event_key, p.payload_sha256 FROM processed_events p
+           JOIN unnest($1::text[], $2::text[]) AS u(k, rk)
+             ON p.event_key = u.k AND p.route_key = u.rk"#,
+        &keys as _,
+        &routes as _,
     )
     .fetch_all(conn)
     .await?;
@@ -157,6 +164,7 @@ pub async fn fail(
     effect_spec: Option<&serde_json::Value>,
 ) -> sqlx::Result<()> {
     let keys: Vec<&str> = failures.iter().map(|f| f.event.key.as_str()).collect();
+    let routes: Vec<&str> = failures.iter().map(|f| f.event.route_key()).collect();
     let attempts: Vec<i32> = failures.iter().map(|f| f.attempts).collect();
     let errors: Vec<&str> = failures.iter().map(|f| f.error.as_str()).collect();
     let payloads: Vec<&str> = failures
@@ -169,15 +177,16 @@ pub async fn fail(
            SET status = 'failed', attempts = u.attempts, last_error = u.err,
                payload = u.payload::jsonb, completed_at = NULL, effect_spec = $5::jsonb,
                defer_policy = u.policy::jsonb
-           FROM unnest($1::text[], $2::int4[], $3::text[], $4::text[], $6::text[])
-               AS u(k, attempts, err, payload, policy)
-           WHERE p.event_key = u.k"#,
+           FROM unnest($1::text[], $2::int4[], $3::text[], $4::text[], $6::text[], $7::text[])
+               AS u(k, attempts, err, payload, policy, rk)
+           WHERE p.event_key = u.k AND p.route_key = u.rk"#,
         &keys as _,
         &attempts,
         &errors as _,
         &payloads as _,
         effect_spec,
         &policies,
+        &routes as _,
     )
     .execute(conn)
     .await?;
@@ -212,6 +221,7 @@ pub async fn defer(
     effect_spec: Option<&serde_json::Value>,
 ) -> sqlx::Result<()> {
     let keys: Vec<&str> = deferrals.iter().map(|d| d.event.key.as_str()).collect();
+    let routes: Vec<&str> = deferrals.iter().map(|d| d.event.route_key()).collect();
     let reasons: Vec<&str> = deferrals.iter().map(|d| d.reason.as_str()).collect();
     let payloads: Vec<&str> = deferrals
         .iter()
@@ -226,9 +236,9 @@ pub async fn defer(
                due_at = u.due, deadline_at = u.deadline, completed_at = NULL,
                effect_spec = $6::jsonb, defer_policy = u.policy::jsonb
            FROM unnest($1::text[], $2::text[], $3::text[], $4::timestamptz[], $5::timestamptz[],
-                       $7::text[])
-               AS u(k, reason, payload, due, deadline, policy)
-           WHERE p.event_key = u.k"#,
+                       $7::text[], $8::text[])
+               AS u(k, reason, payload, due, deadline, policy, rk)
+           WHERE p.event_key = u.k AND p.route_key = u.rk"#,
         &keys as _,
         &reasons as _,
         &payloads as _,
@@ -236,6 +246,7 @@ pub async fn defer(
         &deadlines,
         effect_spec,
         &policies,
+        &routes as _,
     )
     .execute(conn)
     .await?;
@@ -343,10 +354,13 @@ pub async fn postpone(
 
 /// Takes back claims of this transaction whose effect failed and will be tried again in a later
 /// transaction: at commit the keys are unclaimed, as if never seen.
-pub async fn release(conn: &mut PgConnection, keys: &[&str]) -> sqlx::Result<()> {
+pub async fn release(conn: &mut PgConnection, keys: &[(&str, &str)]) -> sqlx::Result<()> {
+    let (keys, routes): (Vec<&str>, Vec<&str>) = keys.iter().copied().unzip();
     sqlx::query!(
-        "DELETE FROM processed_events WHERE event_key = ANY($1)",
-        keys as _
+        r#"DELETE FROM processed_events p USING unnest($1::text[], $2::text[]) AS u(k, rk)
+           WHERE p.event_key = u.k AND p.route_key = u.rk"#,
+        &keys as _,
+        &routes as _,
     )
     .execute(conn)
     .await?;

@@ -30,7 +30,9 @@ fn section_of(command_path: &[String], long: &str) -> Option<(&'static str, Stri
         | "lock-timeout"
         | "lock-timeout-ms"
         | "idle-in-transaction-timeout"
-        | "idle-in-transaction-timeout-ms" => return Some(("database", key)),
+        | "idle-in-transaction-timeout-ms"
+        | "buckets"
+        | "citus-shards" => return Some(("database", key)),
         // A replayed dead letter goes back to its own topic unless --topic says otherwise.
         "topic" if command_path.first().is_some_and(|c| c == "dead-letters") => return None,
         "brokers" | "topic" | "group" => return Some(("kafka", key)),

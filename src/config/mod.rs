@@ -137,6 +137,18 @@ impl ConfigFile {
                 );
             }
         }
+        if let Some(database) = sections.get_mut("database") {
+            // `shards = [...]` is the list `--database-url` repeats; `url` its one-shard form.
+            if let Some(shards) = database.remove("shards") {
+                anyhow::ensure!(
+                    !database.contains_key("url"),
+                    "{}: [database] gives both url and shards; shards lists every database, \
+                     the first included",
+                    path.display()
+                );
+                database.insert("url".into(), shards);
+            }
+        }
         Ok(Self {
             path: path.to_owned(),
             sections,

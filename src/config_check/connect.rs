@@ -120,7 +120,7 @@ fn targets(file: Option<&ConfigFile>, env: &dyn Env) -> Targets {
             continue;
         };
         match args.command {
-            Command::Migrate(database) => targets.database(database, "migrate"),
+            Command::Migrate(migrate) => targets.database(migrate.database, "migrate"),
             Command::Consume(consume) => {
                 let options = consume.kafka.options.kafka_options.clone();
                 targets.broker(&consume.kafka.brokers, &consume.topic, options, "consume");
@@ -152,13 +152,19 @@ fn targets(file: Option<&ConfigFile>, env: &dyn Env) -> Targets {
 }
 
 impl Targets {
+    /// Each database of the command once: every shard is checked on its own.
     fn database(&mut self, database: crate::args::DatabaseArgs, command: &'static str) {
-        let url = database.database_url.expose().to_owned();
-        let entry = self
-            .databases
-            .entry(url)
-            .or_insert_with(|| (database, Vec::new()));
-        entry.1.push(command);
+        for url in &database.database_url {
+            let one = crate::args::DatabaseArgs {
+                database_url: vec![url.clone()],
+                ..database.clone()
+            };
+            let entry = self
+                .databases
+                .entry(url.expose().to_owned())
+                .or_insert_with(|| (one, Vec::new()));
+            entry.1.push(command);
+        }
     }
 
     fn broker(

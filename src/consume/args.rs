@@ -341,26 +341,31 @@ impl ConsumeArgs {
         let process = crate::shutdown::Process::start("consume", Some(self.metrics_addr)).await?;
         let metrics = ConsumeMetrics::new(&process.registry)?;
         metrics.known_sources(self.known_sources(file)?.iter().map(String::as_str));
-        let pool = self.database.pool(self.db_pool_size)?;
+        let shards = self.database.shards(self.db_pool_size)?;
         if self.migrate {
-            crate::db::migrate(&pool).await?;
+            for (_, pool) in shards.databases() {
+                crate::db::migrate(pool).await?;
+            }
         }
         if let Some(every) = self.prune_interval {
-            let pruner = self.retention.pruner(
-                pool.clone(),
-                file,
-                &self.kafka,
-                &self.topic,
-                "consume".into(),
-            )?;
-            let background = crate::retention::background::Background {
-                pruner,
-                every,
-                metrics: metrics.prune.clone(),
-            };
-            tokio::spawn(background.run(process.shutdown.clone()));
+            // Each database prunes its own claims, by the same rules.
+            for (_, pool) in shards.databases() {
+                let pruner = self.retention.pruner(
+                    pool.clone(),
+                    file,
+                    &self.kafka,
+                    &self.topic,
+                    "consume".into(),
+                )?;
+                let background = crate::retention::background::Background {
+                    pruner,
+                    every,
+                    metrics: metrics.prune.clone(),
+                };
+                tokio::spawn(background.run(process.shutdown.clone()));
+            }
         }
-        let processor = self.processor(pool, registry)?;
+        let processor = self.processor(shards, registry)?;
         Consumer::build(self.settings(), processor, metrics, process.health)?
             .run_until_stopped(process.shutdown)
             .stopped()
@@ -369,14 +374,15 @@ impl ConsumeArgs {
 }
 
 impl ConsumeArgs {
-    /// What applies each batch: the effects, their retries and deferrals, through `pool`.
+    /// What applies each batch: the effects, their retries and deferrals, through `shards`
+    /// (a `PgPool` for one database).
     pub fn processor(
         &self,
-        pool: sqlx::PgPool,
+        shards: impl Into<crate::shard::Shards>,
         registry: &Registry,
     ) -> anyhow::Result<BatchProcessor> {
         Ok(BatchProcessor::new(
-            pool,
+            shards,
             registry.build(&self.effects, self.http.outbox().as_ref())?,
         )
         .with_retry(EffectRetry {
@@ -531,6 +537,10 @@ mod tests {
         "g",
         "--database-url",
         "postgres://u@db:5433/x",
+        "--buckets",
+        "2048",
+        "--citus-shards",
+        "4",
         "--schema",
         "custom",
         "--statement-timeout",
@@ -622,10 +632,7 @@ mod tests {
         let reparsed = parse(&rendered);
         assert_eq!(format!("{reparsed:?}"), format!("{parsed:?}"));
         assert_eq!(reparsed.to_args(), rendered);
-        assert_eq!(
-            reparsed.database.database_url.expose(),
-            "postgres://u@db:5433/x"
-        );
+        assert_eq!(reparsed.database.url().expose(), "postgres://u@db:5433/x");
         assert_eq!(parsed.defer_backoff, Duration::from_secs(90));
         let defer = parsed.defer_settings().unwrap();
         assert_eq!(

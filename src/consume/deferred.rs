@@ -18,6 +18,7 @@ use crate::claims::{self, StoredClaim};
 use crate::effect::{self, EffectError};
 use crate::telemetry::{Health, Probe};
 use chrono::{DateTime, Utc};
+use sqlx::PgPool;
 use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
 
@@ -244,8 +245,8 @@ impl DeferredApplier {
 
     /// Sets the gauges of deferred claims from the database.
     async fn read_gauges(&self) {
-        match claims::deferred_overview(&self.processor.pool, Some(&self.topic)).await {
-            Ok((count, oldest, _)) => {
+        match self.overview().await {
+            Ok((count, oldest)) => {
                 self.metrics.deferred.events.set(count);
                 self.metrics.deferred.oldest_age.set(oldest);
             }
@@ -253,33 +254,46 @@ impl DeferredApplier {
         }
     }
 
-    /// One round: every claim due now (at most 100), each in its own transaction. Stops early
-    /// when `stop` is cancelled, between claims. A claim whose effect fails transiently is
-    /// postponed on its own; only a database error of the round itself ends it.
+    /// The deferred claims of the topic over every shard: how many, and the age in seconds of
+    /// the oldest.
+    async fn overview(&self) -> sqlx::Result<(i64, f64)> {
+        let (mut count, mut oldest) = (0, 0f64);
+        for (_, pool) in self.processor.shards.databases() {
+            let (n, age, _) = claims::deferred_overview(pool, Some(&self.topic)).await?;
+            count += n;
+            oldest = oldest.max(age);
+        }
+        Ok((count, oldest))
+    }
+
+    /// One round: on each shard, every claim due now (at most 100), each in its own
+    /// transaction. Stops early when `stop` is cancelled, between claims. A claim whose effect
+    /// fails transiently is postponed on its own; only a database error of the round itself
+    /// ends it.
     pub async fn apply_due(&self, stop: &CancellationToken) -> Result<Round, BatchError> {
-        let keys = claims::due(&self.processor.pool, &self.topic, ROUND_LIMIT).await?;
-        let mut round = Round {
-            due: keys.len(),
-            ..Round::default()
-        };
-        for key in keys {
-            if stop.is_cancelled() {
-                break;
+        let mut round = Round::default();
+        for (_, pool) in self.processor.shards.databases() {
+            let keys = claims::due(pool, &self.topic, ROUND_LIMIT).await?;
+            round.due += keys.len();
+            for key in keys {
+                if stop.is_cancelled() {
+                    break;
+                }
+                self.beat();
+                let applied = self.apply_one(pool, &key).await?;
+                DeferredTaken(applied).emit(&self.metrics);
+                round.count(applied);
             }
-            self.beat();
-            let applied = self.apply_one(&key).await?;
-            DeferredTaken(applied).emit(&self.metrics);
-            round.count(applied);
         }
         Ok(round)
     }
 
     /// Applies one due claim in its own transaction, retrying a deterministic error like the
     /// batch does.
-    async fn apply_one(&self, key: &str) -> Result<Applied, BatchError> {
+    async fn apply_one(&self, pool: &PgPool, key: &str) -> Result<Applied, BatchError> {
         let mut attempt = 1;
         loop {
-            match self.try_once(key, attempt).await? {
+            match self.try_once(pool, key, attempt).await? {
                 Try::Settled(applied) => return Ok(applied),
                 Try::Again { after } => {
                     tokio::time::sleep(after).await;
@@ -291,10 +305,10 @@ impl DeferredApplier {
 
     /// One transaction at a due claim: lock it, run the effect (a panic caught), settle it by
     /// the one rule.
-    async fn try_once(&self, key: &str, attempt: u32) -> Result<Try, BatchError> {
+    async fn try_once(&self, pool: &PgPool, key: &str, attempt: u32) -> Result<Try, BatchError> {
         use futures_util::FutureExt as _;
         let p = &self.processor;
-        let mut tx = p.pool.begin().await?;
+        let mut tx = pool.begin().await?;
         let Some(claim) = claims::lock_due(&mut tx, key).await? else {
             return Ok(Try::Settled(Applied::Skipped));
         };
@@ -316,7 +330,7 @@ impl DeferredApplier {
                 // the claim, to be applied (and panic) again next round.
                 let _ = tx.rollback().await;
                 let panic = super::panic_message(&*panic);
-                return self.settle_panic(key, &panic).await.map(Try::Settled);
+                return self.settle_panic(pool, key, &panic).await.map(Try::Settled);
             }
         };
         let policy = self.policy_for(&claim, &event.source);
@@ -332,7 +346,7 @@ impl DeferredApplier {
             error: outcome.err(),
             policy,
         };
-        self.carry_out(tx, answer, next).await
+        self.carry_out(pool, tx, answer, next).await
     }
 
     /// The rules in force for a stored claim: the deferral policy stored on it (else the one
@@ -349,6 +363,7 @@ impl DeferredApplier {
     /// one after this one rolled back).
     async fn carry_out(
         &self,
+        pool: &PgPool,
         mut tx: sqlx::Transaction<'static, sqlx::Postgres>,
         answer: Answer<'_>,
         next: Next,
@@ -379,7 +394,7 @@ impl DeferredApplier {
                 let _ = tx.rollback().await;
                 tracing::warn!(key, error, %due, "A deferred event's effect failed transiently; it is due again later.");
                 let settle = Settle::Postpone { due, error: &error };
-                return self.settle_alone(key, settle).await.map(Try::Settled);
+                return self.settle_alone(pool, key, settle).await.map(Try::Settled);
             }
             Next::Retry { after, error } => {
                 self.log_failure(key, attempt, &error);
@@ -414,16 +429,27 @@ impl DeferredApplier {
 
     /// The effect panicked: the event is settled `failed` with the panic's message, as a lane
     /// settles nothing and stops; the applier goes on with the next claim.
-    async fn settle_panic(&self, key: &str, panic: &str) -> Result<Applied, BatchError> {
+    async fn settle_panic(
+        &self,
+        pool: &PgPool,
+        key: &str,
+        panic: &str,
+    ) -> Result<Applied, BatchError> {
         let error = format!("the effect panicked: {panic}");
         DeferredEffectPanicked { key, error: &error }.emit(&self.metrics);
-        self.settle_alone(key, Settle::Fail { error: &error }).await
+        self.settle_alone(pool, key, Settle::Fail { error: &error })
+            .await
     }
 
     /// Settles a claim whose effect's transaction was rolled back, in a transaction of its own
     /// that locks the claim again: Skipped when another worker took it meanwhile.
-    async fn settle_alone(&self, key: &str, settle: Settle<'_>) -> Result<Applied, BatchError> {
-        let mut tx = self.processor.pool.begin().await?;
+    async fn settle_alone(
+        &self,
+        pool: &PgPool,
+        key: &str,
+        settle: Settle<'_>,
+    ) -> Result<Applied, BatchError> {
+        let mut tx = pool.begin().await?;
         if claims::lock_due(&mut tx, key).await?.is_none() {
             return Ok(Applied::Skipped);
         }

@@ -326,7 +326,7 @@ pub(super) async fn watch(vitals: Arc<Vitals>, health: Health, settings: Consume
 /// database is gone is not ready either, not only one whose batches fail; and so the watchdog
 /// knows whether a lane without a commit is stuck or waiting for the database.
 pub(super) async fn probe_database(
-    pool: sqlx::PgPool,
+    pools: Vec<sqlx::PgPool>,
     health: Health,
     vitals: Arc<Vitals>,
     unhealthy_after: Duration,
@@ -334,14 +334,24 @@ pub(super) async fn probe_database(
     let stop = vitals.stop.clone();
     // A connection of its own: lanes stuck holding every connection of the pool must not look
     // like a database that does not answer.
-    let pool = sqlx::postgres::PgPoolOptions::new()
-        .max_connections(1)
-        .acquire_timeout(Duration::from_secs(5))
-        .connect_lazy_with((*pool.connect_options()).clone());
+    // With shards, every database is asked: a batch may need any of them.
+    let pools: Vec<sqlx::PgPool> = pools
+        .iter()
+        .map(|pool| {
+            sqlx::postgres::PgPoolOptions::new()
+                .max_connections(1)
+                .acquire_timeout(Duration::from_secs(5))
+                .connect_lazy_with((*pool.connect_options()).clone())
+        })
+        .collect();
     let every = (unhealthy_after / 2).clamp(Duration::from_millis(100), Duration::from_secs(5));
     let mut failing_since: Option<Instant> = None;
     while !stop.is_cancelled() {
-        let asked = sqlx::query("SELECT 1").execute(&pool);
+        let asked = futures_util::future::try_join_all(
+            pools
+                .iter()
+                .map(|pool| sqlx::query("SELECT 1").execute(pool)),
+        );
         match tokio::time::timeout(every.max(Duration::from_secs(1)), asked).await {
             Ok(Ok(_)) => {
                 failing_since = None;

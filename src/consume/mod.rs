@@ -68,7 +68,8 @@ pub struct Consumer {
     deferred: DeferredApplier,
     vitals: Arc<Vitals>,
     health: Health,
-    pool: sqlx::PgPool,
+    /// Every database the claims live in, each probed for readiness.
+    databases: Vec<sqlx::PgPool>,
 }
 
 impl Consumer {
@@ -83,7 +84,11 @@ impl Consumer {
     ) -> anyhow::Result<Self> {
         let config = settings.client_config()?;
         let vitals = Arc::new(Vitals::new(CancellationToken::new()));
-        let pool = processor.pool.clone();
+        let databases = processor
+            .shards
+            .databases()
+            .map(|(_, pool)| pool.clone())
+            .collect();
         let deferred = DeferredApplier::new(processor.clone(), &settings.topic, metrics.clone())
             .with_health(health.clone(), settings.unhealthy_after);
         let context = LaneContext::new(
@@ -106,7 +111,7 @@ impl Consumer {
             deferred,
             vitals,
             health,
-            pool,
+            databases,
         })
     }
 
@@ -121,7 +126,7 @@ impl Consumer {
             deferred,
             vitals,
             health,
-            pool,
+            databases,
         } = self;
         let s = &settings;
         tracing::info!(topic = %s.topic, group = %s.group, brokers = %s.brokers, "Joining the consumer group.");
@@ -135,7 +140,8 @@ impl Consumer {
             }
         });
         let unhealthy_after = settings.unhealthy_after;
-        let probe = health::probe_database(pool, health.clone(), vitals.clone(), unhealthy_after);
+        let probe =
+            health::probe_database(databases, health.clone(), vitals.clone(), unhealthy_after);
         let probe = tokio::spawn(probe);
         let grace = settings.shutdown_grace;
         let watchdog = tokio::spawn(health::watch(vitals.clone(), health.clone(), settings));

@@ -146,11 +146,29 @@ impl DispatchArgs {
         let settings = self.settings(file)?;
         let process = crate::shutdown::Process::start("dispatch", Some(self.metrics_addr)).await?;
         let metrics = DispatchMetrics::new(&process.registry)?;
-        let pool = self.database.pool((self.batch_size as u32).clamp(2, 64))?;
-        Dispatcher::build(settings, pool, metrics, process.health)?
-            .run_until_stopped(process.shutdown)
-            .stopped()
-            .await
+        let shards = self
+            .database
+            .shards((self.batch_size as u32).clamp(2, 64))?;
+        let databases: Vec<sqlx::PgPool> = shards.databases().map(|(_, p)| p.clone()).collect();
+        // One loop per database, each leasing that database's operations, sharing the
+        // destinations' limits between them.
+        let mut settings = settings;
+        settings.destinations = settings.destinations.per_shard(databases.len())?;
+        let mut loops = Vec::new();
+        for (shard, pool) in databases.iter().enumerate() {
+            let dispatcher = Dispatcher::build(
+                settings.clone(),
+                pool.clone(),
+                metrics.clone(),
+                process.health.clone(),
+            )?
+            .on_shard(shard, &databases);
+            loops.push(dispatcher.run_until_stopped(process.shutdown.clone()));
+        }
+        for running in loops {
+            running.stopped().await?;
+        }
+        Ok(())
     }
 }
 

@@ -56,6 +56,37 @@ pub struct Destinations {
 }
 
 impl Destinations {
+    /// The limits each of `shards` dispatch loops may use so that together they stay within
+    /// the configured ones: every database keeps its own count of a destination's requests, so
+    /// each loop gets a share of the rate and of the concurrency. A concurrency limit below the
+    /// number of shards cannot be shared and is refused.
+    pub fn per_shard(&self, shards: usize) -> anyhow::Result<Self> {
+        let split = |destination: &Destination, name: &str| -> anyhow::Result<Destination> {
+            let mut limits = destination.limits.clone();
+            if let Some(c) = limits.max_concurrency {
+                anyhow::ensure!(
+                    c as usize >= shards,
+                    "the concurrency limit of {name} ({c}) is below the number of shards \
+                     ({shards}): each shard's dispatch loop needs at least one request"
+                );
+                limits.max_concurrency = Some(c / shards as u32);
+            }
+            limits.rate_per_sec = limits.rate_per_sec.map(|r| r / shards as f64);
+            Ok(Destination {
+                limits,
+                idempotency_header: destination.idempotency_header.clone(),
+            })
+        };
+        Ok(Self {
+            default: split(&self.default, "the default destination")?,
+            by_origin: self
+                .by_origin
+                .iter()
+                .map(|(origin, d)| Ok((origin.clone(), split(d, origin)?)))
+                .collect::<anyhow::Result<_>>()?,
+        })
+    }
+
     /// The settings of `origin`.
     pub fn of(&self, origin: &str) -> &Destination {
         self.by_origin.get(origin).unwrap_or(&self.default)

@@ -97,10 +97,13 @@ impl DispatchMetrics {
 
     /// Reads the gauges from the outbox, the destinations labelled as `destinations` names
     /// them.
-    pub async fn refresh(&self, pool: &PgPool, destinations: &Destinations) -> sqlx::Result<()> {
+    pub async fn refresh(&self, pools: &[PgPool], destinations: &Destinations) -> sqlx::Result<()> {
         let mut breakers: BTreeMap<(&str, Breaker), i64> = BTreeMap::new();
         let mut in_flight: BTreeMap<&str, i64> = BTreeMap::new();
-        let gauges = outbox::destination_gauges(pool).await?;
+        let mut gauges = Vec::new();
+        for pool in pools {
+            gauges.extend(outbox::destination_gauges(pool).await?);
+        }
         for g in &gauges {
             let label = destinations.label(&g.origin);
             *breakers.entry((label, g.breaker)).or_default() += 1;
@@ -118,17 +121,21 @@ impl DispatchMetrics {
             let n = in_flight.get(label).copied().unwrap_or(0);
             self.in_flight.with_label_values(&[label]).set(n);
         }
-        let g = outbox::gauges(pool).await?;
+        let (mut by_state, mut oldest_due, mut expired) = (BTreeMap::new(), 0f64, 0);
+        for pool in pools {
+            let g = outbox::gauges(pool).await?;
+            for (state, n) in g.by_state {
+                *by_state.entry(state.as_str()).or_insert(0) += n;
+            }
+            oldest_due = oldest_due.max(g.oldest_due_seconds);
+            expired += g.expired_leases;
+        }
         for state in OutboxState::ALL {
-            let n = g
-                .by_state
-                .iter()
-                .find(|(s, _)| *s == state)
-                .map_or(0, |(_, n)| *n);
+            let n = by_state.get(state.as_str()).copied().unwrap_or(0);
             self.operations.with_label_values(&[state.as_str()]).set(n);
         }
-        self.oldest_due_seconds.set(g.oldest_due_seconds as i64);
-        self.expired_leases.set(g.expired_leases);
+        self.oldest_due_seconds.set(oldest_due as i64);
+        self.expired_leases.set(expired);
         Ok(())
     }
 }

@@ -31,6 +31,8 @@ use tokio_util::sync::CancellationToken;
 
 /// The dispatcher loop's heartbeat, as `/healthz` names it.
 const LOOP: &str = "dispatch loop";
+/// The health check of the outbox's database.
+const DATABASE: &str = "database";
 
 /// Operations leased at once, and so requests in flight at once (`--batch-size`).
 pub const DEFAULT_BATCH_SIZE: i64 = 32;
@@ -102,6 +104,11 @@ impl DispatchSettings {
 pub struct Dispatcher {
     settings: DispatchSettings,
     pool: PgPool,
+    /// The databases whose outbox gauges this loop reports: its own; with shards, every
+    /// database for the first shard's loop and none for the others.
+    gauges: Vec<PgPool>,
+    /// The names of its health checks: its loop's heartbeat and its database's.
+    checks: (&'static str, &'static str),
     metrics: DispatchMetrics,
     /// What `/healthz` says: the loop's heartbeat, and whether the outbox can be read.
     health: Health,
@@ -127,11 +134,29 @@ impl Dispatcher {
         metrics.destinations(&settings.destinations);
         Ok(Self {
             settings,
+            gauges: vec![pool.clone()],
             pool,
+            checks: (LOOP, DATABASE),
             metrics,
             health,
             http,
         })
+    }
+
+    /// The loop of shard `shard` of `databases` (every database, in order): the first reports
+    /// the gauges of them all, and each names its health checks after its shard.
+    pub fn on_shard(mut self, shard: usize, databases: &[PgPool]) -> Self {
+        self.gauges = match shard {
+            0 => databases.to_vec(),
+            _ => Vec::new(),
+        };
+        if databases.len() > 1 {
+            // Named once per process and shard, for the process's life.
+            let name =
+                |check: &str| &*Box::leak(format!("{check} (shard {shard})").into_boxed_str());
+            self.checks = (name(LOOP), name(DATABASE));
+        }
+        self
     }
 
     /// Dispatches on the runtime until `shutdown` is cancelled; see [`Dispatcher::run`].
@@ -151,11 +176,11 @@ impl Dispatcher {
         let mut last_refresh = Instant::now() - Duration::from_secs(60);
         let mut failing_since: Option<Instant> = None;
         while !shutdown.is_cancelled() {
-            self.health.beat(LOOP, self.stuck_after());
-            if last_refresh.elapsed() >= self.gauge_interval() {
+            self.health.beat(self.checks.0, self.stuck_after());
+            if !self.gauges.is_empty() && last_refresh.elapsed() >= self.gauge_interval() {
                 if let Err(e) = self
                     .metrics
-                    .refresh(&self.pool, &self.settings.destinations)
+                    .refresh(&self.gauges, &self.settings.destinations)
                     .await
                 {
                     tracing::warn!(error = %e, "Could not read the outbox gauges.");
@@ -165,7 +190,7 @@ impl Dispatcher {
             let sent = match self.dispatch_once().await {
                 Ok(n) => {
                     failing_since = None;
-                    self.health.report("database", None);
+                    self.health.report(self.checks.1, None);
                     n
                 }
                 Err(e) => {
@@ -176,7 +201,7 @@ impl Dispatcher {
                             "the outbox has been unreadable for {} s: {e}",
                             since.elapsed().as_secs()
                         );
-                        self.health.report("database", Some(problem));
+                        self.health.report(self.checks.1, Some(problem));
                     }
                     0
                 }
@@ -188,7 +213,7 @@ impl Dispatcher {
                 }
             }
         }
-        self.health.forget(LOOP);
+        self.health.forget(self.checks.0);
         tracing::info!(worker = %self.settings.worker, "The dispatcher stopped.");
         Ok(())
     }

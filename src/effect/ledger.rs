@@ -29,17 +29,20 @@ impl Effect for Ledger {
     /// One statement for the whole batch; each payload goes in as the text it arrived as.
     async fn apply_batch(&self, tx: &mut Tx<'_>, events: &[&Event]) -> Result<(), EffectError> {
         let keys: Vec<&str> = events.iter().map(|e| e.key.as_str()).collect();
+        let routes: Vec<&str> = events.iter().map(|e| e.route_key()).collect();
         let sources: Vec<&str> = events.iter().map(|e| e.source.as_str()).collect();
         let types: Vec<Option<&str>> = events.iter().map(|e| e.event_type.as_deref()).collect();
         let payloads: Vec<&str> = events.iter().map(|e| e.payload_json.get()).collect();
         sqlx::query!(
-            "INSERT INTO ledger (event_key, source, event_type, payload)
-             SELECT k, s, t, p::jsonb FROM unnest($1::text[], $2::text[], $3::text[], $4::text[])
-                 AS u(k, s, t, p)",
+            "INSERT INTO ledger (event_key, source, event_type, payload, route_key)
+             SELECT k, s, t, p::jsonb, rk
+             FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[])
+                 AS u(k, s, t, p, rk)",
             &keys as _,
             &sources as _,
             &types as _,
             &payloads as _,
+            &routes as _,
         )
         .execute(&mut **tx)
         .await?;

@@ -64,6 +64,9 @@ pub struct Candidate<'a> {
     pub version: i64,
     /// The event's key, recorded with the version that won.
     pub event_key: &'a str,
+    /// The route the version is kept under: the event's tenant route key, or '' for an event
+    /// routed by its own key (see [`crate::envelope::Event::tenant_route`]).
+    pub route: &'a str,
 }
 
 impl<'a> Candidate<'a> {
@@ -74,6 +77,7 @@ impl<'a> Candidate<'a> {
             object_id,
             version,
             event_key: event.key.as_str(),
+            route: event.tenant_route().unwrap_or(""),
         }
     }
 }
@@ -117,9 +121,9 @@ pub async fn newest(
     candidates: &[Candidate<'_>],
 ) -> sqlx::Result<Vec<bool>> {
     // The highest version per object among the candidates (the first of equals).
-    let mut best: HashMap<(&str, &str), usize> = HashMap::new();
+    let mut best: HashMap<(&str, &str, &str), usize> = HashMap::new();
     for (i, c) in candidates.iter().enumerate() {
-        best.entry((c.kind, c.object_id))
+        best.entry((c.kind, c.object_id, c.route))
             .and_modify(|b| {
                 if c.version > candidates[*b].version {
                     *b = i;
@@ -128,32 +132,46 @@ pub async fn newest(
             .or_insert(i);
     }
     let mut offered: Vec<usize> = best.into_values().collect();
-    offered.sort_by_key(|&i| (candidates[i].kind, candidates[i].object_id));
+    offered.sort_by_key(|&i| {
+        (
+            candidates[i].kind,
+            candidates[i].object_id,
+            candidates[i].route,
+        )
+    });
     let kinds: Vec<&str> = offered.iter().map(|&i| candidates[i].kind).collect();
     let ids: Vec<&str> = offered.iter().map(|&i| candidates[i].object_id).collect();
     let versions: Vec<i64> = offered.iter().map(|&i| candidates[i].version).collect();
     let keys: Vec<&str> = offered.iter().map(|&i| candidates[i].event_key).collect();
-    let won: Vec<(String, String)> = sqlx::query_as(
-        r#"INSERT INTO object_versions AS o (kind, object_id, version, event_key)
-           SELECT k, i, v, e FROM unnest($1::text[], $2::text[], $3::int8[], $4::text[])
-               AS u(k, i, v, e)
-           ORDER BY k COLLATE "C", i COLLATE "C"
-           ON CONFLICT (kind, object_id) DO UPDATE
+    let routes: Vec<&str> = offered.iter().map(|&i| candidates[i].route).collect();
+    let won: Vec<(String, String, String)> = sqlx::query_as(
+        r#"INSERT INTO object_versions AS o (kind, object_id, version, event_key, route_key)
+           SELECT k, i, v, e, rk
+           FROM unnest($1::text[], $2::text[], $3::int8[], $4::text[], $5::text[])
+               AS u(k, i, v, e, rk)
+           ORDER BY k COLLATE "C", i COLLATE "C", rk COLLATE "C"
+           ON CONFLICT (kind, object_id, route_key) DO UPDATE
                SET version = EXCLUDED.version, event_key = EXCLUDED.event_key, updated_at = now()
                WHERE o.version < EXCLUDED.version
-           RETURNING kind, object_id"#,
+           RETURNING kind, object_id, route_key"#,
     )
     .bind(&kinds)
     .bind(&ids)
     .bind(&versions)
     .bind(&keys)
+    .bind(&routes)
     .fetch_all(tx)
     .await?;
-    let won: std::collections::HashSet<(&str, &str)> =
-        won.iter().map(|(k, i)| (k.as_str(), i.as_str())).collect();
+    let won: std::collections::HashSet<(&str, &str, &str)> = won
+        .iter()
+        .map(|(k, i, r)| (k.as_str(), i.as_str(), r.as_str()))
+        .collect();
     let winners: std::collections::HashSet<usize> = offered
         .into_iter()
-        .filter(|&i| won.contains(&(candidates[i].kind, candidates[i].object_id)))
+        .filter(|&i| {
+            let c = &candidates[i];
+            won.contains(&(c.kind, c.object_id, c.route))
+        })
         .collect();
     Ok((0..candidates.len())
         .map(|i| winners.contains(&i))

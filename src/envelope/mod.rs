@@ -99,6 +99,16 @@ pub enum Malformed {
     /// A field PostgreSQL would refuse (a `\u0000`, a lone surrogate, a number out of range).
     #[error("PostgreSQL cannot store the envelope: {0}")]
     Unstorable(&'static str),
+    /// The envelope's route key is empty, too long or holds a control character.
+    #[error("the envelope's route key is refused: {0}")]
+    Route(String),
+}
+
+impl Malformed {
+    /// A route key refused for the reason a key would be.
+    fn route(e: Malformed) -> Self {
+        Self::Route(e.to_string().replace("envelope key", "route key"))
+    }
 }
 
 /// The deepest nesting of arrays and objects a payload may have: the most serde_json reads back
@@ -252,6 +262,11 @@ pub struct Envelope {
     /// made. Different for each delivery of one event; `events show` names it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub request_id: Option<String>,
+    /// The route key, when the source routes by a tenant field rather than by the event key:
+    /// the claim lives on the shard of this key ([`crate::shard`]), together with the other
+    /// events of the tenant. Absent, the route key is the event key.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub route: Option<String>,
 }
 
 impl Envelope {
@@ -303,6 +318,8 @@ pub struct Event {
     /// The W3C `traceparent` of the event's trace: the message's header, or the consumer's
     /// span of the event when traces are exported. Outbox operations carry it on.
     pub traceparent: Option<String>,
+    /// The route key when it is not the event key ([`Event::route_key`]).
+    route: Option<EventKey>,
     /// The event's span while it is applied, when traces are exported ([`Event::span`]).
     span: Option<tracing::Span>,
     /// The payload as a JSON value, built the first time [`Event::payload`] asks for it: the
@@ -328,6 +345,8 @@ struct Wire {
     replay_window_secs: Option<u64>,
     #[serde(default)]
     request_id: Option<String>,
+    #[serde(default)]
+    route: Option<String>,
 }
 
 /// The longest request id kept; a longer one (or one PostgreSQL cannot store) is dropped, not
@@ -346,6 +365,12 @@ impl Event {
         let wire: Wire =
             serde_json::from_slice(value).map_err(|e| Malformed::NotJson(e.to_string()))?;
         let key = EventKey::try_from(wire.key)?;
+        let route = match wire.route {
+            Some(route) if route != key.as_str() => {
+                Some(EventKey::try_from(route).map_err(Malformed::route)?)
+            }
+            _ => None,
+        };
         if message_key.is_some_and(|k| k != key.as_str().as_bytes()) {
             return Err(Malformed::KeyMismatch);
         }
@@ -382,6 +407,7 @@ impl Event {
             replay_window_secs: wire.replay_window_secs.filter(|secs| *secs > 0),
             request_id: wire.request_id.filter(|id| storable_request_id(id)),
             traceparent: None,
+            route,
             span: None,
             payload: std::sync::OnceLock::new(),
         })
@@ -396,6 +422,27 @@ impl Event {
             .map(str::to_owned);
         self.span = crate::trace::event_span(&mut self);
         self
+    }
+
+    /// The key the event's claim, conflicts and outbox operations are stored and sharded by:
+    /// the envelope's `route` when its source routes by a tenant field, else the event key.
+    pub fn route_key(&self) -> &str {
+        self.route.as_ref().unwrap_or(&self.key).as_str()
+    }
+
+    /// The route key only when it is not the event key: what the newest-wins effect keeps its
+    /// versions under ('' for an event routed by its own key).
+    pub fn tenant_route(&self) -> Option<&str> {
+        self.route.as_ref().map(EventKey::as_str)
+    }
+
+    /// The event routed by `route_key` (as stored with its claim).
+    pub fn routed(mut self, route_key: &str) -> Result<Self, Malformed> {
+        self.route = match route_key == self.key.as_str() {
+            true => None,
+            false => Some(EventKey::try_from(route_key.to_owned()).map_err(Malformed::route)?),
+        };
+        Ok(self)
     }
 
     /// The event's span: an effect applied event by event runs inside it, so its own spans
@@ -424,6 +471,7 @@ impl Event {
             replay_window_secs: None,
             request_id: None,
             traceparent: None,
+            route: None,
             span: None,
             payload: std::sync::OnceLock::new(),
         }

@@ -61,6 +61,11 @@ pub struct SourceConfig {
     pub encoding: Option<Encoding>,
     /// `hmac` only: `{ header = "X-Event-Id" }` or `{ json_pointer = "/id" }`.
     pub key_from: Option<KeyFrom>,
+    /// Routes the source's events by a tenant field instead of by the event key, so a
+    /// tenant's claims and effects share one shard (docs/scaling.md): `{ json_pointer =
+    /// "/account" }` or `{ header = "X-Shopify-Shop-Domain" }`. Fixed for the life of the data:
+    /// changing it sends redeliveries of old events to another shard.
+    pub route_from: Option<KeyFrom>,
     /// For kinds that sign only the body while the key comes from an unsigned header (github,
     /// shopify, hmac keyed by a header): how long the same signed body under another id is
     /// taken for a replayed capture and recorded as a key conflict instead of applied. Defaults
@@ -103,6 +108,7 @@ impl SourceConfig {
             signature_prefix: None,
             encoding: None,
             key_from: None,
+            route_from: None,
             replay_window: None,
             replay_window_secs: None,
             retention: None,
@@ -131,6 +137,8 @@ pub struct Source {
     pub tolerance_secs: i64,
     /// The replay guard's window (see [`SourceConfig::replay_window_secs`]); None when off.
     pub replay_window_secs: Option<u64>,
+    /// Where the route key is read, when the source routes by a tenant field.
+    pub route_from: Option<KeyFrom>,
 }
 
 impl FileConfig {
@@ -229,6 +237,7 @@ impl SourceConfig {
             secrets,
             tolerance_secs,
             replay_window_secs,
+            route_from: self.route_from.clone(),
         })
     }
 

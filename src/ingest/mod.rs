@@ -469,7 +469,16 @@ async fn verify(
     };
     let key = EventKey::try_from(format!("{}:{}", source.name, identity.id))
         .map_err(|e| Outcome::BadRequest(format!("the event id makes no valid key: {e}")))?;
+    let route = source
+        .route_from
+        .as_ref()
+        .and_then(|from| signature::route_of(from, &parts.headers, &identity.payload));
+    if let Some(route) = &route {
+        EventKey::try_from(route.clone())
+            .map_err(|e| Outcome::BadRequest(format!("the route field makes no valid key: {e}")))?;
+    }
     let envelope = Envelope {
+        route,
         key: key.into(),
         source: source.name.clone(),
         event_type: identity.event_type,

@@ -549,6 +549,24 @@ fn raw_at<'a>(json: &'a RawValue, pointer: &str) -> Option<&'a RawValue> {
 }
 
 /// An id from its JSON text: a non-empty string, or a number as written.
+/// The route key a source's `route_from` names in a verified request: a header, or a string or
+/// integer at a JSON pointer into the payload. None when absent or empty: the event is then
+/// routed by its own key, the same way on every delivery.
+pub fn route_of(
+    route_from: &KeyFrom,
+    headers: &http::HeaderMap,
+    payload: &RawValue,
+) -> Option<String> {
+    match route_from {
+        KeyFrom::Header(name) => headers
+            .get(name.as_str())
+            .and_then(|v| v.to_str().ok())
+            .filter(|v| !v.is_empty())
+            .map(str::to_owned),
+        KeyFrom::JsonPointer(pointer) => raw_at(payload, pointer).and_then(id_of),
+    }
+}
+
 fn id_of(json: &RawValue) -> Option<String> {
     match json.get().as_bytes().first()? {
         b'"' => {

@@ -29,6 +29,9 @@ use std::time::Duration;
 pub struct NewOperation<'a> {
     /// The event that enqueued it, in the same transaction as its claim.
     pub event_key: &'a str,
+    /// The route key of that event's claim ([`crate::envelope::Event::route_key`]): the
+    /// operation is stored on its claim's shard.
+    pub route_key: &'a str,
     /// The operation's name within its event, such as `deliver`; one event can drive several.
     pub operation: &'a str,
     /// Where it is sent.
@@ -74,6 +77,7 @@ impl<'a> NewOperation<'a> {
     ) -> Self {
         Self {
             event_key,
+            route_key: event_key,
             operation,
             destination,
             method: "POST".into(),
@@ -97,6 +101,7 @@ impl<'a> NewOperation<'a> {
     ) -> Self {
         Self {
             traceparent: event.traceparent.clone(),
+            route_key: event.route_key(),
             ..Self::new(event.key.as_str(), operation, destination, payload)
         }
     }
@@ -214,6 +219,7 @@ pub async fn enqueue_all(conn: &mut PgConnection, ops: &[NewOperation<'_>]) -> s
     }
     let operation_keys: Vec<String> = ops.iter().map(NewOperation::operation_key).collect();
     let event_keys: Vec<&str> = ops.iter().map(|o| o.event_key).collect();
+    let routes: Vec<&str> = ops.iter().map(|o| o.route_key).collect();
     let operations: Vec<&str> = ops.iter().map(|o| o.operation).collect();
     let destinations: Vec<&str> = ops.iter().map(|o| o.destination).collect();
     let origins: Vec<String> = ops.iter().map(|o| origin(o.destination)).collect();
@@ -229,13 +235,13 @@ pub async fn enqueue_all(conn: &mut PgConnection, ops: &[NewOperation<'_>]) -> s
     sqlx::query!(
         r#"INSERT INTO outbox (operation_key, event_key, operation, destination, origin, method,
                 content_type, payload, headers, credential, reconcile_url, max_attempts,
-                traceparent)
+                traceparent, route_key)
            SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[],
                                 $6::text[], $7::text[], $8::bytea[], $9::jsonb[], $10::text[],
-                                $11::text[], $12::int4[], $13::text[])
-                AS u(ok, k, op, d, o, m, ct, p, h, c, r, ma, tp)
-           ORDER BY ok COLLATE "C"
-           ON CONFLICT (operation_key) DO NOTHING"#,
+                                $11::text[], $12::int4[], $13::text[], $14::text[])
+                AS u(ok, k, op, d, o, m, ct, p, h, c, r, ma, tp, rk)
+           ORDER BY ok COLLATE "C", rk COLLATE "C"
+           ON CONFLICT (operation_key, route_key) DO NOTHING"#,
         &operation_keys,
         &event_keys as _,
         &operations as _,
@@ -249,6 +255,7 @@ pub async fn enqueue_all(conn: &mut PgConnection, ops: &[NewOperation<'_>]) -> s
         &reconcile as _,
         &max_attempts,
         &traceparents as _,
+        &routes as _,
     )
     .execute(conn)
     .await?;
@@ -260,6 +267,8 @@ pub async fn enqueue_all(conn: &mut PgConnection, ops: &[NewOperation<'_>]) -> s
 pub struct Leased {
     /// The row's id.
     pub id: i64,
+    /// The route key of its event's claim; its attempts are stored with it.
+    pub route_key: String,
     /// The idempotency key sent downstream.
     pub operation_key: String,
     /// Where it is sent.
@@ -360,7 +369,7 @@ async fn lease_rows(
                lease_expires_at = now() + make_interval(secs => $4),
                fencing_token = nextval('outbox_fencing_token'), updated_at = now()
            FROM due WHERE o.id = due.id
-           RETURNING o.id, o.operation_key, o.destination,
+           RETURNING o.id, o.route_key, o.operation_key, o.destination,
                      coalesce(o.origin, o.destination) AS "origin!", o.method, o.content_type,
                      o.payload, o.headers AS "headers: sqlx::types::Json<Vec<(String, String)>>",
                      o.credential, o.reconcile_url, o.traceparent, o.attempts, o.max_attempts,
@@ -533,7 +542,8 @@ async fn record_attempt(
     sqlx::query!(
         "INSERT INTO outbox_attempts (outbox_id, fencing_token, worker, kind, idempotency_key, \
          payload_sha256, started_at, duration_ms, status_code, error, outcome, applied, \
-         response_excerpt) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)",
+         response_excerpt, route_key) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)",
         leased.id,
         leased.fencing_token,
         attempt.worker,
@@ -547,6 +557,7 @@ async fn record_attempt(
         attempt.outcome.as_str(),
         applied,
         settlement.response.as_deref(),
+        &leased.route_key,
     )
     .execute(conn)
     .await?;

@@ -39,11 +39,19 @@ pub async fn horizons(
 }
 
 /// Of `keys`, those claimed, each locked against prune until the caller's transaction ends.
-pub async fn lock_known(conn: &mut PgConnection, keys: &[&str]) -> sqlx::Result<HashSet<String>> {
+pub async fn lock_known(
+    conn: &mut PgConnection,
+    keys: &[(&str, &str)],
+) -> sqlx::Result<HashSet<String>> {
+    let (keys, routes): (Vec<&str>, Vec<&str>) = keys.iter().copied().unzip();
     let rows = sqlx::query_scalar!(
-        r#"SELECT event_key FROM processed_events WHERE event_key = ANY($1)
-           ORDER BY event_key COLLATE "C" FOR KEY SHARE"#,
-        keys as _
+        r#"SELECT p.event_key FROM processed_events p
+           JOIN unnest($1::text[], $2::text[]) AS u(k, rk)
+             ON p.event_key = u.k AND p.route_key = u.rk
+           ORDER BY p.event_key COLLATE "C", p.route_key COLLATE "C"
+           FOR KEY SHARE OF p"#,
+        &keys as _,
+        &routes as _,
     )
     .fetch_all(conn)
     .await?;
@@ -66,6 +74,7 @@ pub async fn record(
     effect_spec: Option<&serde_json::Value>,
 ) -> sqlx::Result<()> {
     let keys: Vec<&str> = caught.iter().map(|c| c.event.key.as_str()).collect();
+    let routes: Vec<&str> = caught.iter().map(|c| c.event.route_key()).collect();
     let sources: Vec<&str> = caught.iter().map(|c| c.event.source.as_str()).collect();
     let types: Vec<Option<&str>> = caught
         .iter()
@@ -80,13 +89,13 @@ pub async fn record(
     sqlx::query!(
         r#"INSERT INTO expired_replays AS x (event_key, source, event_type, occurred_at,
                 received_at, pruned_before, payload_sha256, payload, effect_spec, kafka_topic,
-                kafka_partition, kafka_offset)
-           SELECT k, s, t, o, r, h, sha, p::jsonb, $10::jsonb, $11, $12, off
+                kafka_partition, kafka_offset, route_key)
+           SELECT k, s, t, o, r, h, sha, p::jsonb, $10::jsonb, $11, $12, off, rk
            FROM unnest($1::text[], $2::text[], $3::text[], $4::timestamptz[], $5::timestamptz[],
-                       $6::timestamptz[], $7::bytea[], $8::text[], $9::int8[])
-               AS u(k, s, t, o, r, h, sha, p, off)
-           ORDER BY k COLLATE "C"
-           ON CONFLICT (event_key, payload_sha256) DO UPDATE
+                       $6::timestamptz[], $7::bytea[], $8::text[], $9::int8[], $13::text[])
+               AS u(k, s, t, o, r, h, sha, p, off, rk)
+           ORDER BY k COLLATE "C", rk COLLATE "C"
+           ON CONFLICT (event_key, payload_sha256, route_key) DO UPDATE
            SET times_seen = x.times_seen + 1, last_seen_at = now()"#,
         &keys as _,
         &sources as _,
@@ -100,6 +109,7 @@ pub async fn record(
         effect_spec,
         origin.topic,
         origin.partition,
+        &routes as _,
     )
     .execute(conn)
     .await?;

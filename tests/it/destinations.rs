@@ -39,9 +39,9 @@ fn limited(origin: &str, limits: Limits) -> (String, Destination) {
 /// A claim for `key`, so that operations can hang off it.
 async fn claim(db: &TestDb, key: &str) {
     sqlx::query(
-        "INSERT INTO processed_events (event_key, source, status, payload_sha256, payload, \
-         kafka_topic, kafka_partition, kafka_offset) \
-         VALUES ($1, 's', 'done', decode(repeat('00', 32), 'hex'), '{}', 't', 0, 0)",
+        "INSERT INTO processed_events (event_key, route_key, source, status, payload_sha256, \
+         payload, kafka_topic, kafka_partition, kafka_offset) \
+         VALUES ($1, $1, 's', 'done', decode(repeat('00', 32), 'hex'), '{}', 't', 0, 0)",
     )
     .bind(key)
     .execute(&db.pool)

@@ -281,16 +281,16 @@ async fn refused_connections_are_retryable_and_retry_after_is_honoured() {
     enqueue_http(&db, &downstream, &["evt-429".to_owned()], false).await;
     // An operation whose destination refuses connections: nothing was sent.
     sqlx::query(
-        "INSERT INTO processed_events (event_key, source, status, payload_sha256, payload, kafka_topic, kafka_partition, kafka_offset) \
-         VALUES ('evt-closed', 's', 'done', decode(repeat('00', 32), 'hex'), '{}', 't', 0, 99)",
+        "INSERT INTO processed_events (event_key, route_key, source, status, payload_sha256, payload, kafka_topic, kafka_partition, kafka_offset) \
+         VALUES ('evt-closed', 'evt-closed', 's', 'done', decode(repeat('00', 32), 'hex'), '{}', 't', 0, 99)",
     )
     .execute(&db.pool)
     .await
     .unwrap();
     let (_reserved, closed) = crate::harness::refusing_address();
     sqlx::query(
-        "INSERT INTO outbox (operation_key, event_key, operation, destination, origin, payload) \
-         VALUES ('evt-closed#deliver', 'evt-closed', 'deliver', $1, $2, '\\x7b7d')",
+        "INSERT INTO outbox (operation_key, event_key, route_key, operation, destination, origin, payload) \
+         VALUES ('evt-closed#deliver', 'evt-closed', 'evt-closed', 'deliver', $1, $2, '\\x7b7d')",
     )
     .bind(format!("http://{closed}/ops"))
     .bind(format!("http://{closed}"))
@@ -351,7 +351,7 @@ async fn an_expired_lease_shows_in_the_metrics() {
     let registry = prometheus::Registry::new();
     let metrics = DispatchMetrics::new(&registry).unwrap();
     metrics
-        .refresh(&db.pool, &Default::default())
+        .refresh(std::slice::from_ref(&db.pool), &Default::default())
         .await
         .unwrap();
     assert_eq!(
@@ -365,7 +365,7 @@ async fn an_expired_lease_shows_in_the_metrics() {
     })
     .await;
     metrics
-        .refresh(&db.pool, &Default::default())
+        .refresh(std::slice::from_ref(&db.pool), &Default::default())
         .await
         .unwrap();
     assert_eq!(
@@ -385,7 +385,7 @@ async fn an_expired_lease_shows_in_the_metrics() {
         "the expired lease is taken over"
     );
     metrics
-        .refresh(&db.pool, &Default::default())
+        .refresh(std::slice::from_ref(&db.pool), &Default::default())
         .await
         .unwrap();
     assert_eq!(

@@ -22,6 +22,8 @@ mod ingest {
     mod requests;
     mod signatures;
 }
+/// Claims and effects spread over several databases by route key, as Citus would shard them.
+mod shards;
 /// Every connection over TLS: PostgreSQL, Kafka with SASL/SCRAM, dispatch over HTTPS.
 mod tls;
 /// The operator's console: its pages and actions over HTTP, and in a real browser.

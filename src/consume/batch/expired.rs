@@ -32,10 +32,10 @@ impl BatchProcessor {
             let before = horizons.get(&e.source)?;
             e.occurred_at.filter(|at| at < before).map(|_| *before)
         };
-        let candidates: Vec<&str> = firsts
+        let candidates: Vec<(&str, &str)> = firsts
             .iter()
             .filter(|(_, e)| older(e).is_some())
-            .map(|(_, e)| e.key.as_str())
+            .map(|(_, e)| (e.key.as_str(), e.route_key()))
             .collect();
         if candidates.is_empty() {
             return Ok(());

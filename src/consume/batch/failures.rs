@@ -22,7 +22,8 @@ pub(super) struct Again {
 struct Sorted<'e> {
     failed: Vec<Failure<'e>>,
     deferred: Vec<Deferral<'e>>,
-    again: Vec<(&'e str, Again)>,
+    /// With each, its event key and route key.
+    again: Vec<((&'e str, &'e str), Again)>,
 }
 
 impl BatchProcessor {
@@ -61,7 +62,7 @@ impl BatchProcessor {
             claims::defer(tx, &sorted.deferred, spec.as_ref()).await?;
         }
         if !sorted.again.is_empty() {
-            let keys: Vec<&str> = sorted.again.iter().map(|(key, _)| *key).collect();
+            let keys: Vec<(&str, &str)> = sorted.again.iter().map(|(key, _)| *key).collect();
             claims::release(tx, &keys).await?;
         }
         Ok(sorted.again.into_iter().map(|(_, a)| a).collect())
@@ -108,7 +109,8 @@ impl BatchProcessor {
                 Next::Retry { after, error } => {
                     self.log_failure(key, attempt, &error);
                     let offset = f.offset;
-                    sorted.again.push((key, Again { offset, after }));
+                    let keys = (key, f.event.route_key());
+                    sorted.again.push((keys, Again { offset, after }));
                 }
                 // Transient failures end the run before anything is settled.
                 Next::Postpone { error, .. } => {

@@ -28,6 +28,7 @@ use crate::claims::dead_letters;
 use crate::claims::{self, conflicts, Origin};
 use crate::effect::{Effect, EffectError};
 use crate::envelope::Event;
+use crate::shard::Shards;
 use failures::Again;
 use plan::Plan;
 use retrying::{Held, GUARDED_PASSES};
@@ -209,8 +210,11 @@ pub enum BatchError {
 /// Attempts made so far at each event of a pass, by offset; absent means none.
 type Attempts = HashMap<i64, u32>;
 
-/// How the transactions of one pass run.
+/// How the transactions of one pass (or of its part on one shard) run.
+#[derive(Clone, Copy)]
 struct Run<'a> {
+    /// The shard's database.
+    pool: &'a PgPool,
     attempts: &'a Attempts,
     /// Whether the effect runs in savepoints from the start.
     guarded: bool,
@@ -221,8 +225,9 @@ struct Run<'a> {
 /// Applies batches for one consumer; cheap to clone into each partition lane.
 #[derive(Clone)]
 pub struct BatchProcessor {
-    /// Where the claims and effects are written.
-    pub pool: PgPool,
+    /// Where the claims and effects are written: one database, or several shards each holding
+    /// the claims of its route keys ([`crate::shard`]).
+    pub shards: Shards,
     /// The effect applied to each claimed event.
     pub effect: Arc<dyn Effect>,
     /// How a failing effect is retried before its event is settled `failed`.
@@ -301,11 +306,12 @@ impl From<sqlx::Error> for RunError {
 }
 
 impl BatchProcessor {
-    /// A processor applying `effect` through `pool`, with the default retries
-    /// ([`EffectRetry::default`]) and deferral settings ([`DeferSettings::default`]).
-    pub fn new(pool: PgPool, effect: Arc<dyn Effect>) -> Self {
+    /// A processor applying `effect` through `shards` (a `PgPool` for a single database), with
+    /// the default retries ([`EffectRetry::default`]) and deferral settings
+    /// ([`DeferSettings::default`]).
+    pub fn new(shards: impl Into<Shards>, effect: Arc<dyn Effect>) -> Self {
         Self {
-            pool,
+            shards: shards.into(),
             effect,
             retry: EffectRetry::default(),
             defer: DeferSettings::default(),
@@ -395,11 +401,15 @@ impl BatchProcessor {
             .collect();
         let guarded = retrying.guarded > 0;
         let run = Run {
+            pool: self.shards.first(),
             attempts: &attempts,
             guarded,
             limit,
         };
-        let pass = self.run_pass(origin, &part, &run).await?;
+        let pass = match self.shards.len() {
+            1 => self.run_pass(origin, &part, &run).await?,
+            _ => self.run_shards(origin, &part, &run).await?,
+        };
         retrying.guarded = match pass.report.effect_errors + pass.report.deferred {
             0 => retrying.guarded.saturating_sub(1),
             _ => GUARDED_PASSES,
@@ -407,6 +417,40 @@ impl BatchProcessor {
         let again = Held::again(&part, &attempts, &pass.again, now);
         retrying.replace_tried(&attempts, again);
         Ok(pass.report)
+    }
+
+    /// A pass over several shards: the messages split by the shard of their route key, each
+    /// shard's part in its own transaction (all at once), claims sorted within each as always.
+    /// The pass succeeds only when every part committed, so the caller moves the offset only
+    /// then; a part that committed before another failed is harmless on replay, its keys found
+    /// claimed. Parts commit independently and none waits on another shard while holding its
+    /// locks, so lanes racing on overlapping keys cannot deadlock across shards.
+    async fn run_shards(
+        &self,
+        origin: Origin<'_>,
+        messages: &[&RawMessage],
+        run: &Run<'_>,
+    ) -> Result<Pass, BatchError> {
+        let parts = plan::by_shard(&self.shards, messages);
+        let runs: Vec<Run<'_>> = parts
+            .iter()
+            .map(|(shard, _)| Run {
+                pool: self.shards.pool(*shard),
+                ..*run
+            })
+            .collect();
+        let passes = futures_util::future::join_all(
+            parts
+                .iter()
+                .zip(&runs)
+                .map(|((_, part), run)| self.run_pass(origin, part, run)),
+        )
+        .await;
+        let mut merged = Pass::default();
+        for pass in passes {
+            merged.merge(pass?);
+        }
+        Ok(merged)
     }
 
     /// One pass over part of a batch, splitting out the messages PostgreSQL refuses.
@@ -454,7 +498,7 @@ impl BatchProcessor {
         run: &Run<'_>,
         guarded: bool,
     ) -> Result<Pass, RunError> {
-        let transaction = self.transaction(plan, run.attempts, guarded);
+        let transaction = self.transaction(run.pool, plan, run.attempts, guarded);
         match run.limit {
             None => transaction.await,
             Some(limit) => tokio::time::timeout(limit, transaction)
@@ -465,11 +509,12 @@ impl BatchProcessor {
 
     async fn transaction(
         &self,
+        pool: &PgPool,
         plan: &Plan<'_>,
         attempts: &Attempts,
         guarded: bool,
     ) -> Result<Pass, RunError> {
-        let mut tx = self.pool.begin().await?;
+        let mut tx = pool.begin().await?;
         match self.run(&mut tx, plan, attempts, guarded).await {
             Ok(pass) => {
                 crate::failpoint!("consume::before_commit");

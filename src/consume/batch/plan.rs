@@ -5,7 +5,9 @@ use super::RawMessage;
 use crate::claims::dead_letters::DeadLetter;
 use crate::claims::Origin;
 use crate::envelope::Event;
-use std::collections::HashSet;
+use crate::shard::Shards;
+use std::borrow::Cow;
+use std::collections::{BTreeMap, HashSet};
 
 /// The batch, sorted out before any database work.
 pub(super) struct Plan<'m> {
@@ -54,4 +56,40 @@ impl<'m> Plan<'m> {
         }
         plan
     }
+}
+
+/// The messages grouped by the shard of their route key, in offset order within each group and
+/// the groups in shard order. A message with no usable route (no key anywhere, not an
+/// envelope) goes to the first shard, where it becomes a dead letter.
+pub(super) fn by_shard<'m>(
+    shards: &Shards,
+    messages: &[&'m RawMessage],
+) -> Vec<(usize, Vec<&'m RawMessage>)> {
+    let mut groups: BTreeMap<usize, Vec<&'m RawMessage>> = BTreeMap::new();
+    for &m in messages {
+        let shard = route_of(m).map_or(0, |route| shards.shard(&route));
+        groups.entry(shard).or_default().push(m);
+    }
+    groups.into_iter().collect()
+}
+
+/// The route key of a message as [`Event::route_key`] will read it: the envelope's `route`
+/// when it has one, else its key. Without a `"route"` anywhere in the value (every message of
+/// a source routed by event key), the message key is the route and nothing is parsed.
+fn route_of(m: &RawMessage) -> Option<Cow<'_, str>> {
+    let value = m.value.as_deref()?;
+    if let Some(key) = &m.key {
+        if memchr::memmem::find(value, b"\"route\"").is_none() {
+            return std::str::from_utf8(key).ok().map(Cow::Borrowed);
+        }
+    }
+    #[derive(serde::Deserialize)]
+    struct Routing<'a> {
+        #[serde(borrow)]
+        key: Cow<'a, str>,
+        #[serde(borrow, default)]
+        route: Option<Cow<'a, str>>,
+    }
+    let routing: Routing<'_> = serde_json::from_slice(value).ok()?;
+    Some(routing.route.unwrap_or(routing.key))
 }

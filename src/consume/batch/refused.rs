@@ -36,7 +36,9 @@ impl BatchProcessor {
             };
             match part {
                 [message] => {
-                    let letter = self.dead_letter_refused(origin, message, &refusal).await?;
+                    let letter = self
+                        .dead_letter_refused(origin, message, &refusal, run.pool)
+                        .await?;
                     done.report.merge(letter);
                 }
                 _ => {
@@ -55,6 +57,7 @@ impl BatchProcessor {
         origin: Origin<'_>,
         message: &RawMessage,
         refusal: &sqlx::Error,
+        pool: &sqlx::PgPool,
     ) -> Result<BatchReport, BatchError> {
         let reason = match refusal {
             sqlx::Error::Database(db) => format!(
@@ -70,7 +73,7 @@ impl BatchProcessor {
             value: message.value.as_deref(),
             reason: reason.replace('\0', ""),
         };
-        let mut tx = self.pool.begin().await?;
+        let mut tx = pool.begin().await?;
         dead_letters::insert(&mut tx, origin, std::slice::from_ref(&letter)).await?;
         tx.commit().await?;
         Ok(BatchReport {

@@ -59,11 +59,11 @@ impl BatchProcessor {
         claimed: &HashSet<String>,
         report: &mut BatchReport,
     ) -> Result<(), RunError> {
-        let unclaimed: Vec<&str> = plan
+        let unclaimed: Vec<(&str, &str)> = plan
             .firsts
             .iter()
-            .map(|(_, e)| e.key.as_str())
-            .filter(|k| !claimed.contains(*k))
+            .map(|(_, e)| (e.key.as_str(), e.route_key()))
+            .filter(|(k, _)| !claimed.contains(*k))
             .collect();
         let stored = match unclaimed.is_empty() {
             true => HashMap::new(),

@@ -14,7 +14,7 @@ mod storm;
 use super::downstream::Downstream;
 use super::sources::{self, DevSource};
 use super::stack::Stack;
-use crate::args::{DatabaseArgs, KafkaArgs, KafkaOptions, SessionArgs};
+use crate::args::{DatabaseArgs, KafkaArgs, KafkaOptions};
 use crate::consume::args::ConsumeArgs;
 use crate::dispatch::{DispatchMetrics, DispatchSettings, Dispatcher};
 use crate::ingest::config::Kind;
@@ -198,10 +198,7 @@ fn consumer_args(stack: &Stack, downstream_url: &str) -> anyhow::Result<ConsumeA
                 .collect::<anyhow::Result<_>>()?,
         },
     };
-    let database = DatabaseArgs {
-        database_url: stack.database_url.parse()?,
-        session: SessionArgs::default(),
-    };
+    let database = DatabaseArgs::single(stack.database_url.parse()?);
     let mut args = ConsumeArgs::new(kafka, database);
     args.topic = stack.topic.clone();
     args.group = "demo".into();

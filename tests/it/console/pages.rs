@@ -574,9 +574,9 @@ async fn an_event_s_story_has_its_message_claim_attempts_conflicts_and_dead_lett
     process(&db, Arc::new(Ledger), &[bad]).await;
     // A recorded attempt, as a dispatcher writes it.
     sqlx::query(
-        "INSERT INTO outbox_attempts (outbox_id, fencing_token, worker, kind, idempotency_key, payload_sha256, \
+        "INSERT INTO outbox_attempts (outbox_id, route_key, fencing_token, worker, kind, idempotency_key, payload_sha256, \
          started_at, duration_ms, status_code, error, outcome, applied, response_excerpt) \
-         SELECT id, 41, 'dispatch-7', 'deliver', operation_key, '\\x00', now(), 123, 503, 'downstream 503', 'retryable', true, 'try later' \
+         SELECT id, route_key, 41, 'dispatch-7', 'deliver', operation_key, '\\x00', now(), 123, 503, 'downstream 503', 'retryable', true, 'try later' \
          FROM outbox WHERE event_key = 'stripe:evt_1'",
     )
     .execute(&db.pool)

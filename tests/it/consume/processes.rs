@@ -315,6 +315,7 @@ async fn dispatcher_killed_mid_request_is_taken_over_and_its_late_completion_cha
         .unwrap();
     let stale = outbox::Leased {
         id,
+        route_key: "evt-d".into(),
         operation_key: op.clone(),
         destination: downstream.url(),
         origin: outbox::origin(&downstream.url()),

@@ -5,6 +5,7 @@ use replayproof::envelope::Envelope;
 /// An envelope value for `key`.
 pub fn envelope(key: &str, payload: serde_json::Value) -> Vec<u8> {
     Envelope {
+        route: None,
         key: key.into(),
         source: "test".into(),
         event_type: Some("test.event".into()),

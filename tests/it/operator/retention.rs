@@ -20,6 +20,7 @@ const DAY: Duration = Duration::from_secs(24 * 3600);
 fn stripe_event(id: &str, days_ago: i64) -> Vec<u8> {
     let occurred = chrono::Utc::now() - chrono::Duration::days(days_ago);
     Envelope {
+        route: None,
         key: format!("stripe:{id}"),
         source: "stripe".into(),
         event_type: Some("invoice.paid".into()),
@@ -184,12 +185,16 @@ async fn prune_keeps_failed_deferred_and_unsettled_claims_and_takes_operations_w
         "UPDATE processed_events SET status = 'failed', payload = '{}' WHERE event_key = 'stripe:failed';
          UPDATE processed_events SET status = 'deferred', payload = '{}', due_at = now(),
              deadline_at = now() + interval '1 day' WHERE event_key = 'stripe:deferred';
-         INSERT INTO outbox (operation_key, event_key, operation, destination, payload, state)
-         VALUES ('stripe:op_pending/http', 'stripe:op_pending', 'http', 'x', '', 'pending'),
-                ('stripe:op_done/http', 'stripe:op_done', 'http', 'x', '', 'done');
-         INSERT INTO outbox_attempts (outbox_id, fencing_token, worker, kind, idempotency_key,
-             payload_sha256, started_at, duration_ms, outcome, applied)
-         SELECT id, 1, 'w', 'deliver', operation_key, sha256(''), now(), 1, 'done', true FROM outbox",
+         INSERT INTO outbox (operation_key, event_key, route_key, operation, destination, payload,
+                             state)
+         VALUES ('stripe:op_pending/http', 'stripe:op_pending', 'stripe:op_pending', 'http', 'x',
+                 '', 'pending'),
+                ('stripe:op_done/http', 'stripe:op_done', 'stripe:op_done', 'http', 'x', '',
+                 'done');
+         INSERT INTO outbox_attempts (outbox_id, route_key, fencing_token, worker, kind,
+             idempotency_key, payload_sha256, started_at, duration_ms, outcome, applied)
+         SELECT id, route_key, 1, 'w', 'deliver', operation_key, sha256(''), now(), 1, 'done',
+                true FROM outbox",
     )
     .execute(&db.pool)
     .await
@@ -232,8 +237,9 @@ async fn prune_drops_only_the_destinations_that_are_idle_closed_and_have_nothing
              ('https://failing.example', 'closed', 2, NULL, now() - interval '31 days'),
              ('https://paused.example', 'closed', 0, now() + interval '1 hour', now() - interval '31 days'),
              ('https://waiting.example', 'closed', 0, NULL, now() - interval '31 days');
-         INSERT INTO outbox (operation_key, event_key, operation, destination, origin, payload, state)
-         VALUES ('stripe:evt_waiting/http', 'stripe:evt_waiting', 'http',
+         INSERT INTO outbox (operation_key, event_key, route_key, operation, destination, origin,
+                             payload, state)
+         VALUES ('stripe:evt_waiting/http', 'stripe:evt_waiting', 'stripe:evt_waiting', 'http',
                  'https://waiting.example/hook', 'https://waiting.example', '', 'retryable');",
     )
     .execute(&db.pool)

@@ -1,0 +1,808 @@
+//! Claims and effects over several databases, as Citus would spread them: four databases of
+//! one throwaway cluster are four shards. Routing matches PostgreSQL's `hashtext`, every claim
+//! and effect lands once and only on its bucket's database, a crash between shards' commits
+//! replays harmlessly, lanes racing across shards never deadlock, adding partitions moves no
+//! key between databases, the schema keeps Citus's rules, and a claim held by a prepared
+//! (two-phase) transaction blocks its competitor as a Citus coordinator's would.
+
+use crate::harness::*;
+use rdkafka::producer::FutureRecord;
+use replayproof::consume::{BatchProcessor, EffectRetry, RawMessage};
+use replayproof::effect::{Effect, EffectError, Ledger, Tx};
+use replayproof::envelope::{Envelope, Event};
+use replayproof::shard::{hashtext, range_index, Layout, Shards};
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Four migrated databases, the shards of one layout in order.
+struct ShardedDb {
+    dbs: Vec<TestDb>,
+    layout: Layout,
+}
+
+impl ShardedDb {
+    async fn new(n: usize) -> Self {
+        let mut dbs = Vec::with_capacity(n);
+        for _ in 0..n {
+            dbs.push(TestDb::new().await);
+        }
+        Self {
+            dbs,
+            layout: Layout::new(replayproof::shard::DEFAULT_BUCKETS, n).unwrap(),
+        }
+    }
+
+    fn shards(&self) -> Shards {
+        Shards::new(
+            self.layout,
+            self.dbs.iter().map(|d| d.pool.clone()).collect(),
+        )
+        .unwrap()
+    }
+
+    fn processor(&self, effect: Arc<dyn Effect>) -> BatchProcessor {
+        BatchProcessor::new(self.shards(), effect).with_retry(EffectRetry {
+            attempts: 3,
+            backoff: Duration::from_millis(10),
+        })
+    }
+
+    /// (event key, route key) of every row of `table` on shard `i`.
+    async fn rows(&self, i: usize, table: &str) -> Vec<(String, String)> {
+        sqlx::query_as(&format!("SELECT event_key, route_key FROM {table}"))
+            .fetch_all(&self.dbs[i].pool)
+            .await
+            .unwrap()
+    }
+
+    /// Ledger rows per event key over every shard, after checking that each row and its claim
+    /// are on the shard of their route key.
+    async fn effects_in_place(&self) -> HashMap<String, i64> {
+        let mut counts = HashMap::new();
+        for i in 0..self.dbs.len() {
+            for table in ["ledger", "processed_events"] {
+                for (key, route) in self.rows(i, table).await {
+                    assert_eq!(
+                        self.layout.shard(&route),
+                        i,
+                        "{table} row of {key} (route {route}) is on shard {i}"
+                    );
+                    if table == "ledger" {
+                        *counts.entry(key).or_insert(0) += 1;
+                    }
+                }
+            }
+        }
+        counts
+    }
+
+    async fn claims(&self) -> usize {
+        let mut n = 0;
+        for i in 0..self.dbs.len() {
+            n += self.rows(i, "processed_events").await.len();
+        }
+        n
+    }
+}
+
+/// An envelope of `key`, routed by `route` when given.
+fn routed(key: &str, route: Option<&str>, payload: serde_json::Value) -> Vec<u8> {
+    Envelope {
+        route: route.map(str::to_owned),
+        key: key.into(),
+        source: "test".into(),
+        event_type: Some("test.event".into()),
+        received_at: None,
+        occurred_at: None,
+        payload: serde_json::value::to_raw_value(&payload).unwrap(),
+        unhashed: Vec::new(),
+        replay_window_secs: None,
+        request_id: None,
+    }
+    .to_bytes()
+}
+
+fn message(offset: i64, key: &str, route: Option<&str>) -> RawMessage {
+    RawMessage {
+        offset,
+        key: Some(key.as_bytes().to_vec()),
+        value: Some(routed(key, route, serde_json::json!({ "n": offset }))),
+        traceparent: None,
+    }
+}
+
+/// Ten thousand keys: event ids of every shape, lengths 0 to 600, non-ASCII ones included.
+fn parity_keys() -> Vec<String> {
+    let alphabet: Vec<char> = "abcXYZ019_:-./ éüßøçñ中文字日本語한국어🙂🚀\u{7f}\u{a0}ẞ"
+        .chars()
+        .collect();
+    let mut rng = fastrand::Rng::with_seed(28);
+    let mut keys = vec![
+        String::new(),
+        "a".into(),
+        "stripe:evt_1NqXyZ2eZvKYlo2C".into(),
+    ];
+    while keys.len() < 10_000 {
+        let len = match rng.u8(..) {
+            0..=200 => rng.usize(1..40),
+            _ => rng.usize(40..600),
+        };
+        keys.push(
+            (0..len)
+                .map(|_| alphabet[rng.usize(..alphabet.len())])
+                .collect(),
+        );
+    }
+    keys
+}
+
+#[tokio::test]
+async fn buckets_hash_keys_exactly_as_postgresql_hashtext_does() {
+    let db = TestDb::new().await;
+    let keys = parity_keys();
+    assert!(
+        keys.iter().any(|k| !k.is_ascii()),
+        "non-ASCII keys included"
+    );
+    let hashes: Vec<i32> = sqlx::query_scalar(
+        "SELECT hashtext(k) FROM unnest($1::text[]) WITH ORDINALITY AS u(k, i) ORDER BY i",
+    )
+    .bind(&keys)
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    let layout = Layout::new(1024, 32).unwrap();
+    for (key, pg) in keys.iter().zip(&hashes) {
+        assert_eq!(hashtext(key.as_bytes()), *pg, "hashtext({key:?})");
+        // The shard Citus picks with 32 shards, computed by PostgreSQL from its own hash.
+        let citus = ((*pg as i64 + (1 << 31)) * 32) >> 32;
+        assert_eq!(layout.shard(key) as i64, citus, "shard of {key:?}");
+        assert_eq!(range_index(*pg, 32) as i64, citus);
+    }
+    // Golden shard indexes with 32 shards: these keys live there for the life of the data.
+    for (key, shard) in [
+        ("stripe:evt_1NqXyZ2eZvKYlo2C", 7),
+        ("github:6a0c3f84-1e3b-11ef-9b0e-3d2f8a1b9c10", 4),
+        ("acct_1032D82eZvKYlo2C", 12),
+        ("shop-ünïcødé.myshopify.com", 24),
+        ("tenant-7", 12),
+        ("", 4),
+    ] {
+        assert_eq!(layout.shard(key), shard, "golden shard of {key:?}");
+    }
+}
+
+#[tokio::test]
+async fn a_storm_over_four_shards_applies_each_event_once_on_its_buckets_database() {
+    let sharded = ShardedDb::new(4).await;
+    let kafka = TestKafka::mock();
+    let topic = kafka.topic(4).await;
+    let producer = producer(&kafka.brokers());
+    // 600 events, a third routed by tenant; each delivered twice, a tenth also on another
+    // partition at once (a provider's retry racing the first delivery), and poison messages.
+    let mut expected = HashSet::new();
+    let mut records = Vec::new();
+    for n in 0..600 {
+        let key = format!("evt-{n}");
+        let tenant = format!("tenant-{}", n % 7);
+        let route = (n % 3 == 0).then_some(tenant.as_str());
+        let value = routed(&key, route, serde_json::json!({ "n": n }));
+        for copy in 0..2 {
+            records.push(Record {
+                key: Some(key.clone().into_bytes()),
+                value: value.clone(),
+                partition: None,
+            });
+            if n % 10 == 0 && copy == 0 {
+                records.push(Record {
+                    key: Some(key.clone().into_bytes()),
+                    value: value.clone(),
+                    partition: Some((n / 10) % 4),
+                });
+            }
+        }
+        expected.insert(key);
+    }
+    for n in 0..5 {
+        records.push(Record {
+            key: None,
+            value: format!("not an envelope {n}").into_bytes(),
+            partition: Some(n % 4),
+        });
+    }
+    fastrand::shuffle(&mut records);
+    produce(&producer, &topic, &records).await;
+
+    let group = unique("g");
+    let processor = sharded.processor(Arc::new(Ledger));
+    let a = InProcessConsumer::with_processor(
+        settings(&kafka.brokers(), &topic, &group),
+        processor.clone(),
+    );
+    let b =
+        InProcessConsumer::with_processor(settings(&kafka.brokers(), &topic, &group), processor);
+    wait_for("every event applied", Duration::from_secs(120), || async {
+        sharded.claims().await >= expected.len()
+    })
+    .await;
+    wait_committed_total(&kafka, &group, &topic, 4, records.len() as i64).await;
+    a.stop().await;
+    b.stop().await;
+
+    let counts = sharded.effects_in_place().await;
+    let doubled: Vec<_> = counts.iter().filter(|(_, n)| **n != 1).collect();
+    assert!(
+        doubled.is_empty(),
+        "keys with more than one effect: {doubled:?}"
+    );
+    assert_eq!(counts.keys().cloned().collect::<HashSet<_>>(), expected);
+    // A tenant's events share one shard; the shards are all used.
+    for t in 0..7 {
+        let tenant = format!("tenant-{t}");
+        let shard = sharded.layout.shard(&tenant);
+        let routes = sharded.rows(shard, "processed_events").await;
+        assert_eq!(
+            routes.iter().filter(|(_, r)| *r == tenant).count(),
+            (0..600).filter(|n| n % 3 == 0 && n % 7 == t).count(),
+            "every event of {tenant} on shard {shard}"
+        );
+    }
+    for i in 0..4 {
+        assert!(
+            !sharded.rows(i, "ledger").await.is_empty(),
+            "shard {i} used"
+        );
+    }
+    // The poison messages are dead letters, all on the first shard.
+    assert_eq!(
+        sharded.dbs[0]
+            .count("SELECT count(*) FROM dead_letters")
+            .await,
+        5
+    );
+    for db in &sharded.dbs[1..] {
+        assert_eq!(db.count("SELECT count(*) FROM dead_letters").await, 0);
+    }
+}
+
+#[tokio::test]
+async fn a_kill_between_shards_commits_replays_with_no_effect_twice_and_none_missing() {
+    let _heavy = heavy().await;
+    let sharded = ShardedDb::new(4).await;
+    let kafka = TestKafka::for_processes();
+    let topic = kafka.topic(2).await;
+    let keys: Vec<String> = (0..400).map(|n| format!("evt-{n}")).collect();
+    let records: Vec<Record> = keys
+        .iter()
+        .map(|k| Record::event(k, serde_json::json!({ "k": k })))
+        .collect();
+    produce(&producer(&kafka.brokers()), &topic, &records).await;
+    // The last shard's effect hangs inside its transaction: the other shards' parts commit,
+    // the batch's offset does not, and the process is killed there.
+    let stalled = &sharded.dbs[3];
+    sqlx::raw_sql(
+        "CREATE FUNCTION public.stall() RETURNS trigger LANGUAGE plpgsql AS
+             $$ BEGIN PERFORM pg_sleep(600); RETURN NULL; END $$;
+         CREATE TRIGGER stall BEFORE INSERT ON replayproof.ledger
+             FOR EACH STATEMENT EXECUTE FUNCTION public.stall();",
+    )
+    .execute(&stalled.pool)
+    .await
+    .unwrap();
+    let urls: Vec<&str> = sharded.dbs.iter().map(|d| d.url.as_str()).collect();
+    let mut extra = Vec::new();
+    for url in &urls[1..] {
+        extra.extend(["--database-url", url]);
+    }
+    let group = unique("g");
+    let brokers = kafka.brokers();
+    let first = ConsumerProcess::spawn_with(&brokers, &topic, &group, urls[0], None, &extra);
+    let sleeping = "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
+                    AND wait_event = 'PgSleep'";
+    wait_for(
+        "the last shard's part to hang",
+        Duration::from_secs(60),
+        || async { stalled.count(sleeping).await > 0 },
+    )
+    .await;
+    wait_for(
+        "the other shards' parts to commit",
+        Duration::from_secs(60),
+        || async {
+            let mut committed = true;
+            for db in &sharded.dbs[..3] {
+                committed &= db.count("SELECT count(*) FROM ledger").await > 0;
+            }
+            committed
+        },
+    )
+    .await;
+    first.kill9().await;
+    let before: Vec<i64> = {
+        let mut n = Vec::new();
+        for db in &sharded.dbs[..3] {
+            n.push(db.count("SELECT count(*) FROM ledger").await);
+        }
+        n
+    };
+    assert_eq!(
+        committed(&kafka, &group, &topic, 2).await,
+        vec![-1, -1],
+        "no offset committed while a shard's part had not"
+    );
+    assert_eq!(
+        stalled.count("SELECT count(*) FROM processed_events").await,
+        0
+    );
+    // The hung session goes (as PostgreSQL's timeouts would end it), and the stall with it.
+    sqlx::raw_sql(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+             WHERE datname = current_database() AND wait_event = 'PgSleep';",
+    )
+    .execute(&stalled.pool)
+    .await
+    .unwrap();
+    wait_for(
+        "the hung session to end",
+        Duration::from_secs(30),
+        || async { stalled.count(sleeping).await == 0 },
+    )
+    .await;
+    sqlx::raw_sql("DROP TRIGGER stall ON replayproof.ledger")
+        .execute(&stalled.pool)
+        .await
+        .unwrap();
+
+    let second = ConsumerProcess::spawn_with(&brokers, &topic, &group, urls[0], None, &extra);
+    wait_committed_total(&kafka, &group, &topic, 2, keys.len() as i64).await;
+    second.terminate(Duration::from_secs(30)).await;
+    let counts = sharded.effects_in_place().await;
+    let doubled: Vec<_> = counts.iter().filter(|(_, n)| **n != 1).collect();
+    assert!(
+        doubled.is_empty(),
+        "keys with more than one effect: {doubled:?}"
+    );
+    assert_eq!(
+        counts.keys().cloned().collect::<HashSet<_>>(),
+        keys.iter().cloned().collect::<HashSet<_>>(),
+        "every event applied"
+    );
+    for (i, n) in before.iter().enumerate() {
+        assert!(*n > 0);
+        assert!(
+            sharded.dbs[i].count("SELECT count(*) FROM ledger").await >= *n,
+            "shard {i} kept what it committed before the kill"
+        );
+    }
+}
+
+/// The ledger effect, holding its transaction a little so that lanes overlap.
+struct SlowLedger;
+
+#[replayproof::async_trait]
+impl Effect for SlowLedger {
+    fn name(&self) -> &'static str {
+        "slow-ledger"
+    }
+
+    async fn apply(&self, tx: &mut Tx<'_>, event: &Event) -> Result<(), EffectError> {
+        self.apply_batch(tx, &[event]).await
+    }
+
+    async fn apply_batch(&self, tx: &mut Tx<'_>, events: &[&Event]) -> Result<(), EffectError> {
+        Ledger.apply_batch(tx, events).await?;
+        sqlx::query("SELECT pg_sleep(0.02)")
+            .execute(&mut **tx)
+            .await?;
+        Ok(())
+    }
+}
+
+#[tokio::test]
+async fn two_lanes_racing_on_the_same_keys_across_shards_never_deadlock() {
+    let sharded = ShardedDb::new(4).await;
+    let processor = sharded.processor(Arc::new(SlowLedger));
+    let mut keys = HashSet::new();
+    for round in 0..15 {
+        // The same 40 keys (some routed by tenant) in opposite orders on two partitions.
+        let batch: Vec<RawMessage> = (0..40)
+            .map(|n| {
+                let key = format!("r{round}-evt-{n}");
+                keys.insert(key.clone());
+                let route = (n % 4 == 0).then(|| format!("tenant-{}", n % 3));
+                message(n, &key, route.as_deref())
+            })
+            .collect();
+        let reversed: Vec<RawMessage> = batch.iter().rev().cloned().collect();
+        let (a, b) = tokio::time::timeout(
+            Duration::from_secs(60),
+            futures_util::future::join(
+                processor.process("t", 0, &batch),
+                processor.process("t", 1, &reversed),
+            ),
+        )
+        .await
+        .expect("both lanes finish");
+        let (a, b) = (a.expect("lane 0 commits"), b.expect("lane 1 commits"));
+        assert_eq!(a.applied + b.applied, 40, "round {round}");
+        assert_eq!(a.duplicates + b.duplicates, 40, "round {round}");
+    }
+    let counts = sharded.effects_in_place().await;
+    assert!(counts.values().all(|n| *n == 1), "one effect per key");
+    assert_eq!(counts.keys().cloned().collect::<HashSet<_>>(), keys);
+}
+
+/// Produces each record with the default partitioner; returns the partition each went to.
+async fn produce_placed(brokers: &str, topic: &str, records: &[(String, Vec<u8>)]) -> Vec<i32> {
+    let producer = producer(brokers);
+    let mut placed = Vec::new();
+    for (key, value) in records {
+        let record = FutureRecord::<[u8], [u8]>::to(topic)
+            .key(key.as_bytes())
+            .payload(value);
+        let delivery = producer
+            .send(record, Duration::from_secs(10))
+            .await
+            .map_err(|(e, _)| e)
+            .expect("acknowledged");
+        placed.push(delivery.partition);
+    }
+    placed
+}
+
+/// Adding partitions changes where the default partitioner puts a key (`crc32(key) % count`).
+/// Neither test broker can add partitions to a topic (CreatePartitions), so the topic after the
+/// change is a second topic of 8 partitions: each key lands there exactly where it would after
+/// `kafka-topics --alter --partitions 8`.
+#[tokio::test]
+async fn adding_partitions_moves_no_key_between_databases_where_partition_routing_would_double() {
+    let sharded = ShardedDb::new(4).await;
+    let kafka = TestKafka::mock();
+    let brokers = kafka.brokers();
+    let (topic, expanded) = (kafka.topic(4).await, kafka.topic(8).await);
+    let events: Vec<(String, Vec<u8>)> = (0..300)
+        .map(|n| {
+            let key = format!("evt-{n}");
+            let value = routed(&key, None, serde_json::json!({ "n": n }));
+            (key, value)
+        })
+        .collect();
+    let before = produce_placed(&brokers, &topic, &events).await;
+    let after = produce_placed(&brokers, &expanded, &events).await;
+    // Routing by partition gives each database a contiguous range of the partitions, as a
+    // consumer owning its partitions' claims would: partition p of P in database p * 4 / P.
+    let by_partition = |partition: i32, count: i32| (partition * 4 / count) as usize;
+    let moved = before
+        .iter()
+        .zip(&after)
+        .filter(|(old, new)| by_partition(**old, 4) != by_partition(**new, 8))
+        .count();
+    assert!(
+        moved > 0,
+        "some keys now land in another database by partition"
+    );
+    for (topic, partitions) in [(&topic, 4), (&expanded, 8)] {
+        let group = unique("g");
+        let consumer = InProcessConsumer::with_processor(
+            settings(&brokers, topic, &group),
+            sharded.processor(Arc::new(Ledger)),
+        );
+        wait_committed_total(&kafka, &group, topic, partitions, events.len() as i64).await;
+        consumer.stop().await;
+    }
+    let counts = sharded.effects_in_place().await;
+    assert_eq!(counts.len(), events.len());
+    assert!(
+        counts.values().all(|n| *n == 1),
+        "routing by key: one effect per key"
+    );
+
+    // The negative control: the same deliveries routed by partition, each applied by the
+    // database its partition names.
+    let control = ShardedDb::new(4).await;
+    for (round, (placement, count)) in [(&before, 4), (&after, 8)].into_iter().enumerate() {
+        for ((key, value), partition) in events.iter().zip(placement) {
+            let m = RawMessage {
+                offset: round as i64,
+                key: Some(key.clone().into_bytes()),
+                value: Some(value.clone()),
+                traceparent: None,
+            };
+            let pool = control.dbs[by_partition(*partition, count)].pool.clone();
+            BatchProcessor::new(pool, Arc::new(Ledger))
+                .process("webhooks", *partition, &[m])
+                .await
+                .unwrap();
+        }
+    }
+    let mut applied = 0;
+    for db in &control.dbs {
+        applied += db.count("SELECT count(*) FROM ledger").await;
+    }
+    assert_eq!(
+        applied as usize,
+        events.len() + moved,
+        "routing by partition applies every moved key twice"
+    );
+}
+
+#[tokio::test]
+async fn the_schema_keeps_route_key_in_every_unique_key_and_compares_keys_bytewise() {
+    let db = TestDb::new().await;
+    let findings = replayproof::shard::lint::check(&db.pool, &[])
+        .await
+        .unwrap();
+    assert!(findings.is_empty(), "{findings:?}");
+    // Unique indexes of the reference tables are the only ones without route_key.
+    let unique_without: Vec<String> = sqlx::query_scalar(
+        r#"SELECT c.relname::text FROM pg_index x
+           JOIN pg_class c ON c.oid = x.indrelid
+           JOIN pg_namespace n ON n.oid = c.relnamespace
+           WHERE n.nspname = 'replayproof' AND x.indisunique AND c.relname <> '_sqlx_migrations'
+             AND NOT EXISTS (SELECT 1 FROM pg_attribute a WHERE a.attrelid = c.oid
+                             AND a.attname = 'route_key' AND a.attnum = ANY (x.indkey))
+           ORDER BY 1"#,
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    let mut reference: Vec<&str> = replayproof::shard::citus::REFERENCE.to_vec();
+    reference.sort();
+    assert_eq!(unique_without, reference);
+
+    // The check finds what breaks the rules, on replayproof's tables and an application's.
+    sqlx::raw_sql(
+        "CREATE UNIQUE INDEX outbox_operation_alone ON replayproof.outbox (operation_key);
+         CREATE TABLE public.subscriptions (id TEXT PRIMARY KEY, route_key TEXT NOT NULL,
+             event_key TEXT COLLATE \"C\");
+         CREATE TABLE public.invoices (id TEXT PRIMARY KEY);",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let tables = [
+        "public.subscriptions".to_owned(),
+        "public.invoices".to_owned(),
+    ];
+    let findings = replayproof::shard::lint::check(&db.pool, &tables)
+        .await
+        .unwrap();
+    let said: Vec<String> = findings.iter().map(|f| f.to_string()).collect();
+    let has = |table: &str, words: &str| {
+        said.iter()
+            .any(|f| f.starts_with(table) && f.contains(words))
+    };
+    assert!(
+        has("replayproof.outbox", "outbox_operation_alone"),
+        "{said:?}"
+    );
+    assert!(
+        has("public.subscriptions", "subscriptions_pkey"),
+        "{said:?}"
+    );
+    assert!(
+        has("public.subscriptions", "route_key compares by collation"),
+        "{said:?}"
+    );
+    assert!(has("public.invoices", "no route_key column"), "{said:?}");
+    assert_eq!(said.len(), 4, "{said:?}");
+}
+
+#[tokio::test]
+async fn migrate_runs_on_every_shard_and_refuses_citus_where_it_is_not_installed() {
+    let a = TestDb::unmigrated().await;
+    let b = TestDb::unmigrated().await;
+    let replayproof = env!("CARGO_BIN_EXE_replayproof");
+    let out = std::process::Command::new(replayproof)
+        .args([
+            "migrate",
+            "--database-url",
+            &a.url,
+            "--database-url",
+            &b.url,
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for db in [&a, &b] {
+        let applied = db
+            .count("SELECT count(*) FROM replayproof._sqlx_migrations WHERE success")
+            .await;
+        assert_eq!(applied as usize, replayproof::db::MIGRATOR.iter().count());
+    }
+    let out = std::process::Command::new(replayproof)
+        .args(["migrate", "--citus", "--database-url", &a.url])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("citus extension is not installed"),
+        "{stderr}"
+    );
+    // Shards that do not split the buckets evenly are refused before anything runs.
+    let c = TestDb::unmigrated().await;
+    let out = std::process::Command::new(replayproof)
+        .args([
+            "migrate",
+            "--database-url",
+            &a.url,
+            "--database-url",
+            &b.url,
+        ])
+        .args(["--database-url", &c.url])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("do not split 1024 buckets evenly"),
+        "{stderr}"
+    );
+    assert_eq!(
+        c.count("SELECT count(*) FROM pg_namespace WHERE nspname = 'replayproof'")
+            .await,
+        0
+    );
+}
+
+#[tokio::test]
+async fn a_claim_in_a_prepared_transaction_blocks_its_competitor_until_resolved() {
+    let db = TestDb::new().await;
+    let prepared: i64 = db
+        .count("SELECT current_setting('max_prepared_transactions')::int8")
+        .await;
+    assert!(
+        prepared > 0,
+        "the test cluster needs max_prepared_transactions > 0 (scripts/test.sh sets 16)"
+    );
+    let processor = BatchProcessor::new(db.pool.clone(), Arc::new(Ledger));
+    for (n, resolution) in ["COMMIT PREPARED", "ROLLBACK PREPARED"]
+        .into_iter()
+        .enumerate()
+    {
+        let key = format!("evt-in-doubt-{n}");
+        let gid = unique("citus_gid");
+        let competitor = message(1, &key, None);
+        let event = Event::parse(competitor.key.as_deref(), competitor.value.as_deref()).unwrap();
+        let hash = hex::encode(event.payload_sha256);
+        // What a Citus coordinator leaves on a worker between PREPARE and its decision: the
+        // claim and its effect, written, locked and in doubt.
+        let mut coordinator = db.pool.acquire().await.unwrap();
+        sqlx::raw_sql(&format!(
+            "BEGIN;
+             INSERT INTO processed_events (event_key, route_key, source, status, payload_sha256,
+                 kafka_topic, kafka_partition, kafka_offset)
+             VALUES ('{key}', '{key}', 'test', 'done', decode('{hash}', 'hex'), 'coordinator', 0, 0);
+             INSERT INTO ledger (event_key, route_key, source, payload)
+             VALUES ('{key}', '{key}', 'test', '{{}}');
+             PREPARE TRANSACTION '{gid}';"
+        ))
+        .execute(&mut *coordinator)
+        .await
+        .unwrap();
+        let competing = {
+            let processor = processor.clone();
+            tokio::spawn(async move { processor.process("t", 0, &[competitor]).await })
+        };
+        wait_for(
+            "the competing claim to wait on the prepared one",
+            Duration::from_secs(30),
+            || async {
+                db.count(
+                    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
+                 AND wait_event_type = 'Lock'",
+                )
+                .await
+                    > 0
+            },
+        )
+        .await;
+        assert!(
+            !competing.is_finished(),
+            "blocked while the claim is in doubt"
+        );
+        sqlx::raw_sql(&format!("{resolution} '{gid}'"))
+            .execute(&mut *coordinator)
+            .await
+            .unwrap();
+        let report = competing.await.unwrap().expect("the batch commits");
+        match resolution {
+            "COMMIT PREPARED" => assert_eq!(report.duplicates, 1, "found claimed"),
+            _ => assert_eq!(report.applied, 1, "claimed once the other rolled back"),
+        }
+        let effects = db
+            .count(&format!(
+                "SELECT count(*) FROM ledger WHERE event_key = '{key}'"
+            ))
+            .await;
+        assert_eq!(effects, 1, "{resolution}: one effect");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_dispatch_process_delivers_every_shards_outbox_within_one_concurrency_limit() {
+    use crate::harness::recorder::{Answer, Recorder};
+    let _heavy = heavy().await;
+    let sharded = ShardedDb::new(2).await;
+    let api = Recorder::start(Answer::SlowOk(Duration::from_millis(100))).await;
+    let effect = replayproof::effect::HttpOutbox {
+        target_url: api.url("/ops"),
+        reconcile_url: None,
+        max_attempts: 8,
+    };
+    let batch: Vec<RawMessage> = (0..40)
+        .map(|n| message(n, &format!("evt-{n}"), None))
+        .collect();
+    let report = sharded
+        .processor(Arc::new(effect))
+        .process("t", 0, &batch)
+        .await
+        .unwrap();
+    assert_eq!(report.applied, 40);
+    for db in &sharded.dbs {
+        assert!(
+            db.count("SELECT count(*) FROM outbox").await > 0,
+            "each shard has operations"
+        );
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("replayproof.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[database]\nshards = [\"{}\", \"{}\"]\n\
+             [dispatch.destinations.\"{}\"]\nmax_concurrency = 4\n",
+            sharded.dbs[0].url,
+            sharded.dbs[1].url,
+            api.origin()
+        ),
+    )
+    .unwrap();
+    let mut dispatch = tokio::process::Command::new(env!("CARGO_BIN_EXE_replayproof"))
+        .arg("dispatch")
+        .arg("--config")
+        .arg(&config)
+        .args(["--batch-size", "8", "--poll", "10ms", "--backoff", "20ms"])
+        .args(["--metrics-addr", "127.0.0.1:0"])
+        .env("RUST_LOG", "warn")
+        .env_remove("DATABASE_URL")
+        .stdin(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let done = "SELECT count(*) FROM outbox WHERE state = 'done'";
+    wait_for(
+        "every shard's operations done",
+        Duration::from_secs(60),
+        || async { sharded.dbs[0].count(done).await + sharded.dbs[1].count(done).await == 40 },
+    )
+    .await;
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(dispatch.id().unwrap() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .unwrap();
+    assert!(dispatch.wait().await.unwrap().success());
+    assert_eq!(api.received().len(), 40, "each operation sent once");
+    assert!(
+        api.max_in_flight() <= 4,
+        "the shards' loops share the destination's limit: {} in flight",
+        api.max_in_flight()
+    );
+    for (i, db) in sharded.dbs.iter().enumerate() {
+        for (key, route) in sharded.rows(i, "outbox").await {
+            assert_eq!(sharded.layout.shard(&route), i, "operation of {key}");
+        }
+        assert_eq!(
+            db.count("SELECT count(*) FROM outbox_attempts a JOIN outbox o ON o.id = a.outbox_id AND o.route_key = a.route_key").await,
+            db.count("SELECT count(*) FROM outbox").await,
+            "each attempt recorded with its operation, on its shard"
+        );
+    }
+}
