@@ -136,6 +136,12 @@ pub struct DatabaseArgs {
     #[arg(long, env = "REPLAYPROOF_CITUS_SHARDS", value_name = "SHARD_COUNT")]
     pub citus_shards: Option<usize>,
 
+    /// With several databases, the one (0 for the first `--database-url`) that a command
+    /// reading a single database reads: lists of dead letters and expired replays, bulk
+    /// retries, erasure, the console. The commands that span every shard ignore it.
+    #[arg(long, value_name = "N")]
+    pub shard: Option<usize>,
+
     #[command(flatten)]
     pub session: SessionArgs,
 }
@@ -219,6 +225,7 @@ impl DatabaseArgs {
             database_url: vec![url],
             buckets: crate::shard::DEFAULT_BUCKETS,
             citus_shards: None,
+            shard: None,
             session: SessionArgs::default(),
         }
     }
@@ -228,16 +235,52 @@ impl DatabaseArgs {
         &self.database_url[0]
     }
 
-    /// A pool of the database, for commands that run on one: refused when the claims are
-    /// spread over several databases, which such a command would see only a part of.
+    /// A pool of the database, for commands that run on one: with several databases, the one
+    /// `--shard` names (a command that reads a single database must be told which).
     pub fn pool(&self, max_connections: u32) -> anyhow::Result<sqlx::PgPool> {
-        anyhow::ensure!(
-            self.database_url.len() == 1,
-            "this command runs on one database, and {} are given: run it with --database-url \
-             naming each shard in turn",
-            self.database_url.len()
-        );
-        self.session.pool(self.url(), max_connections)
+        let n = self.database_url.len();
+        let url = match (n, self.shard) {
+            (1, None | Some(0)) => self.url(),
+            (_, Some(i)) if i < n => &self.database_url[i],
+            (_, Some(i)) => anyhow::bail!(
+                "--shard {i} names none of the {n} databases (0 to {})",
+                n - 1
+            ),
+            (_, None) => anyhow::bail!(
+                "this command reads one database at a time, and {n} shards are given: add \
+                 --shard N (0 to {}) to say which",
+                n - 1
+            ),
+        };
+        self.session.pool(url, max_connections)
+    }
+
+    /// The pool of the database holding `key`'s claim (or its expired replay): with several
+    /// databases each is asked, since a key routed by a tenant field lives on its tenant's
+    /// shard. Refused when none holds it, or more than one (its source's route was changed).
+    pub async fn pool_for_key(
+        &self,
+        key: &str,
+        max_connections: u32,
+    ) -> anyhow::Result<sqlx::PgPool> {
+        if self.database_url.len() == 1 || self.shard.is_some() {
+            return self.pool(max_connections);
+        }
+        let shards = self.shards(max_connections)?;
+        let mut holders = Vec::new();
+        for (shard, pool) in shards.databases() {
+            if crate::claims::holds(pool, key).await? {
+                holders.push((shard, pool.clone()));
+            }
+        }
+        match holders.len() {
+            1 => Ok(holders.remove(0).1),
+            0 => anyhow::bail!("no shard holds the event {key}"),
+            _ => anyhow::bail!(
+                "the event {key} is claimed on shards {:?}: its source's route changed; add --shard N",
+                holders.iter().map(|(s, _)| *s).collect::<Vec<_>>()
+            ),
+        }
     }
 
     /// The shards: one pool per `--database-url`, in the order given, or the Citus
@@ -314,6 +357,9 @@ impl ToArgs for DatabaseArgs {
         args.extend(["--buckets".into(), self.buckets.to_string()]);
         if let Some(count) = self.citus_shards {
             args.extend(["--citus-shards".into(), count.to_string()]);
+        }
+        if let Some(shard) = self.shard {
+            args.extend(["--shard".into(), shard.to_string()]);
         }
         args.extend(self.session.to_args());
         args

@@ -367,6 +367,17 @@ pub async fn release(conn: &mut PgConnection, keys: &[(&str, &str)]) -> sqlx::Re
     Ok(())
 }
 
+/// Whether this database holds `key`: its claim, or its expired replay.
+pub async fn holds(pool: &PgPool, key: &str) -> sqlx::Result<bool> {
+    sqlx::query_scalar!(
+        r#"SELECT EXISTS (SELECT 1 FROM processed_events WHERE event_key = $1)
+               OR EXISTS (SELECT 1 FROM expired_replays WHERE event_key = $1) AS "held!""#,
+        key
+    )
+    .fetch_one(pool)
+    .await
+}
+
 /// A claim as the operator sees it.
 #[derive(Debug, Clone, Serialize)]
 pub struct ClaimRow {

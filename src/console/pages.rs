@@ -173,18 +173,22 @@ pub(crate) async fn overview(
     user: User,
     axum::extract::State(state): axum::extract::State<State>,
 ) -> Response {
-    let status =
-        match crate::operator::status::gather(&state.pool, state.settings.kafka.clone()).await {
-            Ok(status) => status,
-            Err(e) => {
-                return problem(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    &user,
-                    "Overview unavailable",
-                    &format!("{e:#}"),
-                )
-            }
-        };
+    let status = match crate::operator::status::gather(
+        std::slice::from_ref(&state.pool),
+        state.settings.kafka.clone(),
+    )
+    .await
+    {
+        Ok(status) => status,
+        Err(e) => {
+            return problem(
+                StatusCode::SERVICE_UNAVAILABLE,
+                &user,
+                "Overview unavailable",
+                &format!("{e:#}"),
+            )
+        }
+    };
     let breakers = crate::outbox::destination_gauges(&state.pool)
         .await
         .unwrap_or_default();

@@ -541,6 +541,8 @@ mod tests {
         "2048",
         "--citus-shards",
         "4",
+        "--shard",
+        "0",
         "--schema",
         "custom",
         "--statement-timeout",

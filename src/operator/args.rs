@@ -39,6 +39,11 @@ impl OperatorArgs {
     fn pool(&self) -> anyhow::Result<sqlx::PgPool> {
         self.database.pool(2)
     }
+
+    /// The database holding `key`, whichever shard it is.
+    async fn pool_for(&self, key: &str) -> anyhow::Result<sqlx::PgPool> {
+        self.database.pool_for_key(key, 2).await
+    }
 }
 
 /// Rows a list shows unless `--limit` says otherwise.
@@ -243,7 +248,7 @@ impl EventsCommand {
                 }
             }
             Self::Show { op, key } => {
-                let detail = events::show(&op.pool()?, &key).await?;
+                let detail = events::show(&op.pool_for(&key).await?, &key).await?;
                 render::print(op.json, &detail, render::event_detail);
             }
             Self::Retry(args) => args.run(registry).await?,
@@ -255,8 +260,8 @@ impl EventsCommand {
                 reason,
             } => {
                 let act = op.act(&reason);
-                let changes =
-                    events::resolve(&op.pool()?, &key, operation.as_deref(), to, &act).await?;
+                let pool = op.pool_for(&key).await?;
+                let changes = events::resolve(&pool, &key, operation.as_deref(), to, &act).await?;
                 render::print(op.json, &changes, |c| render::changes(c));
             }
             other => other.run_retention(registry).await?,
@@ -281,11 +286,13 @@ impl EventsCommand {
                     .map(|name| registry.build(std::slice::from_ref(&name), None))
                     .transpose()?;
                 let act = op.act(&reason);
-                let changes = expired::apply(&op.pool()?, registry, &key, given, &act).await?;
+                let pool = op.pool_for(&key).await?;
+                let changes = expired::apply(&pool, registry, &key, given, &act).await?;
                 render::print(op.json, &changes, |c| render::changes(c));
             }
             Self::DropExpired { op, key, reason } => {
-                let changes = expired::drop(&op.pool()?, &key, &op.act(&reason)).await?;
+                let pool = op.pool_for(&key).await?;
+                let changes = expired::drop(&pool, &key, &op.act(&reason)).await?;
                 render::print(op.json, &changes, |c| render::changes(c));
             }
             Self::Erase {
@@ -344,7 +351,10 @@ async fn erase(
 
 impl RetryArgs {
     async fn run(self, registry: &Registry) -> anyhow::Result<()> {
-        let pool = self.op.pool()?;
+        let pool = match (&self.state, &self.key) {
+            (None, Some(key)) => self.op.pool_for(key).await?,
+            _ => self.op.pool()?,
+        };
         let effect = self
             .effect
             .as_ref()
@@ -585,7 +595,9 @@ pub struct StatusArgs {
 
 impl StatusArgs {
     pub async fn run(self) -> anyhow::Result<()> {
-        let pool = self.database.pool(2)?;
+        let shards = self.database.shards(2)?;
+        let pools: Vec<sqlx::PgPool> = shards.databases().map(|(_, p)| p.clone()).collect();
+        let pool = &pools[..];
         let kafka = self.brokers.clone().map(|brokers| status::KafkaTarget {
             brokers,
             topic: self.topic.clone(),
@@ -593,13 +605,13 @@ impl StatusArgs {
             options: self.kafka.kafka_options.clone(),
         });
         let Some(every) = self.watch else {
-            let status = status::gather(&pool, kafka).await?;
+            let status = status::gather(pool, kafka).await?;
             render::print(self.json, &status, render::status);
             return Ok(());
         };
         let stop = crate::shutdown::on_signal();
         loop {
-            let shown = match status::gather(&pool, kafka.clone()).await {
+            let shown = match status::gather(pool, kafka.clone()).await {
                 Ok(status) if self.json => serde_json::to_string(&status)?,
                 Ok(status) => render::status(&status),
                 // A watch outlives a database restart: the error is the screen until it ends.
@@ -670,8 +682,10 @@ pub struct ReplayArgs {
 impl ReplayArgs {
     pub async fn run(self, registry: &Registry) -> anyhow::Result<()> {
         let consume = &self.consume;
-        let pool = consume.database.pool(4)?;
-        let processor = consume.processor(pool.clone(), registry)?;
+        let shards = consume.database.shards(4)?;
+        // The first database keeps the audit; the window is applied over every shard.
+        let pool = shards.first().clone();
+        let processor = consume.processor(shards, registry)?;
         let window = super::replay::Window {
             brokers: consume.kafka.brokers.clone(),
             topic: consume.topic.clone(),

@@ -55,7 +55,61 @@ pub struct KafkaTarget {
 }
 
 /// Reads the screen's numbers from PostgreSQL and, given a target, the group's lag from Kafka.
-pub async fn gather(pool: &PgPool, kafka: Option<KafkaTarget>) -> anyhow::Result<Status> {
+/// Reads the screen's numbers from every database (the shards, or the one database) and adds
+/// them up, and, given a target, the group's lag from Kafka.
+pub async fn gather(pools: &[PgPool], kafka: Option<KafkaTarget>) -> anyhow::Result<Status> {
+    let mut status = Status::default();
+    for pool in pools {
+        status.add(of_database(pool).await?);
+    }
+    if let Some(target) = kafka {
+        status.topic = Some(target.topic.clone());
+        status.group = Some(target.group.clone());
+        status.lag = tokio::task::spawn_blocking(move || lag(&target)).await??;
+    }
+    Ok(status)
+}
+
+impl Status {
+    /// Adds another database's numbers: counts add up, the oldest ages and the soonest due
+    /// time win.
+    fn add(&mut self, other: Status) {
+        fn add_counts(mine: &mut Vec<(String, i64)>, theirs: Vec<(String, i64)>) {
+            for (name, n) in theirs {
+                match mine.iter_mut().find(|(m, _)| *m == name) {
+                    Some((_, count)) => *count += n,
+                    None => mine.push((name, n)),
+                }
+            }
+            mine.sort();
+        }
+        add_counts(&mut self.claims, other.claims);
+        add_counts(&mut self.outbox, other.outbox);
+        self.deferred += other.deferred;
+        self.oldest_deferred_seconds = self
+            .oldest_deferred_seconds
+            .max(other.oldest_deferred_seconds);
+        self.next_deferred_due_seconds = match (
+            self.next_deferred_due_seconds,
+            other.next_deferred_due_seconds,
+        ) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+        self.oldest_due_seconds = self.oldest_due_seconds.max(other.oldest_due_seconds);
+        self.expired_leases += other.expired_leases;
+        self.dead_letters += other.dead_letters;
+        self.dead_letters_not_replayed += other.dead_letters_not_replayed;
+        self.key_conflicts += other.key_conflicts;
+        self.expired_replays += other.expired_replays;
+        self.oldest_expired_replay_seconds = self
+            .oldest_expired_replay_seconds
+            .max(other.oldest_expired_replay_seconds);
+    }
+}
+
+/// One database's numbers.
+async fn of_database(pool: &PgPool) -> anyhow::Result<Status> {
     let gauges = crate::outbox::gauges(pool).await?;
     let (dead_letters, not_replayed) = crate::claims::dead_letters::counts(pool).await?;
     let (deferred, oldest_deferred, next_due) =
@@ -63,7 +117,7 @@ pub async fn gather(pool: &PgPool, kafka: Option<KafkaTarget>) -> anyhow::Result
     let outbox = gauges.by_state.into_iter();
     let (expired_replays, oldest_expired_replay_seconds) =
         crate::retention::expired::open_overview(pool).await?;
-    let mut status = Status {
+    let status = Status {
         claims: crate::claims::counts(pool).await?,
         deferred,
         oldest_deferred_seconds: oldest_deferred,
@@ -78,11 +132,6 @@ pub async fn gather(pool: &PgPool, kafka: Option<KafkaTarget>) -> anyhow::Result
         oldest_expired_replay_seconds,
         ..Status::default()
     };
-    if let Some(target) = kafka {
-        status.topic = Some(target.topic.clone());
-        status.group = Some(target.group.clone());
-        status.lag = tokio::task::spawn_blocking(move || lag(&target)).await??;
-    }
     Ok(status)
 }
 

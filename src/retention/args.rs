@@ -231,12 +231,23 @@ impl PruneArgs {
             .clone()
             .or_else(|| std::env::var("USER").ok())
             .unwrap_or_else(|| "prune".into());
-        let pool = self.database.pool(2)?;
-        let pruner = self
-            .retention
-            .pruner(pool, file, &self.kafka, &self.topic, actor)?;
-        let round = pruner.round(self.dry_run).await?;
-        crate::operator::render::print(self.json, &round.pruned.rows, |_| text(&round));
+        // Each database prunes its own rows by the same rules: a shard at a time.
+        let shards = self.database.shards(2)?;
+        let several = shards.databases().count() > 1;
+        for (shard, pool) in shards.databases() {
+            let pruner = self.retention.pruner(
+                pool.clone(),
+                file,
+                &self.kafka,
+                &self.topic,
+                actor.clone(),
+            )?;
+            let round = pruner.round(self.dry_run).await?;
+            if several && !self.json {
+                println!("shard {shard}:");
+            }
+            crate::operator::render::print(self.json, &round.pruned.rows, |_| text(&round));
+        }
         Ok(())
     }
 }

@@ -806,3 +806,99 @@ async fn one_dispatch_process_delivers_every_shards_outbox_within_one_concurrenc
         );
     }
 }
+
+/// An effect that refuses every event for good: each is settled `failed`.
+struct Refuses;
+
+#[replayproof::async_trait]
+impl Effect for Refuses {
+    fn name(&self) -> &'static str {
+        "refuses"
+    }
+
+    async fn apply(&self, _: &mut Tx<'_>, _: &Event) -> Result<(), EffectError> {
+        Err(EffectError::permanent(anyhow::anyhow!("refused")))
+    }
+}
+
+/// `replayproof ARGS… --database-url A --database-url B`: (success, stdout, stderr).
+fn run_over(sharded: &ShardedDb, args: &[&str]) -> (bool, String, String) {
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_replayproof"));
+    cmd.args(args)
+        .env_remove("DATABASE_URL")
+        .env("RUST_LOG", "warn");
+    for db in &sharded.dbs {
+        cmd.args(["--database-url", &db.url]);
+    }
+    let out = cmd.output().unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[tokio::test]
+async fn operator_commands_find_an_events_shard_and_status_adds_every_shard_up() {
+    let sharded = ShardedDb::new(2).await;
+    let failing: Arc<dyn Effect> = Arc::new(Refuses);
+    let processor = BatchProcessor::new(sharded.shards(), failing).with_retry(EffectRetry {
+        attempts: 1,
+        backoff: Duration::ZERO,
+    });
+    let batch: Vec<RawMessage> = (0..10)
+        .map(|n| message(n, &format!("evt-{n}"), None))
+        .collect();
+    processor.process("t", 0, &batch).await.unwrap();
+    let on = |key: &str| sharded.layout.shard(key);
+    assert!(
+        (0..10).any(|n| on(&format!("evt-{n}")) == 1)
+            && (0..10).any(|n| on(&format!("evt-{n}")) == 0)
+    );
+
+    // Status adds every shard's claims up.
+    let (ok, out, err) = run_over(&sharded, &["status", "--json"]);
+    assert!(ok, "{err}");
+    let status: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let failed = status["claims"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c[0] == "failed")
+        .map(|c| c[1].as_i64().unwrap());
+    assert_eq!(failed, Some(10), "{out}");
+
+    // A key is found on its shard, shown and resolved there.
+    let key = (0..10)
+        .map(|n| format!("evt-{n}"))
+        .find(|k| on(k) == 1)
+        .unwrap();
+    let (ok, out, err) = run_over(&sharded, &["events", "show", &key, "--json"]);
+    assert!(ok, "{err}");
+    assert!(out.contains(&key) && out.contains("failed"), "{out}");
+    let (ok, _, err) = run_over(
+        &sharded,
+        &[
+            "events", "resolve", &key, "--as", "dead", "--reason", "test",
+        ],
+    );
+    assert!(ok, "{err}");
+    let status: String =
+        sqlx::query_scalar("SELECT status FROM processed_events WHERE event_key = $1")
+            .bind(&key)
+            .fetch_one(&sharded.dbs[1].pool)
+            .await
+            .unwrap();
+    assert_eq!(status, "dead");
+    let (ok, _, err) = run_over(&sharded, &["events", "show", "evt-unknown"]);
+    assert!(
+        !ok && err.contains("no shard holds the event evt-unknown"),
+        "{err}"
+    );
+
+    // A command that reads one database asks which, then reads that one.
+    let (ok, _, err) = run_over(&sharded, &["dead-letters", "list"]);
+    assert!(!ok && err.contains("add --shard N (0 to 1)"), "{err}");
+    let (ok, _, err) = run_over(&sharded, &["events", "list", "--shard", "1", "--json"]);
+    assert!(ok, "{err}");
+}
