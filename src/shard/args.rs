@@ -54,6 +54,32 @@ pub enum ShardsCommand {
         #[arg(long = "table", value_name = "TABLE")]
         tables: Vec<String>,
     },
+    /// Move a range of buckets from one database to another (fence, copy, verify, switch),
+    /// with the consumers and dispatchers of both stopped; safe to run again if cut off. Then
+    /// start them with the new list of databases (docs/scaling.md).
+    Move {
+        /// The database the buckets leave.
+        #[arg(long, value_name = "URL")]
+        from_url: crate::db::DatabaseUrl,
+        /// The database the buckets go to, migrated.
+        #[arg(long, value_name = "URL")]
+        to_url: crate::db::DatabaseUrl,
+        /// The buckets moved, `FIRST-LAST` (both included), such as 512-1023.
+        #[arg(long = "buckets", value_name = "FIRST-LAST", value_parser = bucket_range)]
+        range: (u32, u32),
+        /// How many buckets route keys hash into.
+        #[arg(long = "bucket-count", env = "REPLAYPROOF_BUCKETS", default_value_t = crate::shard::DEFAULT_BUCKETS)]
+        bucket_count: u32,
+        /// An effect table of the application distributed by route_key (`schema.table`), moved
+        /// with the claims; repeatable.
+        #[arg(long = "table", value_name = "TABLE")]
+        tables: Vec<String>,
+        /// Count the rows of the range on both sides; move nothing.
+        #[arg(long)]
+        dry_run: bool,
+        #[command(flatten)]
+        session: crate::args::SessionArgs,
+    },
     /// Print where a route key lives: its bucket and its shard.
     Locate {
         #[command(flatten)]
@@ -63,9 +89,55 @@ pub enum ShardsCommand {
     },
 }
 
+/// `FIRST-LAST`, or one bucket.
+fn bucket_range(s: &str) -> Result<(u32, u32), String> {
+    let (first, last) = s.split_once('-').unwrap_or((s, s));
+    let parse = |n: &str| {
+        n.trim()
+            .parse::<u32>()
+            .map_err(|_| format!("{n:?} is not a bucket number"))
+    };
+    let (first, last) = (parse(first)?, parse(last)?);
+    match first <= last {
+        true => Ok((first, last)),
+        false => Err(format!("{first}-{last} is an empty range")),
+    }
+}
+
 impl ShardsCommand {
     pub async fn run(&self) -> anyhow::Result<()> {
         match self {
+            Self::Move {
+                from_url,
+                to_url,
+                range,
+                bucket_count,
+                tables,
+                dry_run,
+                session,
+            } => {
+                crate::shard::Layout::new(*bucket_count, 1)?;
+                let from = session.pool(from_url, 1)?;
+                let to = session.pool(to_url, 1)?;
+                let (mut from, mut to) = (from.acquire().await?, to.acquire().await?);
+                let m = super::reshard::Move {
+                    buckets: *bucket_count,
+                    range: range.0..=range.1,
+                    extra: tables,
+                    dry_run: *dry_run,
+                };
+                let moved = super::reshard::run(&mut from, &mut to, &m).await?;
+                for (table, n) in &moved.rows {
+                    println!("{table}: {n} rows");
+                }
+                let verb = match (dry_run, moved.resumed) {
+                    (true, _) => "would move (dry run: nothing changed)",
+                    (false, true) => "were found copied by an earlier run; verified and switched",
+                    (false, false) => "moved and verified",
+                };
+                println!("Buckets {}-{} {verb}.", range.0, range.1);
+                Ok(())
+            }
             Self::Check { database, tables } => {
                 let shards = database.shards(1)?;
                 let mut problems = 0;

@@ -12,6 +12,7 @@
 pub mod args;
 pub mod citus;
 pub mod lint;
+pub mod reshard;
 
 use sqlx::PgPool;
 use std::ops::Range;

@@ -902,3 +902,144 @@ async fn operator_commands_find_an_events_shard_and_status_adds_every_shard_up()
     let (ok, _, err) = run_over(&sharded, &["events", "list", "--shard", "1", "--json"]);
     assert!(ok, "{err}");
 }
+
+/// The ledger and one outbox operation per event.
+struct LedgerAndOutbox;
+
+#[replayproof::async_trait]
+impl Effect for LedgerAndOutbox {
+    fn name(&self) -> &'static str {
+        "ledger-and-outbox"
+    }
+
+    async fn apply(&self, tx: &mut Tx<'_>, event: &Event) -> Result<(), EffectError> {
+        self.apply_batch(tx, &[event]).await
+    }
+
+    async fn apply_batch(&self, tx: &mut Tx<'_>, events: &[&Event]) -> Result<(), EffectError> {
+        Ledger.apply_batch(tx, events).await?;
+        let outbox = replayproof::effect::HttpOutbox {
+            target_url: "http://127.0.0.1:9/ops".into(),
+            reconcile_url: None,
+            max_attempts: 3,
+        };
+        outbox.apply_batch(tx, events).await
+    }
+}
+
+/// `replayproof shards move --from-url FROM --to-url TO --buckets RANGE`, with `failpoints`.
+fn move_buckets(
+    from: &TestDb,
+    to: &TestDb,
+    range: &str,
+    failpoints: Option<&str>,
+) -> (bool, String) {
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_replayproof"));
+    cmd.args([
+        "shards",
+        "move",
+        "--from-url",
+        &from.url,
+        "--to-url",
+        &to.url,
+    ])
+    .args(["--buckets", range])
+    .env("RUST_LOG", "warn")
+    .env_remove("FAILPOINTS");
+    if let Some(f) = failpoints {
+        cmd.env("FAILPOINTS", f);
+    }
+    let out = cmd.output().unwrap();
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    (out.status.success(), text)
+}
+
+#[tokio::test]
+async fn splitting_two_shards_into_four_moves_each_bucket_range_once_even_when_cut_off() {
+    let two = ShardedDb::new(2).await;
+    let events: Vec<RawMessage> = (0..300)
+        .map(|n| {
+            let route = (n % 3 == 0).then(|| format!("tenant-{}", n % 11));
+            message(n, &format!("evt-{n}"), route.as_deref())
+        })
+        .collect();
+    let report = two
+        .processor(Arc::new(LedgerAndOutbox))
+        .process("t", 0, &events)
+        .await
+        .unwrap();
+    assert_eq!(report.applied, 300);
+    for db in &two.dbs {
+        sqlx::raw_sql(
+            "INSERT INTO outbox_attempts (outbox_id, route_key, fencing_token, worker, kind,
+                 idempotency_key, payload_sha256, started_at, duration_ms, outcome, applied)
+             SELECT id, route_key, 1, 'w', 'deliver', operation_key, sha256(''), now(), 1,
+                    'retryable', true FROM outbox",
+        )
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    }
+    let ShardedDb { mut dbs, .. } = two;
+    let (b, a) = (dbs.pop().unwrap(), dbs.pop().unwrap());
+    let (c, d) = (TestDb::new().await, TestDb::new().await);
+
+    // Fence: a replayproof process still connected to the source stops the move.
+    let straggler = replayproof::db::pool(&a.url.parse().unwrap(), 1).unwrap();
+    let held = straggler.acquire().await.unwrap();
+    let (ok, said) = move_buckets(&a, &c, "256-511", None);
+    assert!(
+        !ok && said.contains("stop the consumers and dispatchers"),
+        "{said}"
+    );
+    drop(held);
+    straggler.close().await;
+
+    // Cut off after the copy committed: the range is on both sides; run again, it finishes.
+    let (ok, said) = move_buckets(&a, &c, "256-511", Some("shards::move_after_copy=panic"));
+    assert!(!ok, "{said}");
+    assert!(c.count("SELECT count(*) FROM processed_events").await > 0);
+    let (ok, said) = move_buckets(&a, &c, "256-511", None);
+    assert!(
+        ok && said.contains("found copied by an earlier run"),
+        "{said}"
+    );
+    let (ok, said) = move_buckets(&b, &d, "768-1023", None);
+    assert!(ok && said.contains("moved and verified"), "{said}");
+
+    // Four shards in the order [A, C, B, D]: each holds exactly its quarter of the buckets.
+    let four = ShardedDb {
+        dbs: vec![a, c, b, d],
+        layout: Layout::new(1024, 4).unwrap(),
+    };
+    let counts = four.effects_in_place().await;
+    assert_eq!(counts.len(), 300);
+    assert!(
+        counts.values().all(|n| *n == 1),
+        "one effect per key after the moves"
+    );
+    for (i, db) in four.dbs.iter().enumerate() {
+        assert!(
+            !four.rows(i, "processed_events").await.is_empty(),
+            "shard {i} holds claims"
+        );
+        for (key, route) in four.rows(i, "outbox").await {
+            assert_eq!(four.layout.shard(&route), i, "operation of {key}");
+        }
+        assert_eq!(
+            db.count(
+                "SELECT count(*) FROM outbox_attempts a JOIN outbox o
+                   ON o.id = a.outbox_id AND o.route_key = a.route_key"
+            )
+            .await,
+            db.count("SELECT count(*) FROM outbox").await,
+            "shard {i}: every attempt with its operation"
+        );
+    }
+    // Every event redelivered afterwards is a replay wherever its key now lives.
+    let processor = four.processor(Arc::new(LedgerAndOutbox));
+    let again = processor.process("t", 1, &events).await.unwrap();
+    assert_eq!((again.applied, again.duplicates), (0, 300));
+    assert!(four.effects_in_place().await.values().all(|n| *n == 1));
+}
