@@ -507,4 +507,28 @@ mod tests {
             assert!(!help.contains(hidden), "{hidden} in {help}");
         }
     }
+
+    #[test]
+    fn database_shards_are_the_database_urls_in_order_and_exclude_url() {
+        let text =
+            "[database]\nshards = [\"postgres://u@a/x\", \"postgres://u@b/y\"]\nbuckets = 256\n";
+        let (_dir, argv) = crate::config::tests::with_file(&["dispatch"], text);
+        let no_env: BTreeMap<String, String> = BTreeMap::new();
+        let args = parse(argv, &no_env).expect("the file lists the shards");
+        let Cmd::Dispatch(dispatch) = args.command else {
+            unreachable!("a dispatch command")
+        };
+        let urls: Vec<&str> = dispatch
+            .database
+            .database_url
+            .iter()
+            .map(|u| u.expose())
+            .collect();
+        assert_eq!(urls, ["postgres://u@a/x", "postgres://u@b/y"]);
+        assert_eq!(dispatch.database.buckets, 256);
+        let both = "[database]\nurl = \"postgres://u@a/x\"\nshards = [\"postgres://u@b/y\"]\n";
+        let (_dir, argv) = crate::config::tests::with_file(&["dispatch"], both);
+        let err = parse(argv, &no_env).unwrap_err().to_string();
+        assert!(err.contains("gives both url and shards"), "{err}");
+    }
 }

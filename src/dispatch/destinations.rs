@@ -356,4 +356,29 @@ mod tests {
             toml::from_str("[credentials.x]\nheaders = { Content-Type = \"a\" }\n").unwrap();
         assert!(Credentials::from_table(bad.get("credentials")).is_err());
     }
+
+    #[test]
+    fn shards_share_each_destinations_limits_and_a_limit_too_small_to_share_is_refused() {
+        let d = destinations(
+            r#"
+            [destinations.default]
+            max_concurrency = 16
+            [destinations."https://api.stripe.com"]
+            max_concurrency = 4
+            rate_per_sec = 25
+            "#,
+        )
+        .unwrap();
+        let quarter = d.per_shard(4).unwrap();
+        assert_eq!(quarter.default.limits.max_concurrency, Some(4));
+        let stripe = &quarter.of("https://api.stripe.com").limits;
+        assert_eq!(stripe.max_concurrency, Some(1));
+        assert_eq!(stripe.rate_per_sec, Some(6.25));
+        assert_eq!(
+            d.per_shard(1).unwrap().of("https://api.stripe.com").limits,
+            d.of("https://api.stripe.com").limits
+        );
+        let err = d.per_shard(8).unwrap_err().to_string();
+        assert!(err.contains("below the number of shards (8)"), "{err}");
+    }
 }

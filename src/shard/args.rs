@@ -172,3 +172,18 @@ impl ShardsCommand {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::bucket_range;
+
+    #[test]
+    fn bucket_ranges_are_first_to_last_or_one_bucket() {
+        assert_eq!(bucket_range("512-1023"), Ok((512, 1023)));
+        assert_eq!(bucket_range("7"), Ok((7, 7)));
+        assert!(bucket_range("9-3").unwrap_err().contains("empty range"));
+        assert!(bucket_range("a-3")
+            .unwrap_err()
+            .contains("not a bucket number"));
+    }
+}
