@@ -293,7 +293,8 @@ pub async fn lock_due(conn: &mut PgConnection, key: &str) -> sqlx::Result<Option
     sqlx::query_as!(
         StoredClaim,
         r#"SELECT source, event_type, received_at, payload AS "payload: JsonText", payload_sha256,
-                  status AS "status: ClaimStatus", effect_spec, attempts, deadline_at, defer_policy
+                  status AS "status: ClaimStatus", effect_spec, attempts, deadline_at, defer_policy,
+                  route_key
            FROM processed_events
            WHERE event_key = $1 AND status = 'deferred' AND due_at <= now()
            FOR UPDATE SKIP LOCKED"#,
@@ -442,6 +443,8 @@ pub struct StoredClaim {
     pub deadline_at: Option<DateTime<Utc>>,
     /// The deferral policy stored when the claim was first deferred or failed.
     pub defer_policy: Option<serde_json::Value>,
+    /// The route key the claim was stored by; the event is applied again under it.
+    pub route_key: String,
 }
 
 impl StoredClaim {
@@ -469,7 +472,8 @@ impl StoredClaim {
                 .clone()
                 .try_into()
                 .map_err(|_| anyhow::anyhow!("a stored payload hash is not 32 bytes"))?,
-        ))
+        )
+        .routed(&self.route_key)?)
     }
 }
 
@@ -478,7 +482,8 @@ pub async fn lock(conn: &mut PgConnection, key: &str) -> sqlx::Result<Option<Sto
     sqlx::query_as!(
         StoredClaim,
         r#"SELECT source, event_type, received_at, payload AS "payload: JsonText", payload_sha256,
-                  status AS "status: ClaimStatus", effect_spec, attempts, deadline_at, defer_policy
+                  status AS "status: ClaimStatus", effect_spec, attempts, deadline_at, defer_policy,
+                  route_key
            FROM processed_events WHERE event_key = $1 FOR UPDATE"#,
         key
     )

@@ -86,12 +86,14 @@ fn event_of(row: &Locked) -> Result<Event, OperatorError> {
         .try_into()
         .map_err(|_| anyhow::anyhow!("a stored payload hash is not 32 bytes"))?;
     let key = EventKey::try_from(row.event_key.clone()).map_err(anyhow::Error::from)?;
-    Ok(Event::stored(
+    Event::stored(
         key,
         row.source.clone(),
         row.event_type.clone(),
         row.received_at,
         payload,
         hash,
-    ))
+    )
+    .routed(&row.route_key)
+    .map_err(|e| anyhow::anyhow!(e).into())
 }

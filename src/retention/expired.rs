@@ -173,6 +173,8 @@ pub struct Locked {
     pub kafka_topic: String,
     pub kafka_partition: i32,
     pub kafka_offset: i64,
+    /// The route key it would have been claimed by.
+    pub route_key: String,
 }
 
 /// The unresolved expired replays of `key`, locked; an operator acts on them together.
@@ -181,7 +183,7 @@ pub async fn lock_open(conn: &mut PgConnection, key: &str) -> sqlx::Result<Vec<L
         Locked,
         r#"SELECT id, event_key, source, event_type, occurred_at, received_at, payload_sha256,
                   payload AS "payload: JsonText", effect_spec, kafka_topic, kafka_partition,
-                  kafka_offset
+                  kafka_offset, route_key
            FROM expired_replays WHERE event_key = $1 AND resolution IS NULL
            ORDER BY id FOR UPDATE"#,
         key

@@ -846,9 +846,19 @@ async fn operator_commands_find_an_events_shard_and_status_adds_every_shard_up()
         attempts: 1,
         backoff: Duration::ZERO,
     });
-    let batch: Vec<RawMessage> = (0..10)
+    let mut batch: Vec<RawMessage> = (0..10)
         .map(|n| message(n, &format!("evt-{n}"), None))
         .collect();
+    // One event routed by tenant: it lives on the tenant's shard, and so does its retry.
+    let tenant = (0..)
+        .map(|t| format!("tenant-{t}"))
+        .find(|t| sharded.layout.shard(t) == 0)
+        .unwrap();
+    let routed_key = (0..)
+        .map(|n| format!("evt-t{n}"))
+        .find(|k| sharded.layout.shard(k) == 1)
+        .unwrap();
+    batch.push(message(10, &routed_key, Some(&tenant)));
     processor.process("t", 0, &batch).await.unwrap();
     let on = |key: &str| sharded.layout.shard(key);
     assert!(
@@ -866,7 +876,7 @@ async fn operator_commands_find_an_events_shard_and_status_adds_every_shard_up()
         .iter()
         .find(|c| c[0] == "failed")
         .map(|c| c[1].as_i64().unwrap());
-    assert_eq!(failed, Some(10), "{out}");
+    assert_eq!(failed, Some(11), "{out}");
 
     // A key is found on its shard, shown and resolved there.
     let key = (0..10)
@@ -895,6 +905,27 @@ async fn operator_commands_find_an_events_shard_and_status_adds_every_shard_up()
         !ok && err.contains("no shard holds the event evt-unknown"),
         "{err}"
     );
+
+    // Retried with the ledger, the routed event's effect is written under its tenant's route,
+    // on the tenant's shard.
+    let (ok, _, err) = run_over(
+        &sharded,
+        &[
+            "events",
+            "retry",
+            &routed_key,
+            "--effect",
+            "ledger",
+            "--reason",
+            "test",
+        ],
+    );
+    assert!(ok, "{err}");
+    assert_eq!(
+        sharded.rows(0, "ledger").await,
+        vec![(routed_key.clone(), tenant.clone())]
+    );
+    assert!(sharded.rows(1, "ledger").await.is_empty());
 
     // A command that reads one database asks which, then reads that one.
     let (ok, _, err) = run_over(&sharded, &["dead-letters", "list"]);
