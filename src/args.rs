@@ -266,21 +266,10 @@ impl DatabaseArgs {
         if self.database_url.len() == 1 || self.shard.is_some() {
             return self.pool(max_connections);
         }
-        let shards = self.shards(max_connections)?;
-        let mut holders = Vec::new();
-        for (shard, pool) in shards.databases() {
-            if crate::claims::holds(pool, key).await? {
-                holders.push((shard, pool.clone()));
-            }
-        }
-        match holders.len() {
-            1 => Ok(holders.remove(0).1),
-            0 => anyhow::bail!("no shard holds the event {key}"),
-            _ => anyhow::bail!(
-                "the event {key} is claimed on shards {:?}: its source's route changed; add --shard N",
-                holders.iter().map(|(s, _)| *s).collect::<Vec<_>>()
-            ),
-        }
+        self.shards(max_connections)?
+            .holding(key)
+            .await?
+            .ok_or_else(|| anyhow::anyhow!("no shard holds the event {key}"))
     }
 
     /// The shards: one pool per `--database-url`, in the order given, or the Citus

@@ -510,11 +510,36 @@ mod tests {
 
     #[test]
     fn database_shards_are_the_database_urls_in_order_and_exclude_url() {
+        // The file's list becomes `--database-url` repeated (the process's own DATABASE_URL,
+        // read by clap, would win over the file, so the file is read here as the layer reads it).
         let text =
             "[database]\nshards = [\"postgres://u@a/x\", \"postgres://u@b/y\"]\nbuckets = 256\n";
-        let (_dir, argv) = crate::config::tests::with_file(&["dispatch"], text);
-        let no_env: BTreeMap<String, String> = BTreeMap::new();
-        let args = parse(argv, &no_env).expect("the file lists the shards");
+        let file =
+            ConfigFile::parse(std::path::Path::new("c.toml"), text, &BTreeMap::new()).unwrap();
+        let urls = file.section("database")["url"].clone();
+        assert_eq!(
+            urls.as_array()
+                .unwrap()
+                .iter()
+                .map(|u| u.as_str().unwrap())
+                .collect::<Vec<_>>(),
+            ["postgres://u@a/x", "postgres://u@b/y"]
+        );
+        let both = "[database]\nurl = \"postgres://u@a/x\"\nshards = [\"postgres://u@b/y\"]\n";
+        let err = ConfigFile::parse(std::path::Path::new("c.toml"), both, &BTreeMap::new())
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("gives both url and shards"), "{err}");
+        // On the command line, the flag repeated, in order, over the environment.
+        let args = parsed(
+            &[
+                "dispatch",
+                "--database-url=postgres://u@a/x",
+                "--database-url=postgres://u@b/y",
+            ],
+            "[database]\nbuckets = 256\n",
+        )
+        .unwrap();
         let Cmd::Dispatch(dispatch) = args.command else {
             unreachable!("a dispatch command")
         };
@@ -526,9 +551,5 @@ mod tests {
             .collect();
         assert_eq!(urls, ["postgres://u@a/x", "postgres://u@b/y"]);
         assert_eq!(dispatch.database.buckets, 256);
-        let both = "[database]\nurl = \"postgres://u@a/x\"\nshards = [\"postgres://u@b/y\"]\n";
-        let (_dir, argv) = crate::config::tests::with_file(&["dispatch"], both);
-        let err = parse(argv, &no_env).unwrap_err().to_string();
-        assert!(err.contains("gives both url and shards"), "{err}");
     }
 }

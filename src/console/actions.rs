@@ -71,7 +71,11 @@ pub(crate) async fn retry(
         operation: fields.get("operation").map(Into::into),
         effect: None,
     };
-    match events::retry(&state.pool, &state.registry, &key, &retry, &act).await {
+    let pool = match state.pool_for(&key).await {
+        Ok(pool) => pool,
+        Err(e) => return refused(&user, &crate::operator::OperatorError::Unexpected(e)),
+    };
+    match events::retry(&pool, &state.registry, &key, &retry, &act).await {
         Ok(_) => Redirect::to(&event_path(&key)).into_response(),
         Err(e) => refused(&user, &e),
     }
@@ -100,7 +104,11 @@ pub(crate) async fn resolve(
             )
         }
     };
-    match events::resolve(&state.pool, &key, fields.get("operation"), to, &act).await {
+    let pool = match state.pool_for(&key).await {
+        Ok(pool) => pool,
+        Err(e) => return refused(&user, &crate::operator::OperatorError::Unexpected(e)),
+    };
+    match events::resolve(&pool, &key, fields.get("operation"), to, &act).await {
         Ok(_) => Redirect::to(&event_path(&key)).into_response(),
         Err(e) => refused(&user, &e),
     }
@@ -148,7 +156,7 @@ pub(crate) async fn bulk_retry_preview(
         Ok(search) => search,
         Err(e) => return problem(StatusCode::BAD_REQUEST, &user, "Bad search", &e),
     };
-    let found = match events::search(&state.pool, &search).await {
+    let found = match events::search_over(&state.databases(), &search).await {
         Ok(found) => found,
         Err(e) => return refused(&user, &e),
     };
@@ -212,9 +220,15 @@ pub(crate) async fn bulk_retry(
     let mut changes = Vec::new();
     let mut not_done = Vec::new();
     for key in keys {
-        match events::retry(&state.pool, &state.registry, key, &Retry::default(), &act).await {
+        let retried = match state.pool_for(key).await {
+            Ok(pool) => events::retry(&pool, &state.registry, key, &Retry::default(), &act)
+                .await
+                .map_err(|e| format!("{e:#}")),
+            Err(e) => Err(format!("{e:#}")),
+        };
+        match retried {
             Ok(c) => changes.extend(c),
-            Err(e) => not_done.push((key.to_owned(), format!("{e:#}"))),
+            Err(e) => not_done.push((key.to_owned(), e)),
         }
     }
     result_page(&user, "Retried", &changes, &not_done)

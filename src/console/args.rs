@@ -67,8 +67,12 @@ impl ConsoleArgs {
             .clone()
             .ok_or_else(|| anyhow::anyhow!("the console needs --database-url (or DATABASE_URL)"))?;
         let settings = self.settings(file)?;
-        let pool = database.pool(8)?;
-        super::run(settings, pool, registry.clone()).await
+        // With several databases, the console spans them all unless --shard names one.
+        let shards = match database.shard {
+            Some(_) => crate::shard::Shards::from(database.pool(8)?),
+            None => database.shards(8)?,
+        };
+        super::run(settings, shards, registry.clone()).await
     }
 
     /// The settings from these flags and the file's `[console]` section.

@@ -164,7 +164,10 @@ impl ConsoleSettings {
 pub(crate) struct State(Arc<Inner>);
 
 pub(crate) struct Inner {
+    /// The first database: every dead letter, and with one database everything.
     pool: PgPool,
+    /// Every shard: the overview adds them up, lists merge them, an event is found on its own.
+    shards: crate::shard::Shards,
     registry: Registry,
     settings: ConsoleSettings,
     auth: auth::Auth,
@@ -172,6 +175,22 @@ pub(crate) struct Inner {
     /// Applies a replay by time, as the consumer would.
     processor: Option<crate::consume::BatchProcessor>,
     throughput: std::sync::Mutex<Option<pages::Sample>>,
+}
+
+impl Inner {
+    /// Every database, in order.
+    pub(crate) fn databases(&self) -> Vec<PgPool> {
+        self.shards.pools()
+    }
+
+    /// The database holding `key` (the first when none does, where it is then not found).
+    pub(crate) async fn pool_for(&self, key: &str) -> anyhow::Result<PgPool> {
+        Ok(self
+            .shards
+            .holding(key)
+            .await?
+            .unwrap_or_else(|| self.pool.clone()))
+    }
 }
 
 impl std::ops::Deref for State {
@@ -188,12 +207,15 @@ impl axum::extract::FromRef<State> for axum_extra::extract::cookie::Key {
     }
 }
 
-/// The console's routes, over `pool`, acting with `registry`'s effects.
+/// The console's routes, over `shards` (a `PgPool` for one database), acting with
+/// `registry`'s effects.
 pub fn router(
     settings: ConsoleSettings,
-    pool: PgPool,
+    shards: impl Into<crate::shard::Shards>,
     registry: Registry,
 ) -> anyhow::Result<Router> {
+    let shards: crate::shard::Shards = shards.into();
+    let pool = shards.first().clone();
     let producer = match &settings.kafka {
         Some(k) => Some(crate::operator::dead_letters::LetterProducer::new(
             &k.brokers, &k.options, None,
@@ -202,7 +224,7 @@ pub fn router(
     };
     let processor = match &settings.kafka {
         Some(_) => Some(crate::consume::BatchProcessor::new(
-            pool.clone(),
+            shards.clone(),
             registry.build(&settings.effects, settings.http.as_ref())?,
         )),
         None => None,
@@ -211,6 +233,7 @@ pub fn router(
         auth: auth::Auth::new(&settings)?,
         processor,
         pool,
+        shards,
         registry,
         settings,
         producer,
@@ -256,13 +279,13 @@ impl Console {
     /// Binds `settings.listen` and builds the routes.
     pub async fn bind(
         settings: ConsoleSettings,
-        pool: PgPool,
+        shards: impl Into<crate::shard::Shards>,
         registry: Registry,
     ) -> anyhow::Result<Self> {
         let listener = tokio::net::TcpListener::bind(settings.listen)
             .await
             .with_context(|| format!("binding the console to {}", settings.listen))?;
-        let router = router(settings, pool, registry)?;
+        let router = router(settings, shards, registry)?;
         Ok(Self { listener, router })
     }
 
@@ -290,11 +313,11 @@ impl Console {
 /// Runs the console with `settings` until a signal stops it.
 pub async fn run(
     settings: ConsoleSettings,
-    pool: PgPool,
+    shards: impl Into<crate::shard::Shards>,
     registry: Registry,
 ) -> anyhow::Result<()> {
     let stop = crate::shutdown::on_signal();
-    let console = Console::bind(settings, pool, registry).await?;
+    let console = Console::bind(settings, shards, registry).await?;
     tracing::info!(addr = %console.addr(), "The console is listening.");
     console.run_until_stopped(stop).stopped().await
 }

@@ -173,25 +173,28 @@ pub(crate) async fn overview(
     user: User,
     axum::extract::State(state): axum::extract::State<State>,
 ) -> Response {
-    let status = match crate::operator::status::gather(
-        std::slice::from_ref(&state.pool),
-        state.settings.kafka.clone(),
-    )
-    .await
-    {
-        Ok(status) => status,
-        Err(e) => {
-            return problem(
-                StatusCode::SERVICE_UNAVAILABLE,
-                &user,
-                "Overview unavailable",
-                &format!("{e:#}"),
-            )
-        }
-    };
-    let breakers = crate::outbox::destination_gauges(&state.pool)
-        .await
-        .unwrap_or_default();
+    let status =
+        match crate::operator::status::gather(&state.databases(), state.settings.kafka.clone())
+            .await
+        {
+            Ok(status) => status,
+            Err(e) => {
+                return problem(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    &user,
+                    "Overview unavailable",
+                    &format!("{e:#}"),
+                )
+            }
+        };
+    let mut breakers = Vec::new();
+    for pool in state.databases() {
+        breakers.extend(
+            crate::outbox::destination_gauges(&pool)
+                .await
+                .unwrap_or_default(),
+        );
+    }
     let rates = throughput(&state, &status.lag);
     let body = html! {
         main {
@@ -395,7 +398,7 @@ pub(crate) async fn events(
         Ok(search) => search,
         Err(e) => return problem(StatusCode::BAD_REQUEST, &user, "Bad search", &e),
     };
-    let page = match events::search(&state.pool, &search).await {
+    let page = match events::search_over(&state.databases(), &search).await {
         Ok(page) => page,
         Err(e) => {
             return problem(
@@ -656,17 +659,18 @@ pub(crate) async fn expired(
     user: User,
     axum::extract::State(state): axum::extract::State<State>,
 ) -> Response {
-    let rows = match crate::retention::expired::list(&state.pool, false, PAGE_ROWS).await {
-        Ok(rows) => rows,
-        Err(e) => {
-            return problem(
-                StatusCode::SERVICE_UNAVAILABLE,
-                &user,
-                "Unavailable",
-                &e.to_string(),
-            )
-        }
-    };
+    let rows =
+        match crate::retention::expired::list_over(&state.databases(), false, PAGE_ROWS).await {
+            Ok(rows) => rows,
+            Err(e) => {
+                return problem(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    &user,
+                    "Unavailable",
+                    &e.to_string(),
+                )
+            }
+        };
     let body = html! {
         main {
             h1 { "Expired replays" }

@@ -29,7 +29,18 @@ pub(crate) async fn story(
     axum::extract::State(state): axum::extract::State<State>,
     Path(key): Path<String>,
 ) -> Response {
-    let detail = match events::show(&state.pool, &key).await {
+    let pool = match state.pool_for(&key).await {
+        Ok(pool) => pool,
+        Err(e) => {
+            return problem(
+                StatusCode::SERVICE_UNAVAILABLE,
+                &user,
+                "Unavailable",
+                &format!("{e:#}"),
+            )
+        }
+    };
+    let detail = match events::show(&pool, &key).await {
         Ok(detail) => detail,
         Err(OperatorError::NoSuchEvent(_)) => {
             return problem(
@@ -53,7 +64,7 @@ pub(crate) async fn story(
         .iter()
         .map(|l| format!("dead_letter:{}", l.id))
         .collect();
-    let actions = crate::audit::of_event(&state.pool, &key, &letters)
+    let actions = crate::audit::of_event(&pool, &key, &letters)
         .await
         .unwrap_or_default();
     let sees = user.sees_payloads(&state);

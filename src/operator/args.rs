@@ -44,6 +44,20 @@ impl OperatorArgs {
     async fn pool_for(&self, key: &str) -> anyhow::Result<sqlx::PgPool> {
         self.database.pool_for_key(key, 2).await
     }
+
+    /// The first database: with several shards, the one that holds every dead letter.
+    fn first(&self) -> anyhow::Result<sqlx::PgPool> {
+        Ok(self.database.shards(2)?.first().clone())
+    }
+
+    /// Every database a listing reads: each shard, or only the one `--shard` names.
+    fn databases(&self) -> anyhow::Result<Vec<sqlx::PgPool>> {
+        if self.database.shard.is_some() {
+            return Ok(vec![self.pool()?]);
+        }
+        let shards = self.database.shards(2)?;
+        Ok(shards.databases().map(|(_, p)| p.clone()).collect())
+    }
 }
 
 /// Rows a list shows unless `--limit` says otherwise.
@@ -240,7 +254,7 @@ impl EventsCommand {
                     after,
                     limit,
                 };
-                let page = events::search(&op.pool()?, &search).await?;
+                let page = events::search_over(&op.databases()?, &search).await?;
                 render::print(op.json, &page.events, |e| render::rows(e));
                 // On stderr, so that the JSON and the table stay the list alone.
                 if let Some(next) = &page.next {
@@ -273,7 +287,8 @@ impl EventsCommand {
     async fn run_retention(self, registry: &Registry) -> anyhow::Result<()> {
         match self {
             Self::Expired { op, all, limit } => {
-                let rows = crate::retention::expired::list(&op.pool()?, all, limit).await?;
+                let rows =
+                    crate::retention::expired::list_over(&op.databases()?, all, limit).await?;
                 render::print(op.json, &rows, |r| render::rows(r));
             }
             Self::ApplyExpired {
@@ -317,15 +332,24 @@ async fn erase(
     reason: &str,
 ) -> anyhow::Result<()> {
     use crate::retention::erase;
-    let pool = op.pool()?;
-    let keys = match (key, source, matching) {
-        (Some(key), _, _) => vec![key],
+    // Each database erases the keys it holds: the one key's shard, or every shard's matches.
+    let mut work = Vec::new();
+    match (key, source, matching) {
+        (Some(key), _, _) => work.push((op.pool_for(&key).await?, vec![key])),
         (None, Some(source), Some((field, value))) => {
-            erase::matching(&pool, &source, &field, &value).await?
+            for pool in op.databases()? {
+                let keys = erase::matching(&pool, &source, &field, &value).await?;
+                work.push((pool, keys));
+            }
         }
         _ => anyhow::bail!("give --key, or --source with --match"),
-    };
-    let erased = erase::erase(&pool, &keys, &op.act(reason)).await?;
+    }
+    let mut erased = erase::Erased::default();
+    for (pool, keys) in work {
+        let done = erase::erase(&pool, &keys, &op.act(reason)).await?;
+        erased.erased.extend(done.erased);
+        erased.refused.extend(done.refused);
+    }
     render::print(op.json, &erased, |e| {
         let mut out = String::new();
         for key in &e.erased {
@@ -351,10 +375,6 @@ async fn erase(
 
 impl RetryArgs {
     async fn run(self, registry: &Registry) -> anyhow::Result<()> {
-        let pool = match (&self.state, &self.key) {
-            (None, Some(key)) => self.op.pool_for(key).await?,
-            _ => self.op.pool()?,
-        };
         let effect = self
             .effect
             .as_ref()
@@ -366,6 +386,7 @@ impl RetryArgs {
         let act = self.op.act(&self.reason);
         let Some(state) = self.state else {
             let key = self.key.as_deref().unwrap_or_default();
+            let pool = self.op.pool_for(key).await?;
             let changes = events::retry(&pool, registry, key, &retry, &act).await?;
             render::print(self.op.json, &changes, |c| render::changes(c));
             return Ok(());
@@ -376,9 +397,15 @@ impl RetryArgs {
             since: self.since,
             limit: self.limit,
         };
-        let keys = events::to_retry(&pool, &filter).await?;
+        // Every shard's events of the filter, each retried in its own database.
+        let mut keys = Vec::new();
+        for pool in self.op.databases()? {
+            for key in events::to_retry(&pool, &filter).await? {
+                keys.push((pool.clone(), key));
+            }
+        }
         if self.dry_run {
-            for key in &keys {
+            for (_, key) in &keys {
                 println!("{key}: would be retried");
             }
             println!(
@@ -388,8 +415,8 @@ impl RetryArgs {
             return Ok(());
         }
         let mut failures = 0;
-        for key in &keys {
-            match events::retry(&pool, registry, key, &retry, &act).await {
+        for (pool, key) in &keys {
+            match events::retry(pool, registry, key, &retry, &act).await {
                 Ok(changes) => render::print(self.op.json, &changes, |c| render::changes(c)),
                 Err(e) => {
                     failures += 1;
@@ -501,7 +528,7 @@ impl DeadLettersCommand {
                     before_id: before,
                     ..select.search(limit)
                 };
-                let letters = crate::claims::dead_letters::search(&op.pool()?, &search).await?;
+                let letters = crate::claims::dead_letters::search(&op.first()?, &search).await?;
                 render::print(op.json, &letters, |l| render::rows(l));
                 if letters.len() as i64 == limit {
                     if let Some(last) = letters.last() {
@@ -510,7 +537,7 @@ impl DeadLettersCommand {
                 }
             }
             Self::Show { op, id } => {
-                let letter = dead_letters::show(&op.pool()?, id).await?;
+                let letter = dead_letters::show(&op.first()?, id).await?;
                 render::print(op.json, &letter, render::row);
             }
             Self::Replay {
@@ -525,7 +552,7 @@ impl DeadLettersCommand {
                 reason,
                 all: _,
             } => {
-                let pool = op.pool()?;
+                let pool = op.first()?;
                 let ids = match id {
                     Some(id) => vec![id],
                     None => dead_letters::to_replay(&pool, &select.search(limit))

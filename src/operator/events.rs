@@ -279,6 +279,36 @@ pub async fn search(pool: &PgPool, search: &Search) -> Result<Page, OperatorErro
     Ok(Page { events, next })
 }
 
+/// [`search`] over several databases (the shards): each is searched from the same cursor, and
+/// their pages merged in the one order, newest first, so the pages and their cursors are those
+/// one database holding every event would give.
+pub async fn search_over(pools: &[PgPool], search: &Search) -> Result<Page, OperatorError> {
+    if let [pool] = pools {
+        return self::search(pool, search).await;
+    }
+    let limit = search.limit.max(1) as usize;
+    let (mut events, mut more) = (Vec::new(), false);
+    for pool in pools {
+        let page = self::search(pool, search).await?;
+        more |= page.next.is_some();
+        events.extend(page.events);
+    }
+    events.sort_by(|a, b| (b.claimed_at, &b.event_key).cmp(&(a.claimed_at, &a.event_key)));
+    let next = match events.len() > limit || (more && !events.is_empty()) {
+        true => {
+            events.truncate(limit);
+            events.last().and_then(|e| {
+                Some(Cursor {
+                    claimed_at: e.claimed_at?,
+                    key: e.event_key.clone()?,
+                })
+            })
+        }
+        false => None,
+    };
+    Ok(Page { events, next })
+}
+
 /// The events' summaries, to be narrowed by `AND …`.
 fn summaries() -> sqlx::QueryBuilder<'static, sqlx::Postgres> {
     sqlx::QueryBuilder::new(

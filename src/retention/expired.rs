@@ -158,6 +158,23 @@ pub async fn open_overview(pool: &PgPool) -> sqlx::Result<(i64, f64)> {
     Ok((row.n, row.oldest))
 }
 
+/// [`list`] over several databases (the shards), newest first by when each was caught.
+pub async fn list_over(
+    pools: &[PgPool],
+    all: bool,
+    limit: i64,
+) -> sqlx::Result<Vec<ExpiredReplay>> {
+    let mut rows = Vec::new();
+    for pool in pools {
+        rows.extend(list(pool, all, limit).await?);
+    }
+    if pools.len() > 1 {
+        rows.sort_by_key(|r| std::cmp::Reverse((r.first_seen_at, r.id)));
+        rows.truncate(limit.max(0) as usize);
+    }
+    Ok(rows)
+}
+
 /// An unresolved expired replay, locked for the caller's transaction, with what applying it
 /// needs.
 pub struct Locked {

@@ -280,6 +280,33 @@ impl Shards {
         self.distinct.len() > 1
     }
 
+    /// The database holding `key`'s claim (or its expired replay), asking each: a key routed by
+    /// a tenant field lives on its tenant's shard. With one database, that one. Refused when more
+    /// than one holds it (its source's route was changed); None when none does.
+    pub async fn holding(&self, key: &str) -> anyhow::Result<Option<PgPool>> {
+        if !self.is_multi_primary() {
+            return Ok(Some(self.first().clone()));
+        }
+        let mut holders = Vec::new();
+        for (shard, pool) in self.databases() {
+            if crate::claims::holds(pool, key).await? {
+                holders.push((shard, pool.clone()));
+            }
+        }
+        match holders.len() {
+            0 | 1 => Ok(holders.pop().map(|(_, pool)| pool)),
+            _ => anyhow::bail!(
+                "the event {key} is claimed on shards {:?}: its source's route changed; add --shard N",
+                holders.iter().map(|(s, _)| *s).collect::<Vec<_>>()
+            ),
+        }
+    }
+
+    /// Every distinct database's pool, in order.
+    pub fn pools(&self) -> Vec<PgPool> {
+        self.databases().map(|(_, pool)| pool.clone()).collect()
+    }
+
     /// Closes every pool.
     pub async fn close(&self) {
         for (_, pool) in self.databases() {

@@ -211,6 +211,19 @@ async fn a_storm_over_four_shards_applies_each_event_once_on_its_buckets_databas
             partition: Some(n % 4),
         });
     }
+    // Poison with keys of other shards: dead letters too, and all on the first shard.
+    let keyed_poison: Vec<String> = (0..)
+        .map(|n| format!("bad-{n}"))
+        .filter(|k| sharded.layout.shard(k) != 0)
+        .take(5)
+        .collect();
+    for key in &keyed_poison {
+        records.push(Record {
+            key: Some(key.clone().into_bytes()),
+            value: b"{\"key\": 42}".to_vec(),
+            partition: None,
+        });
+    }
     fastrand::shuffle(&mut records);
     produce(&producer, &topic, &records).await;
 
@@ -259,7 +272,7 @@ async fn a_storm_over_four_shards_applies_each_event_once_on_its_buckets_databas
         sharded.dbs[0]
             .count("SELECT count(*) FROM dead_letters")
             .await,
-        5
+        10
     );
     for db in &sharded.dbs[1..] {
         assert_eq!(db.count("SELECT count(*) FROM dead_letters").await, 0);
@@ -927,11 +940,81 @@ async fn operator_commands_find_an_events_shard_and_status_adds_every_shard_up()
     );
     assert!(sharded.rows(1, "ledger").await.is_empty());
 
-    // A command that reads one database asks which, then reads that one.
-    let (ok, _, err) = run_over(&sharded, &["dead-letters", "list"]);
-    assert!(!ok && err.contains("add --shard N (0 to 1)"), "{err}");
-    let (ok, _, err) = run_over(&sharded, &["events", "list", "--shard", "1", "--json"]);
+    // Lists merge every shard's rows: pages of 4 by cursor give each event once, newest first.
+    let mut listed = Vec::new();
+    let mut after: Option<String> = None;
+    loop {
+        let mut args = vec!["events", "list", "--limit", "4", "--json"];
+        if let Some(cursor) = &after {
+            args.extend(["--after", cursor.as_str()]);
+        }
+        let (ok, out, err) = run_over(&sharded, &args);
+        assert!(ok, "{err}");
+        let page: Vec<serde_json::Value> = serde_json::from_str(&out).unwrap();
+        listed.extend(
+            page.iter()
+                .map(|e| e["event_key"].as_str().unwrap().to_owned()),
+        );
+        match err
+            .lines()
+            .find_map(|l| l.strip_prefix("next page: --after "))
+        {
+            Some(cursor) => after = Some(cursor.to_owned()),
+            None => break,
+        }
+    }
+    let unique: HashSet<&String> = listed.iter().collect();
+    assert_eq!((listed.len(), unique.len()), (11, 11), "{listed:?}");
+    // `--shard` narrows a list to one database; dead letters are all on the first.
+    let (ok, out, err) = run_over(&sharded, &["events", "list", "--shard", "1", "--json"]);
     assert!(ok, "{err}");
+    let on_one: Vec<serde_json::Value> = serde_json::from_str(&out).unwrap();
+    assert_eq!(
+        on_one.len(),
+        sharded.rows(1, "processed_events").await.len()
+    );
+    let (ok, _, err) = run_over(&sharded, &["dead-letters", "list"]);
+    assert!(ok, "{err}");
+
+    // The console spans every shard: its list, an event's story and an action on its shard.
+    let console = crate::harness::console::TestConsole::over(
+        sharded.shards(),
+        crate::harness::console::settings(),
+    )
+    .await;
+    let ann = console.login("ann").await;
+    let list = ann.get("/events").await;
+    assert_eq!(list.status, 200);
+    for n in 0..10 {
+        assert!(list.body.contains(&format!("evt-{n}")), "evt-{n} listed");
+    }
+    let other = (0..10)
+        .map(|n| format!("evt-{n}"))
+        .find(|k| on(k) == 0)
+        .unwrap();
+    let story = ann.get(&format!("/events/{other}")).await;
+    assert_eq!(story.status, 200, "{}", story.body);
+    assert!(story.body.contains(&other));
+    let token = ann.csrf("/").await;
+    let answer = ann
+        .post(
+            &format!("/events/{other}/resolve"),
+            &[("reason", "x"), ("csrf_token", &token), ("as", "done")],
+        )
+        .await;
+    assert_eq!(answer.status, 303, "{}", answer.body);
+    let status: String =
+        sqlx::query_scalar("SELECT status FROM processed_events WHERE event_key = $1")
+            .bind(&other)
+            .fetch_one(&sharded.dbs[0].pool)
+            .await
+            .unwrap();
+    assert_eq!(status, "done");
+    assert_eq!(
+        ann.get("/").await.status,
+        200,
+        "the overview adds every shard up"
+    );
 }
 
 /// The ledger and one outbox operation per event.

@@ -243,6 +243,9 @@ struct Pass {
     report: BatchReport,
     again: Vec<Again>,
     applied: Vec<Applied>,
+    /// With several shards, the part's dead letters: written to the first shard once every
+    /// part committed, so that every dead letter is in one place.
+    dead_later: Vec<DeadLettered>,
 }
 
 /// An applied event, for the [`APPLIED_LOG`] line logged once its transaction committed.
@@ -263,6 +266,7 @@ impl Pass {
         self.report.merge(other.report);
         self.again.extend(other.again);
         self.applied.extend(other.applied);
+        self.dead_later.extend(other.dead_later);
     }
 
     /// Logs each applied event, once its transaction committed.
@@ -450,7 +454,39 @@ impl BatchProcessor {
         for pass in passes {
             merged.merge(pass?);
         }
+        self.dead_letter_on_first(origin, messages, &merged.dead_later)
+            .await?;
         Ok(merged)
+    }
+
+    /// Writes the dead letters of a batch's parts to the first shard, in a transaction of its
+    /// own after every part committed and before the offset may move: a crash in between reads
+    /// the batch again, and a dead letter written twice is kept once.
+    async fn dead_letter_on_first(
+        &self,
+        origin: Origin<'_>,
+        messages: &[&RawMessage],
+        dead: &[DeadLettered],
+    ) -> Result<(), BatchError> {
+        if dead.is_empty() {
+            return Ok(());
+        }
+        let letters: Vec<dead_letters::DeadLetter<'_>> = dead
+            .iter()
+            .filter_map(|d| {
+                let m = messages.iter().find(|m| m.offset == d.offset)?;
+                Some(dead_letters::DeadLetter {
+                    offset: m.offset,
+                    key: m.key.as_deref(),
+                    value: m.value.as_deref(),
+                    reason: d.reason.clone(),
+                })
+            })
+            .collect();
+        let mut tx = self.shards.first().begin().await?;
+        dead_letters::insert(&mut tx, origin, &letters).await?;
+        tx.commit().await?;
+        Ok(())
     }
 
     /// One pass over part of a batch, splitting out the messages PostgreSQL refuses.
@@ -542,8 +578,13 @@ impl BatchProcessor {
     ) -> Result<Pass, RunError> {
         let origin = plan.origin;
         let mut report = BatchReport::default();
+        let mut dead_later = Vec::new();
         if !plan.dead.is_empty() {
-            dead_letters::insert(tx, origin, &plan.dead).await?;
+            // With several shards they go to the first, once every part committed.
+            match self.shards.len() {
+                1 => dead_letters::insert(tx, origin, &plan.dead).await?,
+                _ => dead_later = plan.dead.iter().map(DeadLettered::from).collect(),
+            }
             report.dead_letters = plan.dead.iter().map(DeadLettered::from).collect();
             for _ in &plan.dead {
                 report.tally(UNKNOWN_SOURCE, Outcome::DeadLetter);
@@ -562,7 +603,10 @@ impl BatchProcessor {
                 .await?;
         }
         if firsts.is_empty() {
-            return Ok(Pass::reporting(report));
+            return Ok(Pass {
+                dead_later,
+                ..Pass::reporting(report)
+            });
         }
         let claimed: HashSet<String> = claims::claim(tx, origin, &firsts)
             .await?
@@ -571,8 +615,10 @@ impl BatchProcessor {
         self.sort_out_replays(tx, plan, &claimed, &mut report)
             .await?;
         firsts.retain(|(_, e)| claimed.contains(e.key.as_str()));
-        self.apply_claimed(tx, &firsts, attempts, guarded, report)
-            .await
+        let pass = self
+            .apply_claimed(tx, &firsts, attempts, guarded, report)
+            .await?;
+        Ok(Pass { dead_later, ..pass })
     }
 
     /// Applies the effect to the events claimed here and settles those whose effect did not
@@ -615,6 +661,7 @@ impl BatchProcessor {
             report,
             again,
             applied,
+            dead_later: Vec::new(),
         })
     }
 }

@@ -36,9 +36,7 @@ impl BatchProcessor {
             };
             match part {
                 [message] => {
-                    let letter = self
-                        .dead_letter_refused(origin, message, &refusal, run.pool)
-                        .await?;
+                    let letter = self.dead_letter_refused(origin, message, &refusal).await?;
                     done.report.merge(letter);
                 }
                 _ => {
@@ -57,7 +55,6 @@ impl BatchProcessor {
         origin: Origin<'_>,
         message: &RawMessage,
         refusal: &sqlx::Error,
-        pool: &sqlx::PgPool,
     ) -> Result<BatchReport, BatchError> {
         let reason = match refusal {
             sqlx::Error::Database(db) => format!(
@@ -73,7 +70,8 @@ impl BatchProcessor {
             value: message.value.as_deref(),
             reason: reason.replace('\0', ""),
         };
-        let mut tx = pool.begin().await?;
+        // Every dead letter is on the first shard (the only one, unless there are several).
+        let mut tx = self.shards.first().begin().await?;
         dead_letters::insert(&mut tx, origin, std::slice::from_ref(&letter)).await?;
         tx.commit().await?;
         Ok(BatchReport {

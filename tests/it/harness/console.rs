@@ -40,7 +40,15 @@ pub struct TestConsole {
 
 impl TestConsole {
     pub async fn start(db: &TestDb, settings: ConsoleSettings) -> Self {
-        let console = console::Console::bind(settings, db.pool.clone(), Registry::default())
+        Self::over(db.pool.clone(), settings).await
+    }
+
+    /// A console over `shards` (a pool for one database).
+    pub async fn over(
+        shards: impl Into<replayproof::shard::Shards>,
+        settings: ConsoleSettings,
+    ) -> Self {
+        let console = console::Console::bind(settings, shards, Registry::default())
             .await
             .unwrap();
         let base = format!("http://{}", console.addr());
