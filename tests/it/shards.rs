@@ -9,7 +9,7 @@ use crate::harness::*;
 use rdkafka::producer::FutureRecord;
 use replayproof::consume::{BatchProcessor, EffectRetry, RawMessage};
 use replayproof::effect::{Effect, EffectError, Ledger, Tx};
-use replayproof::envelope::{Envelope, Event};
+use replayproof::envelope::Event;
 use replayproof::shard::{hashtext, range_index, Layout, Shards};
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -86,28 +86,15 @@ impl ShardedDb {
     }
 }
 
-/// An envelope of `key`, routed by `route` when given.
-fn routed(key: &str, route: Option<&str>, payload: serde_json::Value) -> Vec<u8> {
-    Envelope {
-        route: route.map(str::to_owned),
-        key: key.into(),
-        source: "test".into(),
-        event_type: Some("test.event".into()),
-        received_at: None,
-        occurred_at: None,
-        payload: serde_json::value::to_raw_value(&payload).unwrap(),
-        unhashed: Vec::new(),
-        replay_window_secs: None,
-        request_id: None,
-    }
-    .to_bytes()
-}
-
 fn message(offset: i64, key: &str, route: Option<&str>) -> RawMessage {
     RawMessage {
         offset,
         key: Some(key.as_bytes().to_vec()),
-        value: Some(routed(key, route, serde_json::json!({ "n": offset }))),
+        value: Some(routed_envelope(
+            key,
+            route,
+            serde_json::json!({ "n": offset }),
+        )),
         traceparent: None,
     }
 }
@@ -187,7 +174,7 @@ async fn a_storm_over_four_shards_applies_each_event_once_on_its_buckets_databas
         let key = format!("evt-{n}");
         let tenant = format!("tenant-{}", n % 7);
         let route = (n % 3 == 0).then_some(tenant.as_str());
-        let value = routed(&key, route, serde_json::json!({ "n": n }));
+        let value = routed_envelope(&key, route, serde_json::json!({ "n": n }));
         for copy in 0..2 {
             records.push(Record {
                 key: Some(key.clone().into_bytes()),
@@ -477,7 +464,7 @@ async fn adding_partitions_moves_no_key_between_databases_where_partition_routin
     let events: Vec<(String, Vec<u8>)> = (0..300)
         .map(|n| {
             let key = format!("evt-{n}");
-            let value = routed(&key, None, serde_json::json!({ "n": n }));
+            let value = routed_envelope(&key, None, serde_json::json!({ "n": n }));
             (key, value)
         })
         .collect();

@@ -4,8 +4,13 @@ use replayproof::envelope::Envelope;
 
 /// An envelope value for `key`.
 pub fn envelope(key: &str, payload: serde_json::Value) -> Vec<u8> {
+    routed_envelope(key, None, payload)
+}
+
+/// [`envelope`], routed by `route` (a tenant's route key) when given.
+pub fn routed_envelope(key: &str, route: Option<&str>, payload: serde_json::Value) -> Vec<u8> {
     Envelope {
-        route: None,
+        route: route.map(str::to_owned),
         key: key.into(),
         source: "test".into(),
         event_type: Some("test.event".into()),
