@@ -253,8 +253,7 @@ impl Shards {
         &self.pools[i]
     }
 
-    /// The first shard's pool: it also holds what has no route key (dead letters, operator
-    /// actions, prune horizons).
+    /// The first shard's pool: it also holds every dead letter.
     pub fn first(&self) -> &PgPool {
         &self.pools[0]
     }
@@ -262,11 +261,6 @@ impl Shards {
     /// The shard of a route key.
     pub fn shard(&self, route_key: &str) -> usize {
         self.layout.shard(route_key)
-    }
-
-    /// The pool holding a route key.
-    pub fn pool_for(&self, route_key: &str) -> &PgPool {
-        self.pool(self.shard(route_key))
     }
 
     /// Each distinct database once, with the first shard it serves (with Citus, only the
