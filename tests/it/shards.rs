@@ -1144,3 +1144,98 @@ async fn splitting_two_shards_into_four_moves_each_bucket_range_once_even_when_c
     assert_eq!((again.applied, again.duplicates), (0, 300));
     assert!(four.effects_in_place().await.values().all(|n| *n == 1));
 }
+
+#[tokio::test]
+async fn prune_and_replay_run_over_every_shard() {
+    let _heavy = heavy().await;
+    let sharded = ShardedDb::new(2).await;
+    // Replay by time needs a broker that looks offsets up by time: the broker process.
+    let kafka = TestKafka::for_processes();
+    let (topic, group) = (kafka.topic(2).await, unique("g"));
+    let events: Vec<Record> = (0..40)
+        .map(|n| Record::event(&format!("evt-{n}"), serde_json::json!({ "n": n })))
+        .collect();
+    produce(&producer(&kafka.brokers()), &topic, &events).await;
+    let consumer = InProcessConsumer::with_processor(
+        settings(&kafka.brokers(), &topic, &group),
+        sharded.processor(Arc::new(Ledger)),
+    );
+    wait_committed_total(&kafka, &group, &topic, 2, 40).await;
+    consumer.stop().await;
+
+    // A bad deploy lost some claims and their effects on both shards; the replay applies
+    // exactly those, each on its own shard.
+    let lost: Vec<String> = (0..40).step_by(7).map(|n| format!("evt-{n}")).collect();
+    assert!(lost.iter().any(|k| sharded.layout.shard(k) == 0));
+    assert!(lost.iter().any(|k| sharded.layout.shard(k) == 1));
+    for db in &sharded.dbs {
+        sqlx::raw_sql(
+            "DELETE FROM ledger WHERE event_key IN ('evt-0','evt-7','evt-14','evt-21','evt-28','evt-35');
+             DELETE FROM processed_events WHERE event_key IN ('evt-0','evt-7','evt-14','evt-21','evt-28','evt-35');",
+        )
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    }
+    let brokers = kafka.brokers();
+    let mut args = vec![
+        "replay",
+        "--brokers",
+        &brokers,
+        "--topic",
+        &topic,
+        "--since",
+        "1h",
+        "--reason",
+        "deploy",
+        "--json",
+    ];
+    let options: Vec<String> = test_kafka_options()
+        .into_iter()
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect();
+    for option in &options {
+        args.extend(["--kafka-option", option.as_str()]);
+    }
+    let (ok, out, err) = run_over(&sharded, &args);
+    assert!(ok, "{err}");
+    let report: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(report["newly_applied"], lost.len(), "{out}");
+    assert_eq!(report["already_applied"], 40 - lost.len(), "{out}");
+    let counts = sharded.effects_in_place().await;
+    assert_eq!(counts.len(), 40);
+    assert!(
+        counts.values().all(|n| *n == 1),
+        "one effect per key after the replay"
+    );
+
+    // Prune deletes the settled claims older than their retention on every shard.
+    for db in &sharded.dbs {
+        sqlx::raw_sql("UPDATE processed_events SET claimed_at = now() - interval '10 days'")
+            .execute(&db.pool)
+            .await
+            .unwrap();
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("replayproof.toml");
+    std::fs::write(&file, "[retention]\ndefault_retention = \"9days\"\n").unwrap();
+    let file = file.to_str().unwrap().to_owned();
+    let (ok, out, err) = run_over(
+        &sharded,
+        &[
+            "prune",
+            "--config",
+            &file,
+            "--brokers",
+            "127.0.0.1:1",
+            "--topic-retention",
+            "1day",
+        ],
+    );
+    assert!(ok, "{err}");
+    assert!(
+        out.contains("shard 0:") && out.contains("shard 1:"),
+        "{out}"
+    );
+    assert_eq!(sharded.claims().await, 0, "{out}");
+}
