@@ -202,7 +202,22 @@ impl Default for SessionArgs {
 impl SessionArgs {
     /// A pool of `url` whose sessions run in the schema under the configured time limits.
     pub fn pool(&self, url: &DatabaseUrl, max_connections: u32) -> anyhow::Result<sqlx::PgPool> {
-        let limits = db::Limits {
+        db::pool_in(url, max_connections, self.limits(), &self.schema)
+    }
+
+    /// [`SessionArgs::pool`] for a database of a list of shards: each new connection checks
+    /// that it holds the buckets `expected` says.
+    pub fn pool_holding(
+        &self,
+        url: &DatabaseUrl,
+        max_connections: u32,
+        expected: crate::shard::holdings::Expected,
+    ) -> anyhow::Result<sqlx::PgPool> {
+        crate::shard::holdings::pool(url, max_connections, self.limits(), &self.schema, expected)
+    }
+
+    fn limits(&self) -> db::Limits {
+        db::Limits {
             statement_timeout: crate::args::or_old_ms(
                 self.statement_timeout,
                 self.statement_timeout_ms,
@@ -213,8 +228,7 @@ impl SessionArgs {
                 self.idle_in_transaction_timeout_ms,
             ),
             ..db::Limits::default()
-        };
-        db::pool_in(url, max_connections, limits, &self.schema)
+        }
     }
 }
 
@@ -239,9 +253,9 @@ impl DatabaseArgs {
     /// `--shard` names (a command that reads a single database must be told which).
     pub fn pool(&self, max_connections: u32) -> anyhow::Result<sqlx::PgPool> {
         let n = self.database_url.len();
-        let url = match (n, self.shard) {
-            (1, None | Some(0)) => self.url(),
-            (_, Some(i)) if i < n => &self.database_url[i],
+        let i = match (n, self.shard) {
+            (1, None | Some(0)) => 0,
+            (_, Some(i)) if i < n => i,
             (_, Some(i)) => anyhow::bail!(
                 "--shard {i} names none of the {n} databases (0 to {})",
                 n - 1
@@ -252,7 +266,64 @@ impl DatabaseArgs {
                 n - 1
             ),
         };
-        self.session.pool(url, max_connections)
+        let url = &self.database_url[i];
+        self.session
+            .pool_holding(url, max_connections, self.expected(i)?)
+    }
+
+    /// [`DatabaseArgs::pool`], once the database was checked to hold the buckets the list
+    /// gives it ([`DatabaseArgs::check_holdings`]).
+    pub async fn open_pool(&self, max_connections: u32) -> anyhow::Result<sqlx::PgPool> {
+        let pool = self.pool(max_connections)?;
+        self.check_holdings().await?;
+        Ok(pool)
+    }
+
+    /// [`DatabaseArgs::shards`], once every database was checked to hold the buckets the list
+    /// gives it ([`DatabaseArgs::check_holdings`]).
+    pub async fn open_shards(&self, max_connections: u32) -> anyhow::Result<crate::shard::Shards> {
+        let shards = self.shards(max_connections)?;
+        self.check_holdings().await?;
+        Ok(shards)
+    }
+
+    /// What database `i` of the list must hold: its equal range of the buckets, in the order
+    /// listed; with Citus, the coordinator holds them all.
+    pub fn expected(&self, i: usize) -> anyhow::Result<crate::shard::holdings::Expected> {
+        let n = self.database_url.len();
+        let (range, shards) = match self.citus_shards {
+            Some(_) => (0..self.buckets, 1),
+            None => (crate::shard::Layout::new(self.buckets, n)?.buckets_of(i), n),
+        };
+        Ok(crate::shard::holdings::Expected {
+            buckets: self.buckets,
+            range,
+            shard: i,
+            shards,
+            database: db::describe(&self.database_url[i]),
+        })
+    }
+
+    /// Refuses, with the database and the range it holds, a list whose databases do not hold
+    /// the buckets it gives them (reordered, shortened, another bucket count, a move not
+    /// finished); a database that records nothing yet is recorded as the list says. A database
+    /// that cannot be reached now is checked when it is: every new connection checks it.
+    pub async fn check_holdings(&self) -> anyhow::Result<()> {
+        use sqlx::Connection as _;
+        for (i, url) in self.database_url.iter().enumerate() {
+            let expected = self.expected(i)?;
+            let pool = self.session.pool(url, 1)?;
+            let mut conn = match sqlx::PgConnection::connect_with(&pool.connect_options()).await {
+                Ok(conn) => conn,
+                Err(e) => {
+                    tracing::warn!(database = %expected.database, error = %e, "Could not check which buckets the database holds yet; every connection checks it.");
+                    continue;
+                }
+            };
+            crate::shard::holdings::check(&mut conn, &expected).await?;
+            let _ = conn.close().await;
+        }
+        Ok(())
     }
 
     /// The pool of the database holding `key`'s claim (or its expired replay): with several
@@ -264,9 +335,10 @@ impl DatabaseArgs {
         max_connections: u32,
     ) -> anyhow::Result<sqlx::PgPool> {
         if self.database_url.len() == 1 || self.shard.is_some() {
-            return self.pool(max_connections);
+            return self.open_pool(max_connections).await;
         }
-        self.shards(max_connections)?
+        self.open_shards(max_connections)
+            .await?
             .holding(key)
             .await?
             .ok_or_else(|| anyhow::anyhow!("no shard holds the event {key}"))
@@ -281,14 +353,20 @@ impl DatabaseArgs {
                 self.database_url.len() == 1,
                 "--citus-shards takes one --database-url, the coordinator's"
             );
-            let pool = self.session.pool(self.url(), max_connections)?;
+            let pool = self
+                .session
+                .pool_holding(self.url(), max_connections, self.expected(0)?)?;
             return Ok(Shards::citus(pool, self.buckets, count)?);
         }
         let layout = Layout::new(self.buckets, self.database_url.len())?;
         let pools = self
             .database_url
             .iter()
-            .map(|url| self.session.pool(url, max_connections))
+            .enumerate()
+            .map(|(i, url)| {
+                self.session
+                    .pool_holding(url, max_connections, self.expected(i)?)
+            })
             .collect::<anyhow::Result<Vec<_>>>()?;
         Ok(Shards::new(layout, pools)?)
     }

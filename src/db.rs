@@ -130,6 +130,30 @@ pub fn pool_in(
     limits: Limits,
     schema: &Schema,
 ) -> anyhow::Result<PgPool> {
+    let (options, pool) = pool_options(url, max_connections, limits, schema)?;
+    Ok(pool.connect_lazy_with(options))
+}
+
+/// Where a URL points, for messages: host, port and database, never a password.
+pub fn describe(url: &DatabaseUrl) -> String {
+    match PgConnectOptions::from_str(url.expose()) {
+        Ok(o) => format!(
+            "{}:{}/{}",
+            o.get_host(),
+            o.get_port(),
+            o.get_database().unwrap_or("postgres")
+        ),
+        Err(_) => "(an unreadable URL)".into(),
+    }
+}
+
+/// The connection and pool options [`pool_in`] uses, for pools that add their own hooks.
+pub(crate) fn pool_options(
+    url: &DatabaseUrl,
+    max_connections: u32,
+    limits: Limits,
+    schema: &Schema,
+) -> anyhow::Result<(PgConnectOptions, PgPoolOptions)> {
     let options = PgConnectOptions::from_str(url.expose())?;
     if let Some(warning) = unverified_tls(&options) {
         tracing::warn!(warning, "The database connection is not verified.");
@@ -140,11 +164,11 @@ pub fn pool_in(
         .options([("search_path", schema.search_path())]);
     // No ping before each acquire (a round trip per transaction): a connection that died while
     // idle fails its first statement instead, and the batch is retried on a fresh one.
-    Ok(PgPoolOptions::new()
+    let pool = PgPoolOptions::new()
         .max_connections(max_connections)
         .test_before_acquire(false)
-        .acquire_timeout(Duration::from_secs(5))
-        .connect_lazy_with(options))
+        .acquire_timeout(Duration::from_secs(5));
+    Ok((options, pool))
 }
 
 /// Why the connection to a database on another host can be read or taken over on the way,

@@ -347,6 +347,7 @@ impl ConsumeArgs {
                 crate::db::migrate(pool).await?;
             }
         }
+        self.database.check_holdings().await?;
         if let Some(every) = self.prune_interval {
             // Each database prunes its own claims, by the same rules.
             for (_, pool) in shards.databases() {

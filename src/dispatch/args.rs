@@ -148,7 +148,8 @@ impl DispatchArgs {
         let metrics = DispatchMetrics::new(&process.registry)?;
         let shards = self
             .database
-            .shards((self.batch_size as u32).clamp(2, 64))?;
+            .open_shards((self.batch_size as u32).clamp(2, 64))
+            .await?;
         let databases: Vec<sqlx::PgPool> = shards.databases().map(|(_, p)| p.clone()).collect();
         // One loop per database, each leasing that database's operations, sharing the
         // destinations' limits between them.

@@ -36,8 +36,8 @@ impl OperatorArgs {
         Act::new(&self.actor(), reason)
     }
 
-    fn pool(&self) -> anyhow::Result<sqlx::PgPool> {
-        self.database.pool(2)
+    async fn pool(&self) -> anyhow::Result<sqlx::PgPool> {
+        self.database.open_pool(2).await
     }
 
     /// The database holding `key`, whichever shard it is.
@@ -46,16 +46,16 @@ impl OperatorArgs {
     }
 
     /// The first database: with several shards, the one that holds every dead letter.
-    fn first(&self) -> anyhow::Result<sqlx::PgPool> {
-        Ok(self.database.shards(2)?.first().clone())
+    async fn first(&self) -> anyhow::Result<sqlx::PgPool> {
+        Ok(self.database.open_shards(2).await?.first().clone())
     }
 
     /// Every database a listing reads: each shard, or only the one `--shard` names.
-    fn databases(&self) -> anyhow::Result<Vec<sqlx::PgPool>> {
+    async fn databases(&self) -> anyhow::Result<Vec<sqlx::PgPool>> {
         if self.database.shard.is_some() {
-            return Ok(vec![self.pool()?]);
+            return Ok(vec![self.pool().await?]);
         }
-        let shards = self.database.shards(2)?;
+        let shards = self.database.open_shards(2).await?;
         Ok(shards.databases().map(|(_, p)| p.clone()).collect())
     }
 }
@@ -254,7 +254,7 @@ impl EventsCommand {
                     after,
                     limit,
                 };
-                let page = events::search_over(&op.databases()?, &search).await?;
+                let page = events::search_over(&op.databases().await?, &search).await?;
                 render::print(op.json, &page.events, |e| render::rows(e));
                 // On stderr, so that the JSON and the table stay the list alone.
                 if let Some(next) = &page.next {
@@ -287,8 +287,8 @@ impl EventsCommand {
     async fn run_retention(self, registry: &Registry) -> anyhow::Result<()> {
         match self {
             Self::Expired { op, all, limit } => {
-                let rows =
-                    crate::retention::expired::list_over(&op.databases()?, all, limit).await?;
+                let rows = crate::retention::expired::list_over(&op.databases().await?, all, limit)
+                    .await?;
                 render::print(op.json, &rows, |r| render::rows(r));
             }
             Self::ApplyExpired {
@@ -337,7 +337,7 @@ async fn erase(
     match (key, source, matching) {
         (Some(key), _, _) => work.push((op.pool_for(&key).await?, vec![key])),
         (None, Some(source), Some((field, value))) => {
-            for pool in op.databases()? {
+            for pool in op.databases().await? {
                 let keys = erase::matching(&pool, &source, &field, &value).await?;
                 work.push((pool, keys));
             }
@@ -399,7 +399,7 @@ impl RetryArgs {
         };
         // Every shard's events of the filter, each retried in its own database.
         let mut keys = Vec::new();
-        for pool in self.op.databases()? {
+        for pool in self.op.databases().await? {
             for key in events::to_retry(&pool, &filter).await? {
                 keys.push((pool.clone(), key));
             }
@@ -528,7 +528,8 @@ impl DeadLettersCommand {
                     before_id: before,
                     ..select.search(limit)
                 };
-                let letters = crate::claims::dead_letters::search(&op.first()?, &search).await?;
+                let letters =
+                    crate::claims::dead_letters::search(&op.first().await?, &search).await?;
                 render::print(op.json, &letters, |l| render::rows(l));
                 if letters.len() as i64 == limit {
                     if let Some(last) = letters.last() {
@@ -537,7 +538,7 @@ impl DeadLettersCommand {
                 }
             }
             Self::Show { op, id } => {
-                let letter = dead_letters::show(&op.first()?, id).await?;
+                let letter = dead_letters::show(&op.first().await?, id).await?;
                 render::print(op.json, &letter, render::row);
             }
             Self::Replay {
@@ -552,7 +553,7 @@ impl DeadLettersCommand {
                 reason,
                 all: _,
             } => {
-                let pool = op.first()?;
+                let pool = op.first().await?;
                 let ids = match id {
                     Some(id) => vec![id],
                     None => dead_letters::to_replay(&pool, &select.search(limit))
@@ -622,7 +623,7 @@ pub struct StatusArgs {
 
 impl StatusArgs {
     pub async fn run(self) -> anyhow::Result<()> {
-        let shards = self.database.shards(2)?;
+        let shards = self.database.open_shards(2).await?;
         let pools: Vec<sqlx::PgPool> = shards.databases().map(|(_, p)| p.clone()).collect();
         let pool = &pools[..];
         let kafka = self.brokers.clone().map(|brokers| status::KafkaTarget {
@@ -709,7 +710,7 @@ pub struct ReplayArgs {
 impl ReplayArgs {
     pub async fn run(self, registry: &Registry) -> anyhow::Result<()> {
         let consume = &self.consume;
-        let shards = consume.database.shards(4)?;
+        let shards = consume.database.open_shards(4).await?;
         // The first database keeps the audit; the window is applied over every shard.
         let pool = shards.first().clone();
         let processor = consume.processor(shards, registry)?;

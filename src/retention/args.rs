@@ -232,7 +232,7 @@ impl PruneArgs {
             .or_else(|| std::env::var("USER").ok())
             .unwrap_or_else(|| "prune".into());
         // Each database prunes its own rows by the same rules: a shard at a time.
-        let shards = self.database.shards(2)?;
+        let shards = self.database.open_shards(2).await?;
         let several = shards.databases().count() > 1;
         for (shard, pool) in shards.databases() {
             let pruner = self.retention.pruner(

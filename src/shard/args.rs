@@ -17,16 +17,30 @@ pub struct MigrateArgs {
     /// and make the tables with no route key reference tables.
     #[arg(long)]
     pub citus: bool,
+
+    /// The databases are new shards that `shards move` will fill: record that they hold no
+    /// bucket yet (without it, each database is recorded as holding its range of the list).
+    #[arg(long, conflicts_with = "citus")]
+    pub new_shards: bool,
 }
 
 impl MigrateArgs {
-    /// Applies the migrations (and `extra`) on every database, in the order given; with
-    /// `--citus`, distributes the tables on the coordinator.
+    /// Applies the migrations (and `extra`) on every database, in the order given, and records
+    /// or checks which buckets each holds; with `--citus`, distributes the tables on the
+    /// coordinator.
     pub async fn run(&self, extra: &[&str]) -> anyhow::Result<()> {
-        let shards = self.database.shards(1)?;
-        for (shard, pool) in shards.databases() {
-            crate::db::migrate_with(pool, extra).await?;
-            tracing::info!(schema = %self.database.session.schema, shard, "Migrations applied.");
+        let database = &self.database;
+        let shards = database.shards(1)?;
+        for (shard, url) in database.database_url.iter().enumerate() {
+            let pool = database.session.pool(url, 1)?;
+            crate::db::migrate_with(&pool, extra).await?;
+            tracing::info!(schema = %database.session.schema, shard, "Migrations applied.");
+            let mut expected = database.expected(shard)?;
+            if self.new_shards {
+                expected.range = 0..0;
+            }
+            let mut conn = pool.acquire().await?;
+            super::holdings::check(&mut conn, &expected).await?;
         }
         if self.citus {
             let count = self
@@ -64,12 +78,10 @@ pub enum ShardsCommand {
         /// The database the buckets go to, migrated.
         #[arg(long, value_name = "URL")]
         to_url: crate::db::DatabaseUrl,
-        /// The buckets moved, `FIRST-LAST` (both included), such as 512-1023.
-        #[arg(long = "buckets", value_name = "FIRST-LAST", value_parser = bucket_range)]
+        /// The buckets moved, `FIRST-LAST` (both included), such as 512-1023. The bucket count
+        /// is the one the source records.
+        #[arg(long = "range", value_name = "FIRST-LAST", value_parser = bucket_range)]
         range: (u32, u32),
-        /// How many buckets route keys hash into.
-        #[arg(long = "bucket-count", env = "REPLAYPROOF_BUCKETS", default_value_t = crate::shard::DEFAULT_BUCKETS)]
-        bucket_count: u32,
         /// An effect table of the application distributed by route_key (`schema.table`), moved
         /// with the claims; repeatable.
         #[arg(long = "table", value_name = "TABLE")]
@@ -111,17 +123,14 @@ impl ShardsCommand {
                 from_url,
                 to_url,
                 range,
-                bucket_count,
                 tables,
                 dry_run,
                 session,
             } => {
-                crate::shard::Layout::new(*bucket_count, 1)?;
                 let from = session.pool(from_url, 1)?;
                 let to = session.pool(to_url, 1)?;
                 let (mut from, mut to) = (from.acquire().await?, to.acquire().await?);
                 let m = super::reshard::Move {
-                    buckets: *bucket_count,
                     range: range.0..=range.1,
                     extra: tables,
                     dry_run: *dry_run,
@@ -130,12 +139,7 @@ impl ShardsCommand {
                 for (table, n) in &moved.rows {
                     println!("{table}: {n} rows");
                 }
-                let verb = match (dry_run, moved.resumed) {
-                    (true, _) => "would move (dry run: nothing changed)",
-                    (false, true) => "were found copied by an earlier run; verified and switched",
-                    (false, false) => "moved and verified",
-                };
-                println!("Buckets {}-{} {verb}.", range.0, range.1);
+                println!("Buckets {}-{} {}.", range.0, range.1, moved.outcome.said());
                 Ok(())
             }
             Self::Check { database, tables } => {

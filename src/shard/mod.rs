@@ -11,6 +11,7 @@
 #[cfg(feature = "cli")]
 pub mod args;
 pub mod citus;
+pub mod holdings;
 pub mod lint;
 pub mod reshard;
 

@@ -22,6 +22,8 @@ mod ingest {
     mod requests;
     mod signatures;
 }
+/// Which buckets each database holds: lists that disagree are refused, moves cut off finish.
+mod shard_layout;
 /// Claims and effects spread over several databases by route key, as Citus would shard them.
 mod shards;
 /// Every connection over TLS: PostgreSQL, Kafka with SASL/SCRAM, dispatch over HTTPS.

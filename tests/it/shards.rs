@@ -1028,7 +1028,7 @@ impl Effect for LedgerAndOutbox {
     }
 }
 
-/// `replayproof shards move --from-url FROM --to-url TO --buckets RANGE`, with `failpoints`.
+/// `replayproof shards move --from-url FROM --to-url TO --range RANGE`, with `failpoints`.
 fn move_buckets(
     from: &TestDb,
     to: &TestDb,
@@ -1044,7 +1044,7 @@ fn move_buckets(
         "--to-url",
         &to.url,
     ])
-    .args(["--buckets", range])
+    .args(["--range", range])
     .env("RUST_LOG", "warn")
     .env_remove("FAILPOINTS");
     if let Some(f) = failpoints {
@@ -1082,9 +1082,20 @@ async fn splitting_two_shards_into_four_moves_each_bucket_range_once_even_when_c
         .await
         .unwrap();
     }
+    // The layout recorded as the docs have it: the list as it was split, then the new shards.
+    let (ok, _, said) = run_over(&two, &["migrate"]);
+    assert!(ok, "{said}");
     let ShardedDb { mut dbs, .. } = two;
     let (b, a) = (dbs.pop().unwrap(), dbs.pop().unwrap());
     let (c, d) = (TestDb::new().await, TestDb::new().await);
+    let new = ShardedDb {
+        dbs: vec![c, d],
+        layout: Layout::new(1024, 2).unwrap(),
+    };
+    let (ok, _, said) = run_over(&new, &["migrate", "--new-shards"]);
+    assert!(ok, "{said}");
+    let ShardedDb { mut dbs, .. } = new;
+    let (d, c) = (dbs.pop().unwrap(), dbs.pop().unwrap());
 
     // Fence: a replayproof process still connected to the source stops the move.
     let straggler = replayproof::db::pool(&a.url.parse().unwrap(), 1).unwrap();
@@ -1100,12 +1111,12 @@ async fn splitting_two_shards_into_four_moves_each_bucket_range_once_even_when_c
     // Cut off after the copy committed: the range is on both sides; run again, it finishes.
     let (ok, said) = move_buckets(&a, &c, "256-511", Some("shards::move_after_copy=panic"));
     assert!(!ok, "{said}");
-    assert!(c.count("SELECT count(*) FROM processed_events").await > 0);
-    let (ok, said) = move_buckets(&a, &c, "256-511", None);
     assert!(
-        ok && said.contains("found copied by an earlier run"),
+        c.count("SELECT count(*) FROM processed_events").await > 0,
         "{said}"
     );
+    let (ok, said) = move_buckets(&a, &c, "256-511", None);
+    assert!(ok && said.contains("verified and finished"), "{said}");
     let (ok, said) = move_buckets(&b, &d, "768-1023", None);
     assert!(ok && said.contains("moved and verified"), "{said}");
 
