@@ -83,6 +83,10 @@ pub struct Failure<'a> {
 /// overlapping keys take their locks in the same order and can wait on each other but never
 /// deadlock. A key another transaction is inserting makes this one wait for it: if it commits
 /// the key is not claimed here, if it aborts the key is claimed here.
+///
+/// A key this database holds under another route (its source's `route_from` changed, a proxy
+/// added a routing header to one delivery) is not claimed again: it is one event, and
+/// [`stored_hashes`] tells the caller which route won it.
 #[tracing::instrument(skip_all, fields(events = events.len()))]
 pub async fn claim(
     conn: &mut PgConnection,
@@ -115,6 +119,8 @@ pub async fn claim(
            FROM unnest($1::text[], $2::text[], $3::text[], $4::bytea[], $5::timestamptz[],
                        $6::int8[], $9::text[], $10::text[], $11::text[])
                 AS u(k, s, t, h, r, o, q, tp, rk)
+           WHERE NOT EXISTS (SELECT 1 FROM processed_events p
+                             WHERE p.event_key = u.k AND p.route_key <> u.rk)
            ORDER BY k COLLATE "C", rk COLLATE "C"
            ON CONFLICT (event_key, route_key) DO NOTHING
            RETURNING event_key"#,
@@ -134,24 +140,22 @@ pub async fn claim(
     .await
 }
 
-/// The payload hashes already stored for `keys`, each a pair of event key and route key.
+/// The route and payload hash each of `keys` is already claimed under in this database, by
+/// event key alone: a key claimed under another route is found too.
 pub async fn stored_hashes(
     conn: &mut PgConnection,
-    keys: &[(&str, &str)],
-) -> sqlx::Result<HashMap<String, Vec<u8>>> {
-    let (keys, routes): (Vec<&str>, Vec<&str>) = keys.iter().copied().unzip();
+    keys: &[&str],
+) -> sqlx::Result<HashMap<String, (String, Vec<u8>)>> {
     let rows = sqlx::query!(
-        r#"SELECT p.event_key, p.payload_sha256 FROM processed_events p
-           JOIN unnest($1::text[], $2::text[]) AS u(k, rk)
-             ON p.event_key = u.k AND p.route_key = u.rk"#,
-        &keys as _,
-        &routes as _,
+        r#"SELECT p.event_key, p.route_key, p.payload_sha256 FROM processed_events p
+           WHERE p.event_key = ANY($1::text[])"#,
+        keys as _,
     )
     .fetch_all(conn)
     .await?;
     Ok(rows
         .into_iter()
-        .map(|r| (r.event_key, r.payload_sha256))
+        .map(|r| (r.event_key, (r.route_key, r.payload_sha256)))
         .collect())
 }
 

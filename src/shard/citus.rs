@@ -26,6 +26,10 @@ pub const DISTRIBUTED: &[&str] = &[
 /// The tables with no route key: small, written rarely, read with the claims.
 pub const REFERENCE: &[&str] = &["operator_actions", "prune_horizons", "outbox_destinations"];
 
+/// The tables each database keeps of itself, never distributed: which buckets it holds
+/// ([`super::holdings`]); on a Citus coordinator, local tables of the coordinator.
+pub const LOCAL: &[&str] = &["shard_layout", "shard_ranges"];
+
 /// The statements, in order, that distribute the migrated tables over `shard_count` shards.
 pub fn statements(shard_count: usize) -> Vec<String> {
     let mut sql = Vec::new();

@@ -2,6 +2,7 @@
 //! another order, shortened or with another bucket count is refused by every command before it
 //! claims anything, and a `shards move` cut off at any of its commits leaves no range usable on
 //! both sides, carries every value and prune horizon as it was, and finishes when run again.
+//! And one event key is one claim whatever route a delivery names.
 
 use crate::harness::*;
 use replayproof::consume::{BatchProcessor, RawMessage};
@@ -397,4 +398,80 @@ fn message_for(offset: i64, key: &str) -> RawMessage {
         value: Some(envelope(key, serde_json::json!({ "n": offset }))),
         traceparent: None,
     }
+}
+
+/// `key` routed by `route`, as a topic writer or a changed `route_from` would write it.
+fn routed(key: &str, route: &str) -> Record {
+    Record {
+        key: Some(key.as_bytes().to_vec()),
+        value: routed_envelope(key, Some(route), serde_json::json!({ "id": key })),
+        partition: None,
+    }
+}
+
+#[tokio::test]
+async fn one_event_key_under_two_routes_is_one_effect_and_a_route_changed_conflict() {
+    let _heavy = heavy().await;
+    let db = TestDb::new().await;
+    let kafka = TestKafka::for_processes();
+    let (topic, group) = (kafka.topic(1).await, unique("g"));
+    let producer = producer(&kafka.brokers());
+    produce(&producer, &topic, &[routed("evt-1", "tenant-a")]).await;
+    let consumer = ConsumerProcess::spawn(&kafka.brokers(), &topic, &group, &db.url, None);
+    wait_for("the first delivery", Duration::from_secs(60), || async {
+        db.count("SELECT count(*) FROM ledger").await == 1
+    })
+    .await;
+    // A later batch: the same event under another route, then a marker event behind it.
+    produce(
+        &producer,
+        &topic,
+        &[routed("evt-1", "tenant-b"), routed("evt-2", "tenant-b")],
+    )
+    .await;
+    wait_for("the marker event", Duration::from_secs(60), || async {
+        db.count("SELECT count(*) FROM ledger WHERE event_key = 'evt-2'")
+            .await
+            == 1
+    })
+    .await;
+    consumer.terminate(Duration::from_secs(30)).await;
+    assert_eq!(
+        db.count("SELECT count(*) FROM ledger WHERE event_key = 'evt-1'")
+            .await,
+        1
+    );
+    assert_eq!(
+        db.count("SELECT count(*) FROM processed_events WHERE event_key = 'evt-1'")
+            .await,
+        1
+    );
+    assert_eq!(
+        db.count(
+            "SELECT count(*) FROM key_conflicts WHERE event_key = 'evt-1' \
+             AND route_key = 'tenant-b' AND reason LIKE 'route changed%'"
+        )
+        .await,
+        1
+    );
+
+    // Both routes in one batch: the first claims, the second is the same conflict.
+    let both: Vec<RawMessage> = ["tenant-a", "tenant-c"]
+        .iter()
+        .enumerate()
+        .map(|(n, route)| {
+            let r = routed("evt-3", route);
+            RawMessage {
+                offset: n as i64,
+                key: r.key,
+                value: Some(r.value),
+                traceparent: None,
+            }
+        })
+        .collect();
+    let report = BatchProcessor::new(db.pool.clone(), Arc::new(Ledger))
+        .process("t", 0, &both)
+        .await
+        .unwrap();
+    assert_eq!((report.applied, report.conflicts), (1, 1));
 }

@@ -547,7 +547,9 @@ async fn the_schema_keeps_route_key_in_every_unique_key_and_compares_keys_bytewi
     .fetch_all(&db.pool)
     .await
     .unwrap();
+    // And the tables each database keeps of itself (which buckets it holds).
     let mut reference: Vec<&str> = replayproof::shard::citus::REFERENCE.to_vec();
+    reference.extend(replayproof::shard::citus::LOCAL);
     reference.sort();
     assert_eq!(unique_without, reference);
 
@@ -615,8 +617,11 @@ async fn migrate_runs_on_every_shard_and_refuses_citus_where_it_is_not_installed
             .await;
         assert_eq!(applied as usize, replayproof::db::MIGRATOR.iter().count());
     }
+    // A database of its own: `a` now records that it holds half the buckets, which a Citus
+    // coordinator (holding them all) would be refused for first.
+    let coordinator = TestDb::unmigrated().await;
     let out = std::process::Command::new(replayproof)
-        .args(["migrate", "--citus", "--database-url", &a.url])
+        .args(["migrate", "--citus", "--database-url", &coordinator.url])
         .output()
         .unwrap();
     assert!(!out.status.success());

@@ -6,7 +6,6 @@ use crate::claims::dead_letters::DeadLetter;
 use crate::claims::Origin;
 use crate::envelope::Event;
 use crate::shard::Shards;
-use std::borrow::Cow;
 use std::collections::{BTreeMap, HashSet};
 
 /// The batch, sorted out before any database work.
@@ -73,23 +72,56 @@ pub(super) fn by_shard<'m>(
     groups.into_iter().collect()
 }
 
-/// The route key of a message as [`Event::route_key`] will read it: the envelope's `route`
-/// when it has one, else its key. Without a `"route"` anywhere in the value (every message of
-/// a source routed by event key), the message key is the route and nothing is parsed.
-fn route_of(m: &RawMessage) -> Option<Cow<'_, str>> {
-    let value = m.value.as_deref()?;
-    if let Some(key) = &m.key {
-        if memchr::memmem::find(value, b"\"route\"").is_none() {
-            return std::str::from_utf8(key).ok().map(Cow::Borrowed);
+/// The route key of a message exactly as [`Event::route_key`] reads it, from what
+/// [`Event::parse`] reads (an escaped member name, or a message key other than the envelope's,
+/// routes as the event does); None for what is not an event.
+fn route_of(m: &RawMessage) -> Option<String> {
+    let event = Event::parse(m.key.as_deref(), m.value.as_deref()).ok()?;
+    Some(event.route_key().to_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::shard::Layout;
+
+    fn message(key: &str, value: &str) -> RawMessage {
+        RawMessage {
+            offset: 0,
+            key: Some(key.as_bytes().to_vec()),
+            value: Some(value.as_bytes().to_vec()),
+            traceparent: None,
         }
     }
-    #[derive(serde::Deserialize)]
-    struct Routing<'a> {
-        #[serde(borrow)]
-        key: Cow<'a, str>,
-        #[serde(borrow, default)]
-        route: Option<Cow<'a, str>>,
+
+    #[test]
+    fn a_message_routes_as_its_event_reads_its_route_even_through_an_escaped_name() {
+        let layout = Layout::new(1024, 4).unwrap();
+        let tenant = (0..)
+            .map(|n| format!("tenant-{n}"))
+            .find(|t| layout.shard(t) != layout.shard("evt-1"))
+            .unwrap();
+        let plain = crate::envelope::Envelope {
+            route: Some(tenant.clone()),
+            key: "evt-1".into(),
+            source: "test".into(),
+            event_type: None,
+            received_at: None,
+            occurred_at: None,
+            payload: serde_json::value::to_raw_value(&serde_json::json!({})).unwrap(),
+            unhashed: Vec::new(),
+            replay_window_secs: None,
+            request_id: None,
+        }
+        .to_bytes();
+        let plain = String::from_utf8(plain).unwrap();
+        let escaped = plain.replace(r#""route""#, r#""rou\u0074e""#);
+        assert!(escaped.contains(r#"rou\u0074e"#));
+        for value in [plain, escaped] {
+            let m = message("evt-1", &value);
+            let event = Event::parse(m.key.as_deref(), m.value.as_deref()).unwrap();
+            assert_eq!(event.route_key(), tenant);
+            assert_eq!(route_of(&m).as_deref(), Some(tenant.as_str()), "{value}");
+        }
     }
-    let routing: Routing<'_> = serde_json::from_slice(value).ok()?;
-    Some(routing.route.unwrap_or(routing.key))
 }

@@ -51,7 +51,7 @@ impl BatchProcessor {
     }
 
     /// Counts replays and records key conflicts: every event that was not claimed here is
-    /// compared with the payload that won its key.
+    /// compared with the claim that won its key, by route and payload.
     pub(super) async fn sort_out_replays(
         &self,
         tx: &mut Transaction<'static, Postgres>,
@@ -59,26 +59,30 @@ impl BatchProcessor {
         claimed: &HashSet<String>,
         report: &mut BatchReport,
     ) -> Result<(), RunError> {
-        let unclaimed: Vec<(&str, &str)> = plan
+        let unclaimed: Vec<&str> = plan
             .firsts
             .iter()
-            .map(|(_, e)| (e.key.as_str(), e.route_key()))
-            .filter(|(k, _)| !claimed.contains(*k))
+            .map(|(_, e)| e.key.as_str())
+            .filter(|k| !claimed.contains(*k))
             .collect();
         let stored = match unclaimed.is_empty() {
             true => HashMap::new(),
             false => claims::stored_hashes(tx, &unclaimed).await?,
         };
-        // The payload each loser is compared with: a claim made in this batch for a later copy
-        // of its key, or the one stored before for a key not claimed here.
+        // The claim each loser is compared with: one made in this batch for a later copy of
+        // its key, or the one stored before for a key not claimed here.
         let copied: HashSet<&str> = plan.copies.iter().map(|(_, e)| e.key.as_str()).collect();
-        let mut winners: HashMap<&str, &[u8]> = plan
+        let mut winners: HashMap<&str, (&str, &[u8])> = plan
             .firsts
             .iter()
-            .map(|(_, e)| (e.key.as_str(), &e.payload_sha256[..]))
-            .filter(|(k, _)| copied.contains(k) && claimed.contains(*k))
+            .filter(|(_, e)| copied.contains(e.key.as_str()) && claimed.contains(e.key.as_str()))
+            .map(|(_, e)| (e.key.as_str(), (e.route_key(), &e.payload_sha256[..])))
             .collect();
-        winners.extend(stored.iter().map(|(k, h)| (k.as_str(), h.as_slice())));
+        winners.extend(
+            stored
+                .iter()
+                .map(|(k, (r, h))| (k.as_str(), (r.as_str(), h.as_slice()))),
+        );
         let losers = plan
             .firsts
             .iter()
@@ -86,17 +90,32 @@ impl BatchProcessor {
             .chain(plan.copies.iter());
         let mut conflicts = Vec::new();
         for (offset, event) in losers {
-            match winners.get(event.key.as_str()) {
-                Some(hash) if hash[..] != event.payload_sha256[..] => {
-                    report.tally(&event.source, Outcome::Conflict);
-                    conflicts.push((*offset, event, None))
-                }
-                _ => report.tally(&event.source, Outcome::Duplicate),
+            let outcome = compared(event, winners.get(event.key.as_str()).copied());
+            report.tally(&event.source, outcome.0);
+            if outcome.0 == Outcome::Conflict {
+                conflicts.push((*offset, event, outcome.1));
             }
         }
         if !conflicts.is_empty() {
             conflicts::record(tx, plan.origin, &conflicts).await?;
         }
         Ok(())
+    }
+}
+
+/// What an event not claimed here is, next to the claim that won its key: a duplicate, a key
+/// conflict (another payload), or a key conflict because it came under another route (one event
+/// never has two claims, whatever route a delivery names).
+fn compared(event: &Event, winner: Option<(&str, &[u8])>) -> (Outcome, Option<String>) {
+    match winner {
+        Some((route, _)) if route != event.route_key() => (
+            Outcome::Conflict,
+            Some(format!(
+                "route changed: the event is claimed under the route {route:?}, and this                  delivery names {:?}",
+                event.route_key()
+            )),
+        ),
+        Some((_, hash)) if hash[..] != event.payload_sha256[..] => (Outcome::Conflict, None),
+        _ => (Outcome::Duplicate, None),
     }
 }
