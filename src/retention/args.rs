@@ -67,6 +67,12 @@ pub struct RetentionArgs {
     #[arg(long, env = "REPLAYPROOF_TOPIC_RETENTION", value_name = "DURATION", value_parser = topic_retention)]
     pub topic_retention: Option<Stated>,
 
+    /// The topic's segment.ms, with --topic-retention: records are deleted a whole segment at
+    /// a time, so each stays readable up to retention.ms plus segment.ms. Kafka's default
+    /// unless given.
+    #[arg(long, env = "REPLAYPROOF_TOPIC_SEGMENT", value_name = "DURATION", value_parser = crate::args::lifetime(), default_value = crate::args::text(super::KAFKA_DEFAULT_SEGMENT))]
+    pub topic_segment: Duration,
+
     /// Rows one statement deletes at most, so no lock is held for long.
     #[arg(long, env = "REPLAYPROOF_PRUNE_BATCH", default_value_t = super::prune::DEFAULT_BATCH, value_parser = clap::value_parser!(i64).range(1..=100_000))]
     pub prune_batch: i64,
@@ -94,6 +100,7 @@ impl crate::args::ToArgs for RetentionArgs {
         if let Some(Stated(stated)) = self.topic_retention {
             flag("topic-retention", stated.map_or("forever".into(), show));
         }
+        flag("topic-segment", show(self.topic_segment));
         flag("prune-batch", self.prune_batch.to_string());
         if self.allow_below_floor {
             args.push("--allow-below-floor".into());
@@ -169,7 +176,13 @@ impl RetentionArgs {
         actor: String,
     ) -> anyhow::Result<Pruner> {
         let topic_retention = match self.topic_retention {
-            Some(Stated(stated)) => TopicRetention::Stated(stated),
+            Some(Stated(stated)) => TopicRetention::Stated(match stated {
+                Some(retention) => super::TopicKeeps::For {
+                    retention,
+                    segment: self.topic_segment,
+                },
+                None => super::TopicKeeps::Forever { compacted: false },
+            }),
             None => TopicRetention::Broker {
                 config: crate::kafka::client_config(
                     crate::kafka::Role::Reader,

@@ -36,14 +36,16 @@ impl Kind {
     ///   Server), so 8 days.
     /// - shopify: 8 retries over 4 hours (since 2024-09-10).
     /// - slack: 3 retries within about 6 minutes.
-    /// - standard-webhooks: Svix's schedule ends after about 28 hours.
+    /// - standard-webhooks: Svix's automatic schedule ends after about 28 hours, but its
+    ///   manual Resend and Recover send a message again, with its `webhook-id` and no time of
+    ///   the event, for as long as Svix keeps its payload: 90 days by default. So 91 days.
     pub fn floor(self) -> Option<Duration> {
         match self {
             Self::Stripe => Some(4 * DAY),
             Self::Github => Some(8 * DAY),
             Self::Shopify => Some(DAY),
             Self::Slack => Some(DAY),
-            Self::StandardWebhooks => Some(2 * DAY),
+            Self::StandardWebhooks => Some(91 * DAY),
             Self::Hmac => None,
         }
     }
@@ -165,7 +167,7 @@ pub enum Refusal {
     },
     /// A retention shorter than the topic keeps its messages: a new group or an offset reset
     /// would replay messages whose keys are gone.
-    #[error("source {name} keeps claims for {retention}, shorter than the topic {topic} keeps messages ({topic_retention}): a new group or an offset reset would replay events whose keys are gone; shorten the topic's retention.ms or pass --allow-below-topic-retention (audited)")]
+    #[error("source {name} keeps claims for {retention}, shorter than the topic {topic} keeps its records readable ({topic_retention}): a new group or an offset reset would replay events whose keys are gone; shorten the topic's retention.ms or segment.ms, or pass --allow-below-topic-retention (audited)")]
     BelowTopic {
         name: String,
         retention: String,
@@ -225,10 +227,13 @@ impl Lifetimes {
             Some(kind) => kind.floor(),
             None => Some(unknown_kind_floor()),
         };
+        // A source given no retention of its own keeps the default, or its kind's floor when
+        // that is longer: only a stated retention can be below a floor.
+        let unstated = floor.map_or(self.default, |f| f.max(self.default));
         Ok(Decided {
             source: name.into(),
             kind,
-            retention: stated.unwrap_or(self.default),
+            retention: stated.unwrap_or(unstated),
             floor,
         })
     }
@@ -250,19 +255,68 @@ impl Lifetimes {
     }
 }
 
-/// Refuses a retention shorter than the topic keeps its messages (`None`: forever).
-pub fn check_topic(
-    decided: &[Decided],
-    topic: &str,
-    topic_retention: Option<Duration>,
-) -> Result<(), Refusal> {
+/// Kafka's own default `segment.ms`: a week.
+pub const KAFKA_DEFAULT_SEGMENT: Duration = Duration::from_secs(7 * 24 * 3600);
+
+/// Added to how long a topic keeps its records before claims may go: the broker deletes
+/// expired segments only at its retention checks (`log.retention.check.interval.ms`, five
+/// minutes by default), and clocks differ.
+pub const TOPIC_MARGIN: Duration = Duration::from_secs(3600);
+
+/// How long a topic keeps its records readable.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TopicKeeps {
+    /// Some record of every key stays: `retention.ms` is -1, or `cleanup.policy` compacts.
+    Forever { compacted: bool },
+    /// Records are deleted a whole segment at a time, once the segment's newest record is past
+    /// `retention`, and a segment is closed after `segment` (`segment.ms`): a record stays
+    /// readable for up to `retention + segment`.
+    For {
+        retention: Duration,
+        segment: Duration,
+    },
+}
+
+impl TopicKeeps {
+    /// The shortest claims retention that outlives every record of the topic: `retention.ms`
+    /// plus `segment.ms` plus [`TOPIC_MARGIN`]; None when no retention does.
+    pub fn claims_floor(&self) -> Option<Duration> {
+        match *self {
+            Self::Forever { .. } => None,
+            Self::For { retention, segment } => Some(retention + segment + TOPIC_MARGIN),
+        }
+    }
+
+    fn said(&self) -> String {
+        match *self {
+            Self::Forever { compacted: true } => {
+                "for ever: it is compacted (cleanup.policy=compact), so the newest record of \
+                 every key stays"
+                    .into()
+            }
+            Self::Forever { compacted: false } => "for ever (retention.ms -1)".into(),
+            Self::For { retention, segment } => format!(
+                "for up to {}: retention.ms {} plus segment.ms {}, as records go a segment at a \
+                 time, plus a margin of {}",
+                show(retention + segment + TOPIC_MARGIN),
+                show(retention),
+                show(segment),
+                show(TOPIC_MARGIN)
+            ),
+        }
+    }
+}
+
+/// Refuses a retention shorter than the topic keeps its records readable.
+pub fn check_topic(decided: &[Decided], topic: &str, keeps: TopicKeeps) -> Result<(), Refusal> {
+    let floor = keeps.claims_floor();
     for d in decided {
-        if topic_retention.is_none_or(|t| d.retention < t) {
+        if floor.is_none_or(|f| d.retention < f) {
             return Err(Refusal::BelowTopic {
                 name: d.source.clone(),
                 retention: show(d.retention),
                 topic: topic.into(),
-                topic_retention: topic_retention.map_or("forever".into(), show),
+                topic_retention: keeps.said(),
             });
         }
     }
@@ -313,9 +367,9 @@ mod tests {
         assert_eq!(Kind::Github.floor(), Some(8 * DAY));
         assert_eq!(Kind::Shopify.floor(), Some(DAY));
         assert_eq!(Kind::Slack.floor(), Some(DAY));
-        assert_eq!(Kind::StandardWebhooks.floor(), Some(2 * DAY));
+        assert_eq!(Kind::StandardWebhooks.floor(), Some(91 * DAY));
         assert_eq!(Kind::Hmac.floor(), None);
-        assert_eq!(unknown_kind_floor(), 8 * DAY);
+        assert_eq!(unknown_kind_floor(), 91 * DAY);
     }
 
     #[test]
@@ -333,17 +387,33 @@ mod tests {
     }
 
     #[test]
-    fn a_source_seen_only_in_the_database_takes_the_default_and_the_highest_floor() {
-        let mut lifetimes = Lifetimes {
+    fn a_source_seen_only_in_the_database_takes_the_default_or_the_highest_floor() {
+        let lifetimes = Lifetimes {
             default: 7 * DAY,
             ..Lifetimes::default()
         };
-        let refused = lifetimes.decide(&["old".into()], false).unwrap_err();
-        assert!(matches!(refused, Refusal::BelowFloor { ref name, .. } if name == "old"));
-        lifetimes.default = 8 * DAY;
         let decided = lifetimes.decide(&["old".into()], false).unwrap();
-        assert_eq!(decided[0].retention, 8 * DAY);
+        assert_eq!(decided[0].retention, unknown_kind_floor());
         assert_eq!(decided[0].kind, None);
+        let longer = Lifetimes {
+            default: 100 * DAY,
+            ..Lifetimes::default()
+        };
+        assert_eq!(
+            longer.decide(&["old".into()], false).unwrap()[0].retention,
+            100 * DAY
+        );
+    }
+
+    #[test]
+    fn a_standard_webhooks_source_keeps_its_claims_while_svix_can_resend_them() {
+        // Svix's Resend and Recover keep the webhook-id and carry no event time: the claim is
+        // the only guard for as long as Svix keeps the payload (90 days by default).
+        let unstated = with("svix", Some(Kind::StandardWebhooks), None);
+        assert_eq!(unstated.decide(&[], false).unwrap()[0].retention, 91 * DAY);
+        let stated = with("svix", Some(Kind::StandardWebhooks), Some(35 * DAY));
+        let refused = stated.decide(&[], false).unwrap_err();
+        assert!(matches!(refused, Refusal::BelowFloor { .. }), "{refused}");
     }
 
     #[test]
@@ -351,11 +421,35 @@ mod tests {
         let decided = with("s", Some(Kind::Stripe), None)
             .decide(&[], false)
             .unwrap();
-        assert!(check_topic(&decided, "t", Some(7 * DAY)).is_ok());
-        let refused = check_topic(&decided, "t", Some(40 * DAY)).unwrap_err();
+        let keeps = |retention, segment| TopicKeeps::For { retention, segment };
+        assert!(check_topic(&decided, "t", keeps(7 * DAY, 7 * DAY)).is_ok());
+        let refused = check_topic(&decided, "t", keeps(40 * DAY, DAY)).unwrap_err();
         assert!(matches!(refused, Refusal::BelowTopic { .. }));
         // A topic that keeps its messages forever can always be replayed from its start.
-        assert!(check_topic(&decided, "t", None).is_err());
+        let forever = TopicKeeps::Forever { compacted: false };
+        assert!(check_topic(&decided, "t", forever).is_err());
+    }
+
+    #[test]
+    fn a_topic_keeps_records_until_their_whole_segment_is_past_retention() {
+        let decided = with("s", Some(Kind::Stripe), Some(35 * DAY))
+            .decide(&[], false)
+            .unwrap();
+        let keeps = |retention, segment| TopicKeeps::For { retention, segment };
+        // retention.ms alone fits under 35 days; with its week-long segments it does not.
+        assert!(check_topic(&decided, "t", keeps(30 * DAY, 0 * DAY)).is_ok());
+        let refused = check_topic(&decided, "t", keeps(30 * DAY, 7 * DAY)).unwrap_err();
+        assert!(
+            refused.to_string().contains("segment.ms 7days"),
+            "{refused}"
+        );
+        // Exactly retention + segment is not enough: the margin is needed too.
+        assert!(check_topic(&decided, "t", keeps(28 * DAY, 7 * DAY)).is_err());
+        assert!(check_topic(&decided, "t", keeps(28 * DAY, 7 * DAY - TOPIC_MARGIN)).is_ok());
+        // A compacted topic keeps a record of every key for ever.
+        let compacted = TopicKeeps::Forever { compacted: true };
+        let refused = check_topic(&decided, "t", compacted).unwrap_err();
+        assert!(refused.to_string().contains("compacted"), "{refused}");
     }
 
     #[test]

@@ -10,9 +10,9 @@ use std::time::Duration;
 /// How the topic's own retention is known.
 #[derive(Debug, Clone)]
 pub enum TopicRetention {
-    /// Stated by the operator (`--topic-retention`); None: the topic keeps messages forever.
-    Stated(Option<Duration>),
-    /// Read from the broker (`retention.ms` of the topic).
+    /// Stated by the operator (`--topic-retention`, `--topic-segment`).
+    Stated(super::TopicKeeps),
+    /// Read from the broker (`retention.ms`, `segment.ms` and `cleanup.policy` of the topic).
     Broker {
         config: rdkafka::ClientConfig,
         topic: String,
@@ -86,11 +86,11 @@ impl Pruner {
 
     /// Refuses a retention shorter than the topic's, unless allowed; returns whether one was.
     async fn check_topic(&self, decided: &[Decided]) -> Result<bool, RoundError> {
-        let topic_retention = match &self.topic_retention {
+        let keeps = match &self.topic_retention {
             TopicRetention::Stated(stated) => *stated,
             TopicRetention::Broker { config, topic } => read_retention(config, topic).await?,
         };
-        match super::check_topic(decided, &self.topic, topic_retention) {
+        match super::check_topic(decided, &self.topic, keeps) {
             Ok(()) => Ok(false),
             Err(_) if self.allow_below_topic_retention => Ok(true),
             Err(refusal) => Err(refusal.into()),
@@ -141,11 +141,12 @@ impl Pruner {
     }
 }
 
-/// The topic's `retention.ms`, from the broker; None when it keeps messages forever (-1).
+/// How long the topic keeps its records, from the broker's `retention.ms`, `segment.ms`
+/// (Kafka's default when the broker does not say) and `cleanup.policy`.
 async fn read_retention(
     config: &rdkafka::ClientConfig,
     topic: &str,
-) -> anyhow::Result<Option<Duration>> {
+) -> anyhow::Result<super::TopicKeeps> {
     use anyhow::Context as _;
     use rdkafka::admin::{AdminClient, AdminOptions, ResourceSpecifier};
     let admin: AdminClient<rdkafka::client::DefaultClientContext> =
@@ -161,12 +162,55 @@ async fn read_retention(
         .next()
         .context("the broker returned no configuration")?
         .map_err(|code| anyhow::anyhow!("the broker refused to describe {topic}: {code}"))?;
-    let ms = config
-        .get("retention.ms")
-        .and_then(|e| e.value.as_deref())
+    let value = |name: &str| config.get(name).and_then(|e| e.value.clone());
+    let ms = |name: &str, text: String| -> anyhow::Result<i64> {
+        text.parse()
+            .with_context(|| format!("{name} of {topic} is {text:?}"))
+    };
+    let retention = value("retention.ms")
         .with_context(|| format!("the broker did not say the retention.ms of {topic}"))?;
-    let ms: i64 = ms
-        .parse()
-        .with_context(|| format!("retention.ms of {topic} is {ms:?}"))?;
-    Ok(u64::try_from(ms).ok().map(Duration::from_millis))
+    let retention = ms("retention.ms", retention)?;
+    let segment = match value("segment.ms") {
+        Some(text) => Duration::from_millis(ms("segment.ms", text)?.max(0) as u64),
+        None => super::KAFKA_DEFAULT_SEGMENT,
+    };
+    let compacted = value("cleanup.policy").is_some_and(|p| p.contains("compact"));
+    Ok(topic_keeps(retention, segment, compacted))
+}
+
+/// What a topic's settings mean for how long it keeps records.
+fn topic_keeps(retention_ms: i64, segment: Duration, compacted: bool) -> super::TopicKeeps {
+    match u64::try_from(retention_ms) {
+        Ok(ms) if !compacted => super::TopicKeeps::For {
+            retention: Duration::from_millis(ms),
+            segment,
+        },
+        _ => super::TopicKeeps::Forever { compacted },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::retention::TopicKeeps;
+
+    #[test]
+    fn a_compacted_or_unbounded_topic_keeps_records_for_ever() {
+        let week = Duration::from_secs(7 * 24 * 3600);
+        assert_eq!(
+            topic_keeps(86_400_000, week, false),
+            TopicKeeps::For {
+                retention: Duration::from_secs(86_400),
+                segment: week
+            }
+        );
+        assert_eq!(
+            topic_keeps(-1, week, false),
+            TopicKeeps::Forever { compacted: false }
+        );
+        assert_eq!(
+            topic_keeps(86_400_000, week, true),
+            TopicKeeps::Forever { compacted: true }
+        );
+    }
 }

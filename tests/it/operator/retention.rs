@@ -9,7 +9,7 @@ use replayproof::envelope::Envelope;
 use replayproof::ingest::config::Kind;
 use replayproof::operator::{expired, Act};
 use replayproof::retention::round::{Pruner, RoundError, TopicRetention};
-use replayproof::retention::{Lifetimes, Refusal, SourceRetention};
+use replayproof::retention::{Lifetimes, Refusal, SourceRetention, TopicKeeps};
 use serde_json::json;
 use std::sync::Arc;
 use std::time::Duration;
@@ -57,7 +57,7 @@ async fn consume(db: &TestDb, messages: &[RawMessage]) -> replayproof::consume::
         .unwrap()
 }
 
-/// A pruner keeping stripe's claims for `retention`, the topic keeping messages for a day.
+/// A pruner keeping stripe's claims for `retention`, the topic keeping messages for half a day.
 fn pruner(db: &TestDb, retention: Duration) -> Pruner {
     let mut lifetimes = Lifetimes::default();
     lifetimes.sources.insert(
@@ -72,7 +72,10 @@ fn pruner(db: &TestDb, retention: Duration) -> Pruner {
         pool: db.pool.clone(),
         lifetimes,
         topic: "t".into(),
-        topic_retention: TopicRetention::Stated(Some(DAY)),
+        topic_retention: TopicRetention::Stated(TopicKeeps::For {
+            retention: DAY / 2,
+            segment: Duration::ZERO,
+        }),
         allow_below_floor: false,
         allow_below_topic_retention: false,
         batch: 2,
@@ -295,13 +298,16 @@ async fn every_refusal_of_the_guard_deletes_nothing_and_an_allowed_one_is_audite
     assert_eq!(claims().await, 1);
 
     let mut below_topic = pruner(&db, 5 * DAY);
-    below_topic.topic_retention = TopicRetention::Stated(Some(7 * DAY));
+    below_topic.topic_retention = TopicRetention::Stated(TopicKeeps::For {
+        retention: 7 * DAY,
+        segment: Duration::ZERO,
+    });
     let refused = below_topic.round(false).await.unwrap_err();
     assert!(matches!(
         refused,
         RoundError::Refused(Refusal::BelowTopic { .. })
     ));
-    below_topic.topic_retention = TopicRetention::Stated(None);
+    below_topic.topic_retention = TopicRetention::Stated(TopicKeeps::Forever { compacted: false });
     assert!(
         below_topic.round(false).await.is_err(),
         "a topic kept forever"
@@ -478,7 +484,7 @@ retention = "6days"
             .args(["prune", "--config"])
             .arg(&file)
             .args(["--database-url", &db.url, "--brokers", "127.0.0.1:1"])
-            .args(["--topic-retention", "1day"])
+            .args(["--topic-retention", "1day", "--topic-segment", "1h"])
             .args(extra);
         command
     };
@@ -559,4 +565,36 @@ async fn the_background_pruner_prunes_every_interval_and_counts_what_it_did() {
         text.contains(r#"replayproof_pruned_rows_total{table="processed_events"} 1"#),
         "{text}"
     );
+}
+
+#[tokio::test]
+async fn prune_counts_the_topics_segments_and_refuses_a_compacted_or_unbounded_topic() {
+    let db = TestDb::new().await;
+    let prune = |extra: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_replayproof"))
+            .args(["prune", "--dry-run", "--database-url", &db.url])
+            .args([
+                "--brokers",
+                "127.0.0.1:1",
+                "--source-retention",
+                "stripe=35days",
+            ])
+            .args(extra)
+            .output()
+            .unwrap();
+        let said = String::from_utf8_lossy(&out.stderr).into_owned();
+        (out.status.success(), said)
+    };
+    // 30 days of retention.ms fit under 35 days of claims, but a record stays readable until its
+    // whole segment (a week, Kafka's default) is past retention.
+    let (ok, said) = prune(&["--topic-retention", "30days"]);
+    assert!(!ok, "{said}");
+    assert!(
+        said.contains("retention.ms 30days plus segment.ms 7days"),
+        "{said}"
+    );
+    let (ok, said) = prune(&["--topic-retention", "30days", "--topic-segment", "1day"]);
+    assert!(ok, "{said}");
+    let (ok, said) = prune(&["--topic-retention", "forever"]);
+    assert!(!ok && said.contains("for ever"), "{said}");
 }
