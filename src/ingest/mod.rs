@@ -89,9 +89,12 @@ impl Ingress {
         let metrics = IngestMetrics::new(&registry)?;
         // Every series at 0 from the start: one born at its first increment hides that
         // increment from `increase()`, and an alert on it misses the first one after a restart.
-        for name in sources.keys() {
+        for (name, source) in &sources {
             for outcome in Outcome::LABELS {
                 metrics.requests.with_label_values(&[name, outcome]);
+            }
+            if source.scheme.carries_event_time() {
+                metrics.untimed.with_label_values(&[name]);
             }
         }
         metrics
@@ -476,6 +479,13 @@ async fn verify(
     if let Some(route) = &route {
         EventKey::try_from(route.clone())
             .map_err(|e| Outcome::BadRequest(format!("the route field makes no valid key: {e}")))?;
+    }
+    if identity.occurred_at.is_none() && source.scheme.carries_event_time() {
+        state
+            .metrics
+            .untimed
+            .with_label_values(&[&source.name])
+            .inc();
     }
     let envelope = Envelope {
         route,

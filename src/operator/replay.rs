@@ -164,7 +164,10 @@ pub async fn replay(
         return Err(anyhow::Error::from(Refusal::Empty).into());
     }
     if !window.force {
-        check_retention(pool, window.since).await?;
+        // Each database prunes its own claims: the window must be within every one's horizons.
+        for (_, shard) in processor.shards.databases() {
+            check_retention(shard, window.since).await?;
+        }
     }
     let plan = {
         let window = window.clone();

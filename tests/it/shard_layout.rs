@@ -475,3 +475,31 @@ async fn one_event_key_under_two_routes_is_one_effect_and_a_route_changed_confli
         .unwrap();
     assert_eq!((report.applied, report.conflicts), (1, 1));
 }
+
+#[tokio::test]
+async fn a_replay_window_is_checked_against_the_prune_horizons_of_every_database() {
+    let (a, b) = (TestDb::new().await, TestDb::new().await);
+    assert!(run(&["migrate"], &[&a, &b], None).0);
+    // Only the second database has pruned anything (its source's claims of the last hour).
+    sqlx::raw_sql("INSERT INTO prune_horizons (source, pruned_before) VALUES ('stripe', now())")
+        .execute(&b.pool)
+        .await
+        .unwrap();
+    let replay = [
+        "replay",
+        "--brokers",
+        "127.0.0.1:1",
+        "--since",
+        "2h",
+        "--reason",
+        "deploy",
+    ];
+    let (ok, said) = run(&replay, &[&a, &b], None);
+    assert!(!ok, "{said}");
+    assert!(said.contains("stripe"), "{said}");
+    assert_eq!(
+        a.count("SELECT count(*) FROM operator_actions").await,
+        0,
+        "nothing replayed, nothing audited"
+    );
+}

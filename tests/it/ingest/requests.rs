@@ -535,6 +535,19 @@ async fn metrics_are_served_on_their_own_listener_not_the_webhook_port() {
         page.contains(r#"replayproof_ingest_requests_total{outcome="accepted",source="github"} 1"#),
         "{page}"
     );
+    // A Stripe event without its `created` time is counted: a late redelivery of it after
+    // prune could not be caught as an expired replay. One with it, Unix or RFC 3339, is not.
+    let untimed = r#"replayproof_ingest_events_without_time_total{source="stripe"}"#;
+    assert!(page.contains(&format!("{untimed} 0")), "{page}");
+    for body in [
+        &br#"{"id":"evt_t1","created":1700000000}"#[..],
+        br#"{"id":"evt_t2","created":"2023-11-14T22:13:20Z"}"#,
+        br#"{"id":"evt_t3"}"#,
+    ] {
+        let answer = ingress.stripe("secret-of-STRIPE", now(), body).await;
+        assert_eq!(answer.status(), 200);
+    }
+    assert!(scrape().await.contains(&format!("{untimed} 1")));
     ingress.shutdown.cancel();
     ingress.running.take().unwrap().stopped().await.unwrap();
 }

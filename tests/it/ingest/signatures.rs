@@ -479,6 +479,13 @@ fn the_event_time_is_read_where_the_provider_puts_it_and_only_there() {
         occurred_at(verify(&Scheme::Stripe, &[b"s"], &h, stripe)),
         Some(1_700_000_000)
     );
+    // Stripe's v2 events write `created` as RFC 3339 text.
+    let v2 = br#"{"id":"evt_2","created":"2023-11-14T22:13:20.000Z"}"#;
+    let h = headers(&[("stripe-signature", stripe_header(b"s", NOW, v2))]);
+    assert_eq!(
+        occurred_at(verify(&Scheme::Stripe, &[b"s"], &h, v2)),
+        Some(1_700_000_000)
+    );
     // A created time no sender could mean is left out, not stored.
     let absurd = br#"{"id":"evt_1","created":-99999999999999}"#;
     let h = headers(&[("stripe-signature", stripe_header(b"s", NOW, absurd))]);
