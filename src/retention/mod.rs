@@ -437,7 +437,7 @@ mod tests {
             .unwrap();
         let keeps = |retention, segment| TopicKeeps::For { retention, segment };
         // retention.ms alone fits under 35 days; with its week-long segments it does not.
-        assert!(check_topic(&decided, "t", keeps(30 * DAY, 0 * DAY)).is_ok());
+        assert!(check_topic(&decided, "t", keeps(30 * DAY, Duration::ZERO)).is_ok());
         let refused = check_topic(&decided, "t", keeps(30 * DAY, 7 * DAY)).unwrap_err();
         assert!(
             refused.to_string().contains("segment.ms 7days"),
