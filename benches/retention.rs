@@ -172,7 +172,10 @@ fn pruner(pool: PgPool, retention: Duration) -> Pruner {
         pool,
         lifetimes,
         topic: "bench".into(),
-        topic_retention: TopicRetention::Stated(Some(retention)),
+        topic_retention: TopicRetention::Stated(replayproof::retention::TopicKeeps::For {
+            retention,
+            segment: Duration::ZERO,
+        }),
         allow_below_floor: true,
         allow_below_topic_retention: true,
         batch: replayproof::retention::prune::DEFAULT_BATCH,
