@@ -200,13 +200,7 @@ impl Effect for LedgerOutboxAndDoc {
     }
 
     async fn apply_batch(&self, tx: &mut Tx<'_>, events: &[&Event]) -> Result<(), EffectError> {
-        Ledger.apply_batch(tx, events).await?;
-        let outbox = replayproof::effect::HttpOutbox {
-            target_url: "http://127.0.0.1:9/ops".into(),
-            reconcile_url: None,
-            max_attempts: 3,
-        };
-        outbox.apply_batch(tx, events).await?;
+        LedgerAndOutbox.apply_batch(tx, events).await?;
         for e in events {
             let odd = e.key.as_str().ends_with(['1', '3', '5', '7', '9']);
             sqlx::query(

@@ -1009,30 +1009,6 @@ async fn operator_commands_find_an_events_shard_and_status_adds_every_shard_up()
     );
 }
 
-/// The ledger and one outbox operation per event.
-struct LedgerAndOutbox;
-
-#[replayproof::async_trait]
-impl Effect for LedgerAndOutbox {
-    fn name(&self) -> &'static str {
-        "ledger-and-outbox"
-    }
-
-    async fn apply(&self, tx: &mut Tx<'_>, event: &Event) -> Result<(), EffectError> {
-        self.apply_batch(tx, &[event]).await
-    }
-
-    async fn apply_batch(&self, tx: &mut Tx<'_>, events: &[&Event]) -> Result<(), EffectError> {
-        Ledger.apply_batch(tx, events).await?;
-        let outbox = replayproof::effect::HttpOutbox {
-            target_url: "http://127.0.0.1:9/ops".into(),
-            reconcile_url: None,
-            max_attempts: 3,
-        };
-        outbox.apply_batch(tx, events).await
-    }
-}
-
 /// `replayproof shards move --from-url FROM --to-url TO --range RANGE`, with `failpoints`.
 fn move_buckets(
     from: &TestDb,

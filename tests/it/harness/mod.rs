@@ -4,6 +4,7 @@
 pub mod console;
 pub mod database;
 pub mod dispatcher;
+pub mod effects;
 pub mod ingress;
 pub mod isolation;
 pub mod kafka;
@@ -15,6 +16,7 @@ pub mod tls;
 
 pub use database::*;
 pub use dispatcher::{enqueue_http, enqueue_to};
+pub use effects::LedgerAndOutbox;
 pub use ingress::*;
 pub use kafka::*;
 pub use processes::*;
