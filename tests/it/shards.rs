@@ -1201,9 +1201,10 @@ async fn prune_and_replay_run_over_every_shard() {
         "one effect per key after the replay"
     );
 
-    // Prune deletes the settled claims older than their retention on every shard.
+    // Prune deletes the settled claims older than their retention on every shard (a source
+    // missing from the configuration is held to the highest floor, 91 days).
     for db in &sharded.dbs {
-        sqlx::raw_sql("UPDATE processed_events SET claimed_at = now() - interval '10 days'")
+        sqlx::raw_sql("UPDATE processed_events SET claimed_at = now() - interval '100 days'")
             .execute(&db.pool)
             .await
             .unwrap();
