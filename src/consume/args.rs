@@ -618,6 +618,8 @@ mod tests {
         "--allow-below-topic-retention",
         "--topic-retention",
         "7days",
+        "--topic-segment",
+        "2hours",
         "--prune-batch",
         "18",
         "--db-pool-size",
