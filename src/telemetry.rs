@@ -206,6 +206,11 @@ impl Health {
         reported.chain(stale).collect()
     }
 
+    /// What `/readyz` answers: 200 `ok`, or 503 with one line per problem.
+    pub fn ready_answer(&self) -> (StatusCode, String) {
+        answer(self.problems())
+    }
+
     /// Whether `/readyz` answers 200.
     pub fn is_ready(&self) -> bool {
         self.problems().is_empty()
@@ -280,7 +285,7 @@ async fn metrics(State(state): State<ServerState>) -> (StatusCode, String) {
 }
 
 async fn readyz(State(state): State<ServerState>) -> (StatusCode, String) {
-    answer(state.health.problems())
+    state.health.ready_answer()
 }
 
 async fn livez(State(state): State<ServerState>) -> (StatusCode, String) {

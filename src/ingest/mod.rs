@@ -48,7 +48,9 @@ struct AppState {
     producer: FutureProducer,
     settings: IngestSettings,
     metrics: IngestMetrics,
-    ready: AtomicBool,
+    /// What `/readyz` answers, on the webhook port and the metrics port alike: the broker's
+    /// reachability and, after SIGTERM, the drain.
+    health: crate::telemetry::Health,
     /// Set on SIGTERM: `/readyz` answers 503 while webhooks are still accepted, each answer
     /// closing its connection, for the shutdown delay.
     draining: AtomicBool,
@@ -101,14 +103,17 @@ impl Ingress {
             .requests
             .with_label_values(&["unknown", "not_found"]);
         let metrics_stop = CancellationToken::new();
-        let metrics_addr = serve_metrics(settings.metrics_listen, registry, &metrics_stop).await?;
+        let health = crate::telemetry::Health::default();
+        health.report(BROKER_CHECK, Some("not reached yet".into()));
+        let metrics_addr =
+            serve_metrics(settings.metrics_listen, registry, &health, &metrics_stop).await?;
         let state = Arc::new(AppState {
             metrics,
             sources,
             producer,
             in_flight: Arc::new(tokio::sync::Semaphore::new(settings.max_in_flight.max(1))),
             settings,
-            ready: AtomicBool::new(false),
+            health,
             draining: AtomicBool::new(false),
             closing: CancellationToken::new(),
         });
@@ -175,10 +180,11 @@ impl Ingress {
 async fn serve_metrics(
     at: Option<SocketAddr>,
     registry: Registry,
+    health: &crate::telemetry::Health,
     stop: &CancellationToken,
 ) -> anyhow::Result<Option<SocketAddr>> {
     let Some(at) = at else { return Ok(None) };
-    let health = crate::telemetry::Health::default();
+    let health = health.clone();
     let stopped = stop.clone().cancelled_owned();
     let addr = crate::telemetry::serve_metrics(at, registry, health, stopped)
         .await
@@ -200,6 +206,9 @@ fn router(state: Arc<AppState>) -> Router {
 async fn drain_after(state: Arc<AppState>, shutdown: CancellationToken) {
     shutdown.cancelled().await;
     state.draining.store(true, Ordering::Relaxed);
+    state
+        .health
+        .report(DRAIN_CHECK, Some("shutting down".into()));
     let delay = state.settings.shutdown_delay;
     if !delay.is_zero() {
         tracing::info!(
@@ -214,6 +223,7 @@ async fn drain_after(state: Arc<AppState>, shutdown: CancellationToken) {
 
 /// Keeps `ready` true while the producer can fetch the topic's metadata from the broker.
 async fn watch_broker(state: Arc<AppState>, shutdown: CancellationToken) {
+    let mut reachable = false;
     while !shutdown.is_cancelled() {
         let probe = state.clone();
         let ok = tokio::task::spawn_blocking(move || {
@@ -229,7 +239,9 @@ async fn watch_broker(state: Arc<AppState>, shutdown: CancellationToken) {
         })
         .await
         .unwrap_or(false);
-        if state.ready.swap(ok, Ordering::Relaxed) != ok {
+        let problem = (!ok).then(|| "the broker is not reachable".to_owned());
+        state.health.report(BROKER_CHECK, problem);
+        if std::mem::replace(&mut reachable, ok) != ok {
             tracing::info!(ready = ok, "The broker's reachability changed.");
         }
         tokio::select! {
@@ -239,17 +251,14 @@ async fn watch_broker(state: Arc<AppState>, shutdown: CancellationToken) {
     }
 }
 
-async fn readyz(State(state): State<Arc<AppState>>) -> (StatusCode, &'static str) {
-    if state.draining.load(Ordering::Relaxed) {
-        (StatusCode::SERVICE_UNAVAILABLE, "shutting down\n")
-    } else if state.ready.load(Ordering::Relaxed) {
-        (StatusCode::OK, "ready\n")
-    } else {
-        (
-            StatusCode::SERVICE_UNAVAILABLE,
-            "the broker is not reachable\n",
-        )
-    }
+/// The check `/readyz` names while the broker does not answer.
+const BROKER_CHECK: &str = "broker";
+/// The check `/readyz` names after SIGTERM.
+const DRAIN_CHECK: &str = "ingest";
+
+/// The same answer as the metrics port's `/readyz`: one [`crate::telemetry::Health`].
+async fn readyz(State(state): State<Arc<AppState>>) -> (StatusCode, String) {
+    state.health.ready_answer()
 }
 
 /// The outcome of one webhook request, as answered and as counted.

@@ -102,7 +102,6 @@ impl Ingress {
             .args(["--listen", &format!("127.0.0.1:{port}")])
             .args(["--brokers", &kafka.brokers(), "--topic", topic])
             .args(["--kafka-option", "broker.address.family=v4"])
-            .args(["--metrics-addr", "127.0.0.1:0"])
             .args(extra)
             .env("E2E_GITHUB_SECRET", "gh-secret-for-the-e2e-test")
             .env("E2E_STRIPE_SECRET", "whsec_e2e-secret-for-the-test")
@@ -110,6 +109,9 @@ impl Ingress {
             .env_remove("FAILPOINTS")
             .stdin(Stdio::null())
             .kill_on_drop(true);
+        if !extra.contains(&"--metrics-addr") {
+            cmd.args(["--metrics-addr", "127.0.0.1:0"]);
+        }
         if let Some(f) = failpoints {
             cmd.env("FAILPOINTS", f);
         }
@@ -253,11 +255,24 @@ async fn deliveries_across_a_sigterm_are_accepted_for_the_shutdown_delay_and_nev
     let delay = Duration::from_secs(3);
     let kafka = TestKafka::for_processes();
     let topic = kafka.topic(1).await;
-    let (mut ingest, port, _dir) =
-        Ingress::spawn_with(&kafka, &topic, None, &["--shutdown-delay", "3s"]);
+    let metrics = format!("127.0.0.1:{}", crate::harness::free_port());
+    let (mut ingest, port, _dir) = Ingress::spawn_with(
+        &kafka,
+        &topic,
+        None,
+        &["--shutdown-delay", "3s", "--metrics-addr", &metrics],
+    );
     let base = format!("http://127.0.0.1:{port}");
     let http = reqwest::Client::new();
     wait_ready(&http, &base).await;
+    let ready_at = |at: String| {
+        let http = http.clone();
+        async move {
+            let answer = http.get(format!("{at}/readyz")).send().await;
+            answer.map(|r| r.status().as_u16()).unwrap_or(0)
+        }
+    };
+    assert_eq!(ready_at(format!("http://{metrics}")).await, 200);
 
     // Four senders deliver without pause, on keep-alive connections, until the ingress is gone.
     let done = tokio_util::sync::CancellationToken::new();
@@ -291,6 +306,8 @@ async fn deliveries_across_a_sigterm_are_accepted_for_the_shutdown_delay_and_nev
             .is_ok_and(|r| r.status() == 503)
     })
     .await;
+    // One answer per process: the metrics port's /readyz says the same.
+    assert_eq!(ready_at(format!("http://{metrics}")).await, 503);
     let status = tokio::time::timeout(Duration::from_secs(30), ingest.wait())
         .await
         .expect("ingest stops within its worst-case stop")
