@@ -255,8 +255,9 @@ impl Cli {
             }
             Command::Probe { url } => crate::telemetry::probe(&url).await,
             Command::Completions { shell } => {
-                completions(shell, &program_name(), &mut std::io::stdout().lock());
-                Ok(())
+                let mut script = Vec::new();
+                completions(shell, &program_name(), &mut script);
+                to_stdout(&script)
             }
             Command::Man { out_dir } => man(out_dir.as_deref()),
             #[cfg(feature = "devkit")]
@@ -296,9 +297,21 @@ pub fn man(out_dir: Option<&std::path::Path>) -> anyhow::Result<()> {
             clap_mangen::generate_to(command, dir)
                 .with_context(|| format!("writing the manual pages into {}", dir.display()))
         }
-        None => clap_mangen::Man::new(command)
-            .render(&mut std::io::stdout().lock())
-            .context("writing the manual page to stdout"),
+        None => {
+            let mut page = Vec::new();
+            clap_mangen::Man::new(command).render(&mut page)?;
+            to_stdout(&page).context("writing the manual page to stdout")
+        }
+    }
+}
+
+/// Writes `text` to stdout; a reader that went away (`| head -1`) ends it quietly.
+fn to_stdout(text: &[u8]) -> anyhow::Result<()> {
+    use std::io::Write as _;
+    let mut out = std::io::stdout().lock();
+    match out.write_all(text).and_then(|()| out.flush()) {
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
+        written => Ok(written?),
     }
 }
 

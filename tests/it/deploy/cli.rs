@@ -151,3 +151,22 @@ fn a_failed_command_prints_one_error_line_with_its_causes_and_no_password() {
     );
     assert!(line.to_lowercase().contains("refused"), "{line}");
 }
+
+#[test]
+fn a_reader_that_goes_away_ends_completions_and_man_quietly() {
+    // `replayproof completions bash | head -1`, with the reader gone before the first write.
+    for args in [&["completions", "bash"][..], &["man"][..]] {
+        let (reader, writer) = std::io::pipe().unwrap();
+        drop(reader);
+        let out = Command::new(env!("CARGO_BIN_EXE_replayproof"))
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(writer)
+            .stderr(Stdio::piped())
+            .output()
+            .unwrap();
+        let said = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{args:?}: {said}");
+        assert!(said.is_empty(), "{args:?}: {said}");
+    }
+}

@@ -29,6 +29,12 @@ async fn demo_reports_a_clean_verdict() {
     );
     assert!(stdout.contains("VERDICT: PASS"), "{stdout}");
     assert!(stdout.contains("1 with SIGKILL, restarted"), "{stdout}");
+    // A passing demo stops in order: no process of it reports an error on the way out.
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !stderr.contains("ERROR") && !stderr.lines().any(|l| l.starts_with("error:")),
+        "{stderr}"
+    );
     // The report's numbers are the database's.
     assert_eq!(db.count("SELECT count(*) FROM ledger").await, 120);
     assert_eq!(
