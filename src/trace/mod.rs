@@ -5,6 +5,8 @@
 
 #[cfg(feature = "otel")]
 pub mod otel;
+#[cfg(feature = "otel")]
+pub mod scrubbed;
 
 /// The `traceparent` header's name, in HTTP and in Kafka.
 pub const TRACEPARENT: &str = "traceparent";

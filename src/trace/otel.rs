@@ -8,6 +8,9 @@
 //! - `OTEL_TRACES_SAMPLER` and `OTEL_TRACES_SAMPLER_ARG`: the sampler (parent-based, always on,
 //!   by default); `OTEL_BSP_*`: the batch exporter's delay and sizes;
 //!   `OTEL_EXPORTER_OTLP_HEADERS`: headers such as an API key; `OTEL_SDK_DISABLED=true`: off.
+//!
+//! Every exported span passes the secret scrubber first ([`super::scrubbed`]), as every log
+//! line does.
 
 use opentelemetry::propagation::TextMapPropagator as _;
 use opentelemetry::trace::{TraceContextExt as _, TracerProvider as _};
@@ -70,7 +73,7 @@ where
         resource = resource.with_service_name(service.to_owned());
     }
     let provider = SdkTracerProvider::builder()
-        .with_batch_exporter(exporter)
+        .with_batch_exporter(super::scrubbed::Scrubbed(exporter))
         .with_resource(resource.build())
         .build();
     let tracer = provider.tracer("replayproof");

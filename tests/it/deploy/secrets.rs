@@ -185,7 +185,10 @@ async fn target_urls_with_credentials_are_redacted_in_config_check_errors_logs_a
     let unreachable =
         format!("http://bot:{PASSWORD}@127.0.0.1:1/hooks/T0001/B0001/{TOKEN}?token={QUERY_TOKEN}");
     enqueue_to(&db, &unreachable, None, &["evt-slack".to_owned()]).await;
-    let mut dispatch = tokio::process::Command::new(env!("CARGO_BIN_EXE_replayproof"))
+    // Its spans are exported too, to a collector that keeps every body whole.
+    let (collector, endpoint) = crate::harness::otlp::Collector::start().await;
+    let mut dispatch = tokio::process::Command::new(env!("CARGO_BIN_EXE_replayproof"));
+    dispatch
         .args(["dispatch", "--database-url", &db.url, "--poll-ms", "50"])
         .args(["--metrics-addr", "127.0.0.1:0"])
         .env("RUST_LOG", "debug")
@@ -193,9 +196,9 @@ async fn target_urls_with_credentials_are_redacted_in_config_check_errors_logs_a
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
+        .kill_on_drop(true);
+    crate::harness::otlp::traced(&mut dispatch, &endpoint);
+    let mut dispatch = dispatch.spawn().unwrap();
     wait_for("an attempt recorded", Duration::from_secs(60), || async {
         db.count("SELECT count(*) FROM outbox_attempts").await >= 1
     })
@@ -247,8 +250,14 @@ async fn target_urls_with_credentials_are_redacted_in_config_check_errors_logs_a
         .unwrap();
     let (show, show_json) = (printed(&show), printed(&show_json));
     assert!(show.contains("127.0.0.1:1/hooks/T0001/B0001/"), "{show}");
+    let exported = collector.bodies();
+    assert!(
+        exported.iter().any(|b| b.contains("127.0.0.1:1")),
+        "the attempt's span was exported: {exported:?}"
+    );
     let mut everywhere: Vec<&str> = vec![&check_text, &refused_text, &logs, &show, &show_json];
     everywhere.extend(stored.iter().map(String::as_str));
+    everywhere.extend(exported.iter().map(String::as_str));
     for secret in [TOKEN, QUERY_TOKEN, PASSWORD] {
         assert_nowhere(secret, &everywhere);
     }

@@ -29,6 +29,8 @@ pub fn traced(cmd: &mut tokio::process::Command, endpoint: &str) {
 #[derive(Clone, Default)]
 pub struct Collector {
     spans: Arc<Mutex<Vec<Span>>>,
+    /// Every request body as it arrived, to look for what must never be exported.
+    bodies: Arc<Mutex<Vec<String>>>,
 }
 
 impl Collector {
@@ -47,9 +49,15 @@ impl Collector {
     pub fn spans(&self) -> Vec<Span> {
         self.spans.lock().unwrap().clone()
     }
+
+    /// Every exported body, whole.
+    pub fn bodies(&self) -> Vec<String> {
+        self.bodies.lock().unwrap().clone()
+    }
 }
 
 async fn receive(State(me): State<Collector>, body: String) -> (StatusCode, &'static str) {
+    me.bodies.lock().unwrap().push(body.clone());
     let Ok(request) = serde_json::from_str::<Value>(&body) else {
         return (StatusCode::BAD_REQUEST, "{}");
     };
