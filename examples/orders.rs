@@ -35,6 +35,7 @@
 //! # orders.toml
 //! [dispatch.credentials.stripe_acme]
 //! headers = { Authorization = "Bearer ${STRIPE_ACME_KEY}" }
+//! origins = ["https://api.stripe.com"]
 //!
 //! [dispatch.destinations."https://api.stripe.com"]
 //! max_concurrency = 4
@@ -435,8 +436,11 @@ mod tests {
 
     #[tokio::test]
     async fn a_marketplace_payment_transfers_once_to_its_seller_with_the_tenants_own_key() {
-        use replayproof::dispatch::{outbound::Header, Credentials, DispatchSettings, Dispatcher};
+        use replayproof::dispatch::{
+            outbound::Header, Credential, Credentials, DispatchSettings, Dispatcher,
+        };
         let (api, base) = payments_api::Api::start().await;
+        let origin = replayproof::outbox::origin(&base);
         let db = TestDatabase::new(&[SCHEMA]).await.unwrap();
         let mut test = EffectTest::new(db.pool.clone(), MarkOrderPaid { payments_api: base });
         create_order(&db, 1, 1999).await;
@@ -457,7 +461,11 @@ mod tests {
         };
         let credentials = payments_api::KEYS.iter().map(|(tenant, key)| {
             let header = Header::secret("Authorization", &format!("Bearer {key}")).unwrap();
-            (format!("stripe_{tenant}"), vec![header])
+            let credential = Credential {
+                headers: vec![header],
+                origins: vec![origin.clone()],
+            };
+            (format!("stripe_{tenant}"), credential)
         });
         settings.outbound.credentials = Credentials(credentials.collect());
         let dispatcher = Dispatcher::build(

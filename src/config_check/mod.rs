@@ -488,11 +488,14 @@ mod tests {
             own_problem("dispatch", Some(&file), &env).map(|e| format!("{e:#}"))
         };
         let fine = "[dispatch.destinations.default]\nmax_concurrency = 4\n\
-                    [dispatch.credentials.acme]\nheaders = { Authorization = \"Bearer k\" }\n";
+                    [dispatch.credentials.acme]\nheaders = { Authorization = \"Bearer k\" }\n\
+                    origins = [\"https://a.com\"]\n";
         assert_eq!(problem(fine), None);
         let path = problem("[dispatch.destinations.\"https://a.com/v1\"]\nrate_per_sec = 1\n");
         assert!(path.is_some_and(|p| p.contains("origin only")));
-        let reserved = problem("[dispatch.credentials.x]\nheaders = { Host = \"h\" }\n");
+        let reserved = problem(
+            "[dispatch.credentials.x]\nheaders = { Host = \"h\" }\norigins = [\"https://a.com\"]\n",
+        );
         assert!(reserved.is_some_and(|p| p.contains("set by replayproof")));
         let root = crate::cli::Args::command();
         let file = ConfigFile::parse(std::path::Path::new("c.toml"), fine, &env).unwrap();

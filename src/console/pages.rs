@@ -187,14 +187,10 @@ pub(crate) async fn overview(
                 )
             }
         };
-    let mut breakers = Vec::new();
-    for pool in state.databases() {
-        breakers.extend(
-            crate::outbox::destination_gauges(&pool)
-                .await
-                .unwrap_or_default(),
-        );
-    }
+    let home = crate::outbox::LimitsHome::over(&state.databases());
+    let breakers = crate::outbox::destination_gauges(&home)
+        .await
+        .unwrap_or_default();
     let rates = throughput(&state, &status.lag);
     let body = html! {
         main {

@@ -151,10 +151,8 @@ impl DispatchArgs {
             .open_shards((self.batch_size as u32).clamp(2, 64))
             .await?;
         let databases: Vec<sqlx::PgPool> = shards.databases().map(|(_, p)| p.clone()).collect();
-        // One loop per database, each leasing that database's operations, sharing the
-        // destinations' limits between them.
-        let mut settings = settings;
-        settings.destinations = settings.destinations.per_shard(databases.len())?;
+        // One loop per database, each leasing that database's operations, all admitted by the
+        // destinations' one set of rows on the first database.
         let mut loops = Vec::new();
         for (shard, pool) in databases.iter().enumerate() {
             let dispatcher = Dispatcher::build(

@@ -14,11 +14,13 @@
 //!
 //! [dispatch.credentials.stripe_live]
 //! headers = { Authorization = "Bearer ${STRIPE_LIVE_KEY}" }
+//! origins = ["https://api.stripe.com"]   # the only origins it is ever sent to
 //! ```
 //!
 //! An origin's section inherits what it leaves out from `default`. Every dispatcher process
-//! must run with the same sections: the limits are counted in PostgreSQL, but each process
-//! applies the numbers its own file gives.
+//! must run with the same sections: the limits are counted in PostgreSQL (on the first
+//! database, over every shard's leases), but each process applies the numbers its own file
+//! gives.
 
 use super::outbound::Header;
 use crate::outbox::{self, Limits};
@@ -56,37 +58,6 @@ pub struct Destinations {
 }
 
 impl Destinations {
-    /// The limits each of `shards` dispatch loops may use so that together they stay within
-    /// the configured ones: every database keeps its own count of a destination's requests, so
-    /// each loop gets a share of the rate and of the concurrency. A concurrency limit below the
-    /// number of shards cannot be shared and is refused.
-    pub fn per_shard(&self, shards: usize) -> anyhow::Result<Self> {
-        let split = |destination: &Destination, name: &str| -> anyhow::Result<Destination> {
-            let mut limits = destination.limits.clone();
-            if let Some(c) = limits.max_concurrency {
-                anyhow::ensure!(
-                    c as usize >= shards,
-                    "the concurrency limit of {name} ({c}) is below the number of shards \
-                     ({shards}): each shard's dispatch loop needs at least one request"
-                );
-                limits.max_concurrency = Some(c / shards as u32);
-            }
-            limits.rate_per_sec = limits.rate_per_sec.map(|r| r / shards as f64);
-            Ok(Destination {
-                limits,
-                idempotency_header: destination.idempotency_header.clone(),
-            })
-        };
-        Ok(Self {
-            default: split(&self.default, "the default destination")?,
-            by_origin: self
-                .by_origin
-                .iter()
-                .map(|(origin, d)| Ok((origin.clone(), split(d, origin)?)))
-                .collect::<anyhow::Result<_>>()?,
-        })
-    }
-
     /// The settings of `origin`.
     pub fn of(&self, origin: &str) -> &Destination {
         self.by_origin.get(origin).unwrap_or(&self.default)
@@ -103,9 +74,18 @@ impl Destinations {
     }
 }
 
-/// The named credentials: headers added to the requests of the operations that name them.
+/// The named credentials: headers added to the requests of the operations that name them,
+/// each only to the origins it is bound to.
 #[derive(Debug, Clone, Default)]
-pub struct Credentials(pub BTreeMap<String, Vec<Header>>);
+pub struct Credentials(pub BTreeMap<String, Credential>);
+
+/// One named credential: its headers and the origins they may be sent to.
+#[derive(Debug, Clone)]
+pub struct Credential {
+    pub headers: Vec<Header>,
+    /// Origins (`https://api.stripe.com`), as [`outbox::origin`] writes them.
+    pub origins: Vec<String>,
+}
 
 /// One destination as the file writes it.
 #[derive(Debug, Default, Deserialize)]
@@ -124,6 +104,7 @@ struct DestinationFile {
 #[serde(deny_unknown_fields)]
 struct CredentialFile {
     headers: BTreeMap<String, String>,
+    origins: Vec<String>,
 }
 
 mod humantime_serde_text {
@@ -267,10 +248,50 @@ impl Credentials {
                 !headers.is_empty(),
                 "[dispatch.credentials.{name}] has no headers"
             );
-            credentials.insert(name, headers);
+            let origins = bound_origins(&name, &file.origins)?;
+            credentials.insert(name, Credential { headers, origins });
         }
         Ok(Self(credentials))
     }
+
+    /// The headers of the credential `name` for a request to `url`; refused, saying why, when
+    /// the configuration has no such credential or binds it to other origins. No name, none.
+    pub fn headers_for(&self, name: Option<&str>, url: &str) -> Result<&[Header], String> {
+        let Some(name) = name else { return Ok(&[]) };
+        let credential = self
+            .0
+            .get(name)
+            .ok_or_else(|| format!("the credential {name:?} is not in [dispatch.credentials]"))?;
+        let origin = outbox::origin(url);
+        if !credential.origins.contains(&origin) {
+            return Err(format!(
+                "the credential {name:?} is sent only to {}, never to {origin}",
+                credential.origins.join(", ")
+            ));
+        }
+        Ok(&credential.headers)
+    }
+}
+
+/// A credential's `origins`: at least one, each a bare origin (scheme, host, port).
+fn bound_origins(name: &str, given: &[String]) -> anyhow::Result<Vec<String>> {
+    anyhow::ensure!(
+        !given.is_empty(),
+        "[dispatch.credentials.{name}] names no origins: say where it may be sent \
+         (origins = [\"https://api.example.com\"])"
+    );
+    given
+        .iter()
+        .map(|o| {
+            let origin = outbox::origin(o);
+            anyhow::ensure!(
+                origin == o.trim_end_matches('/') && origin.contains("://"),
+                "[dispatch.credentials.{name}] origins: {o:?} is not an origin \
+                 (scheme://host[:port], no path)"
+            );
+            Ok(origin)
+        })
+        .collect()
 }
 
 #[cfg(test)]
@@ -344,41 +365,60 @@ mod tests {
     #[test]
     fn credentials_are_secret_headers() {
         let table: toml::Table = toml::from_str(
-            "[credentials.stripe_live]\nheaders = { Authorization = \"Bearer sk_live_abcdef123456\" }\n",
+            "[credentials.stripe_live]\nheaders = { Authorization = \"Bearer sk_live_abcdef123456\" }\norigins = [\"https://api.stripe.com\"]\n",
         )
         .unwrap();
         let c = Credentials::from_table(table.get("credentials")).unwrap();
-        let h = &c.0["stripe_live"][0];
+        let h = &c.0["stripe_live"].headers[0];
         assert_eq!(h.name.as_str(), "authorization");
         assert!(h.value.is_sensitive());
         assert!(!format!("{c:?}").contains("sk_live"));
-        let bad: toml::Table =
-            toml::from_str("[credentials.x]\nheaders = { Content-Type = \"a\" }\n").unwrap();
+        let bad: toml::Table = toml::from_str(
+            "[credentials.x]\nheaders = { Content-Type = \"a\" }\norigins = [\"https://a.b\"]\n",
+        )
+        .unwrap();
         assert!(Credentials::from_table(bad.get("credentials")).is_err());
     }
 
     #[test]
-    fn shards_share_each_destinations_limits_and_a_limit_too_small_to_share_is_refused() {
-        let d = destinations(
-            r#"
-            [destinations.default]
-            max_concurrency = 16
-            [destinations."https://api.stripe.com"]
-            max_concurrency = 4
-            rate_per_sec = 25
-            "#,
-        )
-        .unwrap();
-        let quarter = d.per_shard(4).unwrap();
-        assert_eq!(quarter.default.limits.max_concurrency, Some(4));
-        let stripe = &quarter.of("https://api.stripe.com").limits;
-        assert_eq!(stripe.max_concurrency, Some(1));
-        assert_eq!(stripe.rate_per_sec, Some(6.25));
+    fn a_credential_goes_only_to_the_origins_it_is_bound_to() {
+        let read = |origins: &str| {
+            let text = format!(
+                "[credentials.live]\nheaders = {{ Authorization = \"Bearer sk_live_abcdef\" }}\n{origins}"
+            );
+            let table: toml::Table = toml::from_str(&text).unwrap();
+            Credentials::from_table(table.get("credentials"))
+        };
+        let unbound = format!("{:#}", read("").unwrap_err());
+        assert!(unbound.contains("origins"), "{unbound}");
+        let refused = read("origins = []\n").unwrap_err();
+        assert!(format!("{refused:#}").contains("names no origins"));
+        let path = read("origins = [\"https://api.stripe.com/v1\"]\n").unwrap_err();
+        assert!(format!("{path:#}").contains("is not an origin"), "{path:#}");
+        let c =
+            read("origins = [\"https://api.stripe.com\", \"https://files.stripe.com:8443/\"]\n")
+                .unwrap();
+        let to = |url: &str| c.headers_for(Some("live"), url).map(|h| h.len());
+        assert_eq!(to("https://api.stripe.com/v1/refunds"), Ok(1));
+        assert_eq!(to("https://files.stripe.com:8443/x"), Ok(1));
+        for elsewhere in [
+            "https://evil.example/v1",
+            "http://api.stripe.com/v1",
+            "https://api.stripe.com.evil.example/",
+            "https://api.stripe.com:444/",
+        ] {
+            let said = to(elsewhere).unwrap_err();
+            assert!(
+                said.contains("sent only to https://api.stripe.com"),
+                "{said}"
+            );
+        }
         assert_eq!(
-            d.per_shard(1).unwrap().of("https://api.stripe.com").limits,
-            d.of("https://api.stripe.com").limits
+            c.headers_for(None, "https://evil.example").map(|h| h.len()),
+            Ok(0)
         );
-        let err = d.per_shard(8).unwrap_err().to_string();
-        assert!(err.contains("below the number of shards (8)"), "{err}");
+        assert!(c
+            .headers_for(Some("other"), "https://api.stripe.com")
+            .is_err());
     }
 }

@@ -100,10 +100,10 @@ impl DispatchMetrics {
     pub async fn refresh(&self, pools: &[PgPool], destinations: &Destinations) -> sqlx::Result<()> {
         let mut breakers: BTreeMap<(&str, Breaker), i64> = BTreeMap::new();
         let mut in_flight: BTreeMap<&str, i64> = BTreeMap::new();
-        let mut gauges = Vec::new();
-        for pool in pools {
-            gauges.extend(outbox::destination_gauges(pool).await?);
-        }
+        let gauges = match pools {
+            [] => Vec::new(),
+            _ => outbox::destination_gauges(&outbox::LimitsHome::over(pools)).await?,
+        };
         for g in &gauges {
             let label = destinations.label(&g.origin);
             *breakers.entry((label, g.breaker)).or_default() += 1;

@@ -16,7 +16,7 @@ pub mod outbound;
 pub use answer::MAX_RETRY_AFTER;
 use answer::{describe, location, may_start_request, settled};
 
-pub use destinations::{Credentials, Destination, Destinations};
+pub use destinations::{Credential, Credentials, Destination, Destinations};
 pub use metrics::DispatchMetrics;
 pub use outbound::Outbound;
 
@@ -107,6 +107,9 @@ pub struct Dispatcher {
     /// The databases whose outbox gauges this loop reports: its own; with shards, every
     /// database for the first shard's loop and none for the others.
     gauges: Vec<PgPool>,
+    /// Where the destinations' limits are kept and counted: its own database alone; with
+    /// shards, the first shard's rows over every database's leases.
+    limits: outbox::LimitsHome,
     /// The names of its health checks: its loop's heartbeat and its database's.
     checks: (&'static str, &'static str),
     metrics: DispatchMetrics,
@@ -135,6 +138,7 @@ impl Dispatcher {
         Ok(Self {
             settings,
             gauges: vec![pool.clone()],
+            limits: outbox::LimitsHome::single(&pool),
             pool,
             checks: (LOOP, DATABASE),
             metrics,
@@ -150,6 +154,7 @@ impl Dispatcher {
             0 => databases.to_vec(),
             _ => Vec::new(),
         };
+        self.limits = outbox::LimitsHome::over(databases);
         if databases.len() > 1 {
             // Named once per process and shard, for the process's life.
             let name =
@@ -251,8 +256,11 @@ impl Dispatcher {
             let limits = &self.settings.destinations.of(&origin).limits;
             let worker = &self.settings.worker;
             let lease = self.settings.lease;
-            match outbox::lease_within_limits(&self.pool, &origin, limits, worker, room, lease)
-                .await
+            let home = &self.limits;
+            match outbox::lease_within_limits(
+                &self.pool, home, &origin, limits, worker, room, lease,
+            )
+            .await
             {
                 Ok(admitted) => leased.extend(admitted),
                 // What was leased already is sent; the error is reported after.
@@ -361,19 +369,9 @@ impl Dispatcher {
             }
             request = request.header(name, value);
         }
-        if let Some(name) = &row.credential {
-            let headers = self
-                .settings
-                .outbound
-                .credentials
-                .0
-                .get(name)
-                .ok_or_else(|| {
-                    format!("the credential {name:?} is not in [dispatch.credentials]")
-                })?;
-            for header in headers {
-                request = request.header(header.name.clone(), header.value.clone());
-            }
+        let credentials = &self.settings.outbound.credentials;
+        for header in credentials.headers_for(row.credential.as_deref(), &row.destination)? {
+            request = request.header(header.name.clone(), header.value.clone());
         }
         if let Some(traceparent) = crate::trace::outgoing(row.traceparent.as_deref()) {
             request = request.header("traceparent", traceparent);
@@ -393,7 +391,8 @@ impl Dispatcher {
     /// operation's own record is not.
     async fn judge(&self, row: &Leased, verdict: Verdict) {
         let destination = self.settings.destinations.of(&row.origin);
-        match outbox::record_health(&self.pool, &row.origin, &destination.limits, verdict).await {
+        let first = &self.limits.first;
+        match outbox::record_health(first, &row.origin, &destination.limits, verdict).await {
             Ok(BreakerChange::Opened) => {
                 tracing::warn!(destination = %row.origin, open_for = ?destination.limits.breaker_open, "Opened the circuit breaker of a destination that keeps failing; its operations wait.");
             }
@@ -471,14 +470,17 @@ impl Dispatcher {
             .http
             .get(&url)
             .header(&destination.idempotency_header, &row.operation_key);
-        let credential = row.credential.as_ref();
-        if let Some(headers) = credential.and_then(|c| self.settings.outbound.credentials.0.get(c))
-        {
-            for h in headers {
-                request = request.header(h.name.clone(), h.value.clone());
+        let credentials = &self.settings.outbound.credentials;
+        // A credential bound to other origins never goes to the reconcile URL: no request.
+        let result = match credentials.headers_for(row.credential.as_deref(), &url) {
+            Ok(headers) => {
+                for h in headers {
+                    request = request.header(h.name.clone(), h.value.clone());
+                }
+                request.send().await.map_err(|e| describe(&e))
             }
-        }
-        let result = request.send().await;
+            Err(refused) => Err(refused),
+        };
         let status = result.as_ref().ok().map(|r| r.status().as_u16());
         let (outcome, settlement) = match status {
             Some(s) if (200..300).contains(&s) => (
@@ -488,7 +490,7 @@ impl Dispatcher {
             Some(404) => return Ok(None),
             _ => {
                 let error = match &result {
-                    Err(e) => Some(format!("reconcile: {}", describe(e))),
+                    Err(e) => Some(format!("reconcile: {e}")),
                     Ok(r) if r.status().is_redirection() => Some(format!(
                         "reconcile: redirected to {}; redirects are not followed",
                         location(r)

@@ -7,6 +7,7 @@
 
 #![warn(missing_docs)]
 
+mod admission;
 mod by_hand;
 mod destinations;
 pub mod state;

@@ -6,7 +6,8 @@ use crate::harness::recorder::{Answer, Recorder};
 use crate::harness::*;
 use replayproof::dispatch::outbound::Header;
 use replayproof::dispatch::{
-    Credentials, Destination, Destinations, DispatchMetrics, DispatchSettings, Dispatcher,
+    Credential, Credentials, Destination, Destinations, DispatchMetrics, DispatchSettings,
+    Dispatcher,
 };
 use replayproof::outbox::{self, Limits, NewOperation};
 use std::collections::BTreeMap;
@@ -124,7 +125,12 @@ async fn an_operation_is_sent_as_the_request_it_describes_with_its_credential_on
     });
     s.outbound.credentials = Credentials(BTreeMap::from([(
         "stripe_acme".to_owned(),
-        vec![Header::secret("Authorization", "Bearer sk_test_acme_0123456789").unwrap()],
+        Credential {
+            headers: vec![
+                Header::secret("Authorization", "Bearer sk_test_acme_0123456789").unwrap(),
+            ],
+            origins: vec![api.origin()],
+        },
     )]));
     let (d, _) = dispatcher(&db, s);
     assert_eq!(d.dispatch_once().await.unwrap(), 1);
@@ -418,7 +424,8 @@ async fn two_dispatcher_processes_together_stay_within_one_destinations_concurre
         &config,
         format!(
             "[dispatch.destinations.\"{}\"]\nmax_concurrency = 3\n\
-             [dispatch.credentials.api]\nheaders = {{ Authorization = \"Bearer ${{API_TOKEN}}\" }}\n",
+             [dispatch.credentials.api]\nheaders = {{ Authorization = \"Bearer ${{API_TOKEN}}\" }}\n\
+             origins = [\"{0}\"]\n",
             api.origin()
         ),
     )
@@ -464,5 +471,66 @@ async fn two_dispatcher_processes_together_stay_within_one_destinations_concurre
         api.max_in_flight(),
         3,
         "both processes sent, never more than the limit"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_credential_is_never_sent_to_an_origin_it_is_not_bound_to() {
+    let db = TestDb::new().await;
+    let bound = Recorder::start(Answer::Ok).await;
+    let elsewhere = Recorder::start(Answer::Ok).await;
+    for (key, api) in [("evt-bound", &bound), ("evt-elsewhere", &elsewhere)] {
+        let url = api.url("/charges");
+        let op = NewOperation::new(key, "charge", &url, b"{}".to_vec()).credential("live");
+        enqueue(&db, &op).await.unwrap();
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("replayproof.toml");
+    let text = format!(
+        "[dispatch.credentials.live]\nheaders = {{ Authorization = \"Bearer ${{LIVE_TOKEN}}\" }}\n\
+         origins = [\"{}\"]\n",
+        bound.origin()
+    );
+    std::fs::write(&config, text).unwrap();
+    let mut dispatch = tokio::process::Command::new(env!("CARGO_BIN_EXE_replayproof"))
+        .arg("dispatch")
+        .arg("--config")
+        .arg(&config)
+        .args(["--database-url", &db.url, "--poll", "10ms"])
+        .args(["--metrics-addr", "127.0.0.1:0"])
+        .env("LIVE_TOKEN", "tok_bound_to_one_origin_42")
+        .env("RUST_LOG", "warn")
+        .stdin(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    wait_for(
+        "both operations settled",
+        Duration::from_secs(60),
+        || async {
+            db.count("SELECT count(*) FROM outbox WHERE state IN ('done', 'failed')")
+                .await
+                == 2
+        },
+    )
+    .await;
+    let pid = nix::unistd::Pid::from_raw(dispatch.id().unwrap() as i32);
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).unwrap();
+    assert!(dispatch.wait().await.unwrap().success());
+    assert_eq!(bound.received().len(), 1);
+    assert_eq!(
+        bound.received()[0].header("authorization"),
+        Some("Bearer tok_bound_to_one_origin_42")
+    );
+    assert!(elsewhere.received().is_empty(), "nothing went elsewhere");
+    let (state, error): (String, String) =
+        sqlx::query_as("SELECT state, last_error FROM outbox WHERE event_key = 'evt-elsewhere'")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(state, "failed");
+    assert!(
+        error.contains(&format!("is sent only to {}", bound.origin())),
+        "{error}"
     );
 }

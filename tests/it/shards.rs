@@ -762,7 +762,7 @@ async fn one_dispatch_process_delivers_every_shards_outbox_within_one_concurrenc
         &config,
         format!(
             "[database]\nshards = [\"{}\", \"{}\"]\n\
-             [dispatch.destinations.\"{}\"]\nmax_concurrency = 4\n",
+             [dispatch.destinations.\"{}\"]\nmax_concurrency = 3\n",
             sharded.dbs[0].url,
             sharded.dbs[1].url,
             api.origin()
@@ -795,9 +795,11 @@ async fn one_dispatch_process_delivers_every_shards_outbox_within_one_concurrenc
     .unwrap();
     assert!(dispatch.wait().await.unwrap().success());
     assert_eq!(api.received().len(), 40, "each operation sent once");
-    assert!(
-        api.max_in_flight() <= 4,
-        "the shards' loops share the destination's limit: {} in flight",
+    // One limit over both databases: 3 at once, where a share per shard would give 1 each.
+    assert_eq!(
+        api.max_in_flight(),
+        3,
+        "the shards' loops are admitted by one row: {} in flight",
         api.max_in_flight()
     );
     for (i, db) in sharded.dbs.iter().enumerate() {
@@ -810,6 +812,85 @@ async fn one_dispatch_process_delivers_every_shards_outbox_within_one_concurrenc
             "each attempt recorded with its operation, on its shard"
         );
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_destination_s_breaker_counts_the_failures_of_every_shard_once() {
+    use crate::harness::recorder::{Answer, Recorder};
+    let _heavy = heavy().await;
+    let sharded = ShardedDb::new(2).await;
+    let api = Recorder::start(Answer::Status(503)).await;
+    let effect = replayproof::effect::HttpOutbox {
+        target_url: api.url("/ops"),
+        reconcile_url: None,
+        max_attempts: 50,
+    };
+    let batch: Vec<RawMessage> = (0..20)
+        .map(|n| message(n, &format!("evt-{n}"), None))
+        .collect();
+    sharded
+        .processor(Arc::new(effect))
+        .process("t", 0, &batch)
+        .await
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("replayproof.toml");
+    // One request at a time, over two shards: a limit no share per shard could keep.
+    std::fs::write(
+        &config,
+        format!(
+            "[database]\nshards = [\"{}\", \"{}\"]\n\
+             [dispatch.destinations.\"{}\"]\nmax_concurrency = 1\nbreaker_failures = 4\n\
+             breaker_open = \"10m\"\n",
+            sharded.dbs[0].url,
+            sharded.dbs[1].url,
+            api.origin()
+        ),
+    )
+    .unwrap();
+    let mut dispatch = tokio::process::Command::new(env!("CARGO_BIN_EXE_replayproof"))
+        .arg("dispatch")
+        .arg("--config")
+        .arg(&config)
+        .args(["--batch-size", "8", "--poll", "10ms", "--backoff", "10ms"])
+        .args(["--max-backoff", "10ms", "--metrics-addr", "127.0.0.1:0"])
+        .env("RUST_LOG", "warn")
+        .env_remove("DATABASE_URL")
+        .stdin(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let open = "SELECT count(*) FROM outbox_destinations WHERE breaker = 'open'";
+    wait_for("the breaker open", Duration::from_secs(60), || async {
+        sharded.dbs[0].count(open).await == 1
+    })
+    .await;
+    // Let every loop take a turn with the breaker open: none sends.
+    let attempts = "SELECT count(*) FROM outbox_attempts";
+    let turns =
+        || async { sharded.dbs[0].count(attempts).await + sharded.dbs[1].count(attempts).await };
+    let settled = turns().await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(turns().await, settled, "nothing is sent while it is open");
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(dispatch.id().unwrap() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .unwrap();
+    assert!(dispatch.wait().await.unwrap().success());
+    assert_eq!(
+        api.received().len(),
+        4,
+        "four failures in a row, whichever shard they came from, open it"
+    );
+    assert_eq!(api.max_in_flight(), 1);
+    assert_eq!(
+        sharded.dbs[1]
+            .count("SELECT count(*) FROM outbox_destinations")
+            .await,
+        0,
+        "the limits live on the first shard only"
+    );
 }
 
 /// An effect that refuses every event for good: each is settled `failed`.
