@@ -148,6 +148,8 @@ pub struct RawLetter {
     pub key: Option<Vec<u8>>,
     pub value: Option<Vec<u8>>,
     pub replayed: bool,
+    /// Its bytes were erased (`events erase`): it can never be replayed.
+    pub erased: bool,
 }
 
 /// Reads a dead letter's bytes without locking it: a replay must not hold a row lock while it
@@ -156,7 +158,8 @@ pub async fn take(pool: &PgPool, id: i64) -> sqlx::Result<Option<RawLetter>> {
     sqlx::query_as!(
         RawLetter,
         r#"SELECT kafka_topic AS topic, raw_key AS key, raw_value AS value,
-                  replayed_at IS NOT NULL AS "replayed!"
+                  replayed_at IS NOT NULL AS "replayed!",
+                  payload_erased_at IS NOT NULL AS "erased!"
            FROM dead_letters WHERE id = $1"#,
         id
     )

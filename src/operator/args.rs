@@ -332,24 +332,18 @@ async fn erase(
     reason: &str,
 ) -> anyhow::Result<()> {
     use crate::retention::erase;
-    // Each database erases the keys it holds: the one key's shard, or every shard's matches.
-    let mut work = Vec::new();
-    match (key, source, matching) {
-        (Some(key), _, _) => work.push((op.pool_for(&key).await?, vec![key])),
+    // Each database erases the keys it holds; dead letters are on the first.
+    let act = op.act(reason);
+    let databases = op.databases().await?;
+    let erased = match (key, source, matching) {
+        (Some(key), _, _) => {
+            erase::erase_key(&op.pool_for(&key).await?, &databases[0], &key, &act).await?
+        }
         (None, Some(source), Some((field, value))) => {
-            for pool in op.databases().await? {
-                let keys = erase::matching(&pool, &source, &field, &value).await?;
-                work.push((pool, keys));
-            }
+            erase::erase_matching(&databases, &source, &field, &value, &act).await?
         }
         _ => anyhow::bail!("give --key, or --source with --match"),
-    }
-    let mut erased = erase::Erased::default();
-    for (pool, keys) in work {
-        let done = erase::erase(&pool, &keys, &op.act(reason)).await?;
-        erased.erased.extend(done.erased);
-        erased.refused.extend(done.refused);
-    }
+    };
     render::print(op.json, &erased, |e| {
         let mut out = String::new();
         for key in &e.erased {
@@ -358,17 +352,25 @@ async fn erase(
         for (key, why) in &e.refused {
             out.push_str(&format!("{key}: refused: {why}\n"));
         }
+        for id in &e.dead_letters {
+            out.push_str(&format!("dead letter {id}: bytes erased\n"));
+        }
+        for blind in &e.unsearched {
+            out.push_str(&format!("not searched: {blind}\n"));
+        }
         out.push_str(&format!(
-            "{} erased, {} refused\n",
+            "{} erased, {} refused, {} dead letter(s) erased\n",
             e.erased.len(),
-            e.refused.len()
+            e.refused.len(),
+            e.dead_letters.len()
         ));
         out
     });
     anyhow::ensure!(
-        erased.refused.is_empty(),
-        "{} event(s) were not erased",
-        erased.refused.len()
+        erased.refused.is_empty() && erased.unsearched.is_empty(),
+        "{} event(s) were not erased, {} place(s) could not be searched",
+        erased.refused.len(),
+        erased.unsearched.len()
     );
     Ok(())
 }

@@ -101,6 +101,9 @@ where
     let letter = dead_letters::take(pool, id)
         .await?
         .ok_or(OperatorError::NoSuchDeadLetter(id))?;
+    if letter.erased {
+        return Err(OperatorError::LetterErased(id));
+    }
     let before = if letter.replayed { "replayed" } else { "dead" };
     let to = produce(letter).await?;
     let target = format!("dead_letter:{id}");

@@ -487,13 +487,16 @@ pub struct RetryFilter {
     pub limit: i64,
 }
 
-/// The events a bulk retry takes, oldest claim first.
+/// The events a bulk retry takes, oldest claim first; never one whose operations' bodies were
+/// erased, which can never be sent again.
 pub async fn to_retry(pool: &PgPool, f: &RetryFilter) -> Result<Vec<String>, OperatorError> {
     let keys = sqlx::query_scalar!(
         r#"SELECT event_key AS "event_key!" FROM event_summaries
            WHERE (claim = $1 OR $1 = ANY(operation_states))
              AND ($2::text IS NULL OR source = $2)
              AND ($3::timestamptz IS NULL OR claimed_at >= $3)
+             AND NOT EXISTS (SELECT 1 FROM outbox o WHERE o.event_key = event_summaries.event_key
+                             AND o.payload_erased_at IS NOT NULL)
            ORDER BY claimed_at, event_key
            LIMIT $4"#,
         f.state.as_str(),
@@ -519,7 +522,7 @@ pub struct Retry {
 /// Sends an event's `failed`, `uncertain` or `dead` operations again, with the same idempotency
 /// key and payload; an event without operations whose local effect failed or deferred has the
 /// effect run again, now, from its stored payload. `done` is refused, and so is an operation
-/// already on its way.
+/// already on its way or whose body was erased.
 pub async fn retry(
     pool: &PgPool,
     registry: &Registry,
@@ -536,6 +539,9 @@ pub async fn retry(
     let mut changes = Vec::new();
     for op in ops {
         match op.state {
+            state if state.is_retryable_by_hand() && op.erased => {
+                return Err(OperatorError::BodyErased(op.operation_key))
+            }
             state if state.is_retryable_by_hand() => {
                 outbox::requeue(&mut tx, op.id).await?;
                 let change = Change::new(&op.operation_key, state, OutboxState::Pending);

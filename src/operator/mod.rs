@@ -24,8 +24,12 @@ pub enum OperatorError {
     NoSuchEvent(String),
     #[error("no dead letter has the id {0}")]
     NoSuchDeadLetter(i64),
+    #[error("dead letter {0} can never be replayed: its bytes were erased (events erase)")]
+    LetterErased(i64),
     #[error("{0} is done; a done operation is not sent again")]
     AlreadyDone(String),
+    #[error("{0} can never be sent again: its body was erased (events erase); it stays as it is")]
+    BodyErased(String),
     #[error("{target} is {state}: it is already on its way")]
     OnItsWay { target: String, state: String },
     #[error("{0} is being sent right now; resolve it when its lease has ended")]

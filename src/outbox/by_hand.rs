@@ -106,6 +106,8 @@ pub struct Locked {
     pub state: OutboxState,
     /// Whether a worker holds a lease on it that has not expired.
     pub leased: bool,
+    /// Whether its body was erased (`events erase`): it can never be sent again.
+    pub erased: bool,
 }
 
 /// An event's operations (or only `operation`), locked until the caller's transaction ends.
@@ -117,7 +119,8 @@ pub async fn lock_of_event(
     sqlx::query_as!(
         Locked,
         r#"SELECT id, operation_key, state AS "state: OutboxState",
-                  coalesce(lease_expires_at > now(), false) AS "leased!"
+                  coalesce(lease_expires_at > now(), false) AS "leased!",
+                  payload_erased_at IS NOT NULL AS "erased!"
            FROM outbox WHERE event_key = $1 AND ($2::text IS NULL OR operation = $2)
            ORDER BY operation FOR UPDATE"#,
         key,

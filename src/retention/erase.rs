@@ -1,9 +1,11 @@
 //! Erasure: the payloads of settled events removed everywhere replayproof keeps them (the claim,
-//! the ledger, the operations' bodies, key conflicts, expired replays), while the key, the
-//! payload's hash and the status stay, so a redelivery is still a replay. For one key, or for a
-//! data subject: every event of a source whose stored payload has a field equal to a value.
-//! Audited; refused for an event that is not settled (failed, deferred, an operation still on
-//! its way, an expired replay not yet resolved), whose payload is still needed.
+//! the ledger, the operations' bodies and the downstream's answers and excerpts, key
+//! conflicts, expired replays, dead letters' bytes), while the key, the payload's hash and the
+//! status stay, so a redelivery is still a replay. For one key, or for a data subject: every
+//! event of a source whose stored payload (or JSON operation body) has a field equal to a
+//! value. Audited; refused for an event that is not settled (failed, deferred, an operation
+//! still on its way, an expired replay not yet resolved), whose payload is still needed. The
+//! topic keeps the event's bytes until its own retention: erasure cannot reach them.
 
 use crate::operator::Act;
 use serde::Serialize;
@@ -16,10 +18,16 @@ pub struct Erased {
     pub erased: Vec<String>,
     /// Keys refused, with why.
     pub refused: Vec<(String, String)>,
+    /// Dead letters whose bytes were erased, by id.
+    pub dead_letters: Vec<i64>,
+    /// What could not be searched, and so may still concern the data subject: one sentence
+    /// each. An erasure that leaves any is not a success.
+    pub unsearched: Vec<String>,
 }
 
 /// The keys of `source` whose stored payload has `value` at `path` (`customer` or
-/// `data.object.customer`), wherever a payload is kept.
+/// `data.object.customer`), wherever a payload is kept: claims, the ledger, key conflicts,
+/// expired replays and the JSON bodies of operations.
 pub async fn matching(
     pool: &PgPool,
     source: &str,
@@ -27,6 +35,19 @@ pub async fn matching(
     value: &str,
 ) -> sqlx::Result<Vec<String>> {
     let path: Vec<&str> = path.split('.').collect();
+    let mut keys = matching_payloads(pool, source, &path, value).await?;
+    keys.extend(super::erase_search::matching_bodies(pool, source, &path, value).await?);
+    keys.sort();
+    keys.dedup();
+    Ok(keys)
+}
+
+async fn matching_payloads(
+    pool: &PgPool,
+    source: &str,
+    path: &[&str],
+    value: &str,
+) -> sqlx::Result<Vec<String>> {
     sqlx::query_scalar!(
         r#"SELECT event_key AS "k!" FROM processed_events
                WHERE source = $1 AND payload #>> $2 = $3
@@ -36,12 +57,95 @@ pub async fn matching(
                WHERE source = $1 AND payload #>> $2 = $3
            ORDER BY 1"#,
         source,
-        &path as _,
+        path as _,
         value
     )
     .fetch_all(pool)
     .await
 }
+
+/// `events erase --key`: `key`'s payloads in `pool`, its database, and its dead letters' bytes
+/// in `first`, where dead letters are kept.
+pub async fn erase_key(
+    pool: &PgPool,
+    first: &PgPool,
+    key: &str,
+    act: &Act,
+) -> sqlx::Result<Erased> {
+    let mut erased = erase(pool, &[key.to_owned()], act).await?;
+    let letters = super::erase_search::dead_letters_of(first, key).await?;
+    erase_letters(first, &letters, act, &mut erased).await?;
+    // Only dead letters of it: erased, and no claim needed.
+    if erased.refused == [(key.to_owned(), NO_SUCH_EVENT.to_owned())] && !letters.is_empty() {
+        erased.refused.clear();
+    }
+    Ok(erased)
+}
+
+/// `events erase --source --match FIELD=VALUE`: the matching events of every database, the
+/// matching dead letters of the first, and what could not be searched.
+pub async fn erase_matching(
+    databases: &[PgPool],
+    source: &str,
+    field: &str,
+    value: &str,
+    act: &Act,
+) -> sqlx::Result<Erased> {
+    let mut erased = Erased::default();
+    let path: Vec<&str> = field.split('.').collect();
+    for pool in databases {
+        let keys = matching(pool, source, field, value).await?;
+        let done = erase(pool, &keys, act).await?;
+        erased.erased.extend(done.erased);
+        erased.refused.extend(done.refused);
+        let blind = super::erase_search::unsearchable(pool, source).await?;
+        if blind > 0 {
+            erased.unsearched.push(format!(
+                "{blind} settled event(s) of {source} keep no payload to search (a done claim \
+                 keeps only its hash; the application's own tables and the topic are not \
+                 searched): erase them by --key, or in the application, if they concern the \
+                 data subject"
+            ));
+        }
+    }
+    if let Some(first) = databases.first() {
+        let letters =
+            super::erase_search::matching_dead_letters(first, source, &path, value).await?;
+        erase_letters(first, &letters, act, &mut erased).await?;
+    }
+    Ok(erased)
+}
+
+/// Erases the bytes of the dead letters `ids` of `first`, each audited.
+async fn erase_letters(
+    first: &PgPool,
+    ids: &[i64],
+    act: &Act,
+    erased: &mut Erased,
+) -> sqlx::Result<()> {
+    if ids.is_empty() {
+        return Ok(());
+    }
+    super::erase_search::erase_dead_letters(first, ids).await?;
+    let mut conn = first.acquire().await?;
+    for id in ids {
+        let target = format!("dead_letter:{id}");
+        let action = crate::audit::Action {
+            actor: &act.actor,
+            action: "erase",
+            target: &target,
+            reason: &act.reason,
+            before: "dead",
+            after: "dead",
+        };
+        crate::audit::record(&mut conn, action).await?;
+    }
+    erased.dead_letters.extend_from_slice(ids);
+    Ok(())
+}
+
+/// Why an erasure of a key without a claim is refused.
+const NO_SUCH_EVENT: &str = "no such event";
 
 /// Erases the payloads of `keys`, each settled one in its own transaction with its audit row.
 pub async fn erase(pool: &PgPool, keys: &[String], act: &Act) -> sqlx::Result<Erased> {
@@ -83,7 +187,7 @@ async fn unsettled(conn: &mut PgConnection, key: &str) -> sqlx::Result<Option<St
     .await?;
     Ok(match (row.status.as_deref(), row.ops, row.open) {
         (_, _, open) if open > 0 => Some("an expired replay of it is not resolved".into()),
-        (None, _, _) => Some("no such event".into()),
+        (None, _, _) => Some(NO_SUCH_EVENT.into()),
         (Some(status @ ("failed" | "deferred" | "in_progress")), _, _) => {
             Some(format!("its claim is {status}; resolve it first"))
         }
@@ -99,8 +203,12 @@ async fn erase_one(conn: &mut PgConnection, key: &str) -> sqlx::Result<String> {
                           WHERE event_key = $1 RETURNING status),
                 ledger AS (UPDATE ledger SET payload = 'null'::jsonb, payload_erased_at = now()
                            WHERE event_key = $1 RETURNING 1),
-                ops AS (UPDATE outbox SET payload = ''::bytea, payload_erased_at = now()
-                        WHERE event_key = $1 RETURNING 1),
+                ops AS (UPDATE outbox SET payload = ''::bytea, last_response = NULL,
+                               payload_erased_at = now()
+                        WHERE event_key = $1 RETURNING id),
+                excerpts AS (UPDATE outbox_attempts SET response_excerpt = NULL
+                             WHERE outbox_id IN (SELECT id FROM ops)
+                               AND response_excerpt IS NOT NULL RETURNING 1),
                 conflicts AS (UPDATE key_conflicts
                               SET payload = 'null'::jsonb, payload_erased_at = now()
                               WHERE event_key = $1 RETURNING 1),
@@ -108,7 +216,8 @@ async fn erase_one(conn: &mut PgConnection, key: &str) -> sqlx::Result<String> {
                             WHERE event_key = $1 RETURNING 1)
            SELECT (SELECT status FROM claim) AS "status!",
                   (SELECT count(*) FROM ledger) + (SELECT count(*) FROM ops)
-                  + (SELECT count(*) FROM conflicts) + (SELECT count(*) FROM expired) AS rows"#,
+                  + (SELECT count(*) FROM conflicts) + (SELECT count(*) FROM expired)
+                  + (SELECT count(*) FROM excerpts) AS rows"#,
         key
     )
     .fetch_one(conn)

@@ -10,6 +10,7 @@
 //! ([`expired`]) instead of applied.
 
 pub mod erase;
+mod erase_search;
 pub mod expired;
 pub mod prune;
 pub mod round;
@@ -92,7 +93,8 @@ pub struct Lifetimes {
     pub default: Duration,
     /// Each source's own retention, by name.
     pub sources: BTreeMap<String, SourceRetention>,
-    /// Settled payloads (the ledger's rows, done operations' bodies, resolved expired replays'):
+    /// Settled payloads (the ledger's rows, done and dead operations' bodies and answers,
+    /// resolved expired replays'):
     /// after it only the key, the hash and the status remain.
     pub payload: Duration,
     /// Dead letters an operator replayed (the others are kept for the operator).

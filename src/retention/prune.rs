@@ -289,10 +289,12 @@ const RULES: &[Rule] = &[
     },
     Rule {
         name: "outbox.payload",
-        change: "UPDATE outbox SET payload = ''::bytea, payload_erased_at = now()",
+        change: "UPDATE outbox SET payload = ''::bytea, last_response = NULL, \
+                 payload_erased_at = now()",
         key: "id",
-        select: "SELECT id FROM outbox WHERE state = 'done' AND payload_erased_at IS NULL \
-                 AND completed_at < now() - make_interval(secs => $1)",
+        select: "SELECT id FROM outbox WHERE state IN ('done', 'dead') \
+                 AND payload_erased_at IS NULL \
+                 AND coalesce(completed_at, updated_at) < now() - make_interval(secs => $1)",
         lock_of: "",
     },
     Rule {

@@ -36,6 +36,7 @@ mod console {
 /// The operator's commands, `status`, and retention: prune, expired replays, erasure.
 mod operator {
     mod commands;
+    mod erasure;
     mod replay;
     mod retention;
     mod status;

@@ -684,3 +684,73 @@ async fn status_watch_shows_the_screen_again_until_interrupted() {
         "the screen is cleared between views"
     );
 }
+
+#[tokio::test]
+async fn an_operation_whose_body_was_erased_is_never_sent_again() {
+    let db = TestDb::new().await;
+    operations_in(&db, &[("d", "dead"), ("d2", "dead")]).await;
+    let cli = |args: &[&str]| {
+        let out = crate::harness::replayproof()
+            .args(args)
+            .args(["--database-url", &db.url])
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned()
+            + &String::from_utf8_lossy(&out.stderr);
+        (out.status.success(), text)
+    };
+    let (ok, said) = cli(&["events", "erase", "--key", "d", "--reason", "gdpr"]);
+    assert!(ok, "a dead operation's event may be erased: {said}");
+    // One key, by the command line: refused, naming why.
+    let (ok, said) = cli(&["events", "retry", "d", "--reason", "again"]);
+    assert!(!ok, "{said}");
+    assert!(said.contains("its body was erased"), "{said}");
+    // In bulk: the erased one is not among the events a retry takes; the other dead one is.
+    let (ok, said) = cli(&[
+        "events",
+        "retry",
+        "--state",
+        "dead",
+        "--dry-run",
+        "--reason",
+        "r",
+    ]);
+    assert!(ok, "{said}");
+    assert!(said.contains("1 events would be retried"), "{said}");
+    assert!(!said.contains("d: would"), "{said}");
+    // From the console: 409 with the reason.
+    let console =
+        crate::harness::console::TestConsole::start(&db, crate::harness::console::settings()).await;
+    let ann = console.login("ann").await;
+    let token = ann.csrf("/events/d").await;
+    let form = [("csrf_token", token.as_str()), ("reason", "again")];
+    let answer = ann.post("/events/d/retry", &form).await;
+    assert_eq!(answer.status, 409, "{}", answer.body);
+    assert!(
+        answer.body.contains("its body was erased"),
+        "{}",
+        answer.body
+    );
+    let bulk = [
+        ("csrf_token", token.as_str()),
+        ("reason", "again"),
+        ("keys", "d"),
+    ];
+    let answer = ann.post("/events/retry", &bulk).await;
+    assert!(
+        answer.body.contains("its body was erased"),
+        "{}",
+        answer.body
+    );
+    let (state, payload): (String, Vec<u8>) =
+        sqlx::query_as("SELECT state, payload FROM outbox WHERE event_key = 'd'")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!((state.as_str(), payload.len()), ("dead", 0));
+    assert_eq!(
+        db.count("SELECT count(*) FROM operator_actions WHERE action = 'retry'")
+            .await,
+        0
+    );
+}

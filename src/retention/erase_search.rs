@@ -1,0 +1,143 @@
+//! What erasure searches beyond the stored JSON payloads: operations' bodies (bytes, JSON for
+//! the `http` effect), dead letters' bytes (an envelope, or anything a producer wrote), and
+//! what it cannot search at all: settled events whose payload replayproof no longer keeps.
+
+use serde_json::Value;
+use sqlx::PgPool;
+
+/// Whether `document` holds `value` at `path`, as PostgreSQL's `#>>` reads it: a string as
+/// itself, any other value as its JSON text.
+pub fn holds(document: &Value, path: &[&str], value: &str) -> bool {
+    let mut at = document;
+    for step in path {
+        at = match at {
+            Value::Object(members) => match members.get(*step) {
+                Some(next) => next,
+                None => return false,
+            },
+            Value::Array(items) => match step.parse::<usize>().ok().and_then(|i| items.get(i)) {
+                Some(next) => next,
+                None => return false,
+            },
+            _ => return false,
+        };
+    }
+    match at {
+        Value::String(text) => text == value,
+        Value::Null => false,
+        other => serde_json::to_string(other).is_ok_and(|text| text == value),
+    }
+}
+
+/// The keys of `source` whose operations' bodies, read as JSON, hold `value` at `path`: in the
+/// body itself (an application's own request), or in its `payload` (the `http` effect sends
+/// the event's envelope).
+pub async fn matching_bodies(
+    pool: &PgPool,
+    source: &str,
+    path: &[&str],
+    value: &str,
+) -> sqlx::Result<Vec<String>> {
+    let bodies = sqlx::query!(
+        r#"SELECT DISTINCT o.event_key, o.payload FROM outbox o
+           JOIN processed_events p ON p.event_key = o.event_key
+           WHERE p.source = $1 AND o.payload_erased_at IS NULL"#,
+        source
+    )
+    .fetch_all(pool)
+    .await?;
+    Ok(bodies
+        .into_iter()
+        .filter(|b| {
+            serde_json::from_slice::<Value>(&b.payload)
+                .is_ok_and(|v| holds(&v, path, value) || holds(&v["payload"], path, value))
+        })
+        .map(|b| b.event_key)
+        .collect())
+}
+
+/// The dead letters, not yet erased, that may carry the data subject's `value`: an envelope of
+/// `source` holding it at `path` in its payload; bytes that are no envelope, wherever they
+/// contain it.
+pub async fn matching_dead_letters(
+    pool: &PgPool,
+    source: &str,
+    path: &[&str],
+    value: &str,
+) -> sqlx::Result<Vec<i64>> {
+    let letters = sqlx::query!(
+        r#"SELECT id, raw_value AS "value!" FROM dead_letters
+           WHERE payload_erased_at IS NULL AND raw_value IS NOT NULL ORDER BY id"#
+    )
+    .fetch_all(pool)
+    .await?;
+    let needle = value.as_bytes();
+    Ok(letters
+        .into_iter()
+        .filter(|l| match serde_json::from_slice::<Value>(&l.value) {
+            Ok(envelope) if envelope["source"] == source => {
+                holds(&envelope["payload"], path, value)
+            }
+            Ok(_) => false,
+            Err(_) => !needle.is_empty() && l.value.windows(needle.len()).any(|w| w == needle),
+        })
+        .map(|l| l.id)
+        .collect())
+}
+
+/// The dead letters of `key` (their Kafka key), not yet erased.
+pub async fn dead_letters_of(pool: &PgPool, key: &str) -> sqlx::Result<Vec<i64>> {
+    sqlx::query_scalar!(
+        "SELECT id FROM dead_letters WHERE raw_key = convert_to($1, 'UTF8') \
+         AND payload_erased_at IS NULL ORDER BY id",
+        key
+    )
+    .fetch_all(pool)
+    .await
+}
+
+/// Erases the bytes of the dead letters `ids`, keeping their place and reason; how many.
+pub async fn erase_dead_letters(pool: &PgPool, ids: &[i64]) -> sqlx::Result<u64> {
+    let done = sqlx::query!(
+        "UPDATE dead_letters SET raw_value = NULL, payload_erased_at = now() \
+         WHERE id = ANY($1) AND payload_erased_at IS NULL",
+        ids
+    )
+    .execute(pool)
+    .await?;
+    Ok(done.rows_affected())
+}
+
+/// The settled events of `source` of which nothing searchable is kept (a done claim keeps only
+/// its hash, an application's own tables are not searched, prune erased the rest):
+/// an erasure by field cannot tell whether they concerned the data subject.
+pub async fn unsearchable(pool: &PgPool, source: &str) -> sqlx::Result<i64> {
+    sqlx::query_scalar!(
+        r#"SELECT count(*) AS "n!" FROM processed_events p
+           WHERE p.source = $1 AND p.payload IS NULL AND p.payload_erased_at IS NULL
+             AND NOT EXISTS (SELECT 1 FROM ledger l WHERE l.event_key = p.event_key
+                             AND l.payload_erased_at IS NULL)
+             AND NOT EXISTS (SELECT 1 FROM outbox o WHERE o.event_key = p.event_key
+                             AND o.payload_erased_at IS NULL)"#,
+        source
+    )
+    .fetch_one(pool)
+    .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::holds;
+    use serde_json::json;
+
+    #[test]
+    fn a_field_is_read_as_postgresql_reads_it() {
+        let doc = json!({"data": {"object": {"customer": "cus_1", "n": 42, "tags": ["a", "b"]}}});
+        assert!(holds(&doc, &["data", "object", "customer"], "cus_1"));
+        assert!(holds(&doc, &["data", "object", "n"], "42"));
+        assert!(holds(&doc, &["data", "object", "tags", "1"], "b"));
+        assert!(!holds(&doc, &["data", "object", "customer"], "cus_2"));
+        assert!(!holds(&doc, &["data", "missing"], "cus_1"));
+        assert!(!holds(&json!({"a": null}), &["a"], "null"));
+    }
+}
