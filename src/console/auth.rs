@@ -1,5 +1,6 @@
 //! Users, logins and sessions: argon2id hashes, signed session cookies, CSRF tokens bound to a
-//! session, login attempts limited per address and per name, and a trusted proxy's header.
+//! session, login attempts limited per address and slowed per name (`limiter`), and a trusted
+//! proxy's header.
 
 use super::{pages, ConsoleSettings, State, SESSION_LIFETIME};
 use argon2::password_hash::{PasswordHash, PasswordHasher, PasswordVerifier, SaltString};
@@ -9,16 +10,11 @@ use axum::http::request::Parts;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Redirect, Response};
 use axum_extra::extract::cookie::{Cookie, Key, SameSite, SignedCookieJar};
-use governor::{DefaultKeyedRateLimiter, Quota};
 use hmac::{Hmac, Mac};
 use maud::html;
 use serde::{Deserialize, Serialize};
 use sha2::Sha256;
 use std::net::{IpAddr, SocketAddr};
-use std::num::NonZeroU32;
-
-/// How many addresses and names the login limiter holds before it forgets the idle ones.
-const FORGET_AFTER_KEYS: usize = 10_000;
 
 /// The session cookie's name.
 pub(crate) const SESSION_COOKIE: &str = "replayproof_session";
@@ -111,7 +107,7 @@ fn random_bytes<const N: usize>() -> [u8; N] {
 pub(crate) struct Auth {
     pub(crate) cookie_key: Key,
     csrf_key: Vec<u8>,
-    limiter: DefaultKeyedRateLimiter<String>,
+    logins: super::limiter::Logins,
     /// Verified when the name is unknown, so an unknown name costs what a wrong password does.
     dummy_hash: String,
 }
@@ -131,11 +127,10 @@ impl Auth {
             .and_then(|h| argon2::Params::try_from(&h).ok())
             .unwrap_or_default();
         let dummy = hex::encode(random_bytes::<16>());
-        let per_minute = NonZeroU32::new(settings.logins_per_minute.max(1)).expect("at least one");
         Ok(Self {
             cookie_key: Key::derive_from(&settings.session_key),
             csrf_key,
-            limiter: DefaultKeyedRateLimiter::keyed(Quota::per_minute(per_minute)),
+            logins: super::limiter::Logins::new(settings.logins_per_minute),
             dummy_hash: hash_password_with(&dummy, params)?,
         })
     }
@@ -286,6 +281,19 @@ fn login_form(status: StatusCode, problem: Option<&str>) -> Response {
     (status, pages::document("Log in", None, body)).into_response()
 }
 
+/// 429 with `Retry-After`: too many attempts from one address this minute.
+fn too_many() -> Response {
+    let mut response = login_form(
+        StatusCode::TOO_MANY_REQUESTS,
+        Some("Too many attempts: wait a minute and try again."),
+    );
+    response.headers_mut().insert(
+        http::header::RETRY_AFTER,
+        http::HeaderValue::from_static("60"),
+    );
+    response
+}
+
 /// `POST /login`: a session cookie for a right name and password, within the attempts allowed.
 pub(crate) async fn login(
     axum::extract::State(state): axum::extract::State<State>,
@@ -294,39 +302,27 @@ pub(crate) async fn login(
     jar: SignedCookieJar,
     fields: super::form::Fields,
 ) -> Response {
-    let username = fields.get("username").unwrap_or_default().to_owned();
+    let given = fields.get("username").unwrap_or_default();
+    // Capped before anything else; the address is checked before the name is looked at.
+    let name = super::limiter::Name::new(given);
+    let client = super::limiter::client(peer.ip(), &headers, &state.settings.trusted_proxies);
+    let Some(wait) = state.auth.logins.admit(client, &name) else {
+        tracing::warn!(address = %client, "Too many login attempts from one address.");
+        return too_many();
+    };
+    // A name that failed often waits longer each time; it is never locked out.
+    tokio::time::sleep(wait).await;
+    let username = name.text.unwrap_or_default().to_owned();
     let password = fields
         .all("password")
         .first()
         .map(|p| p.to_string())
         .unwrap_or_default();
-    // Forget the addresses and names whose minute has passed, so made-up names cannot grow
-    // the limiter without bound.
-    if state.auth.limiter.len() > FORGET_AFTER_KEYS {
-        state.auth.limiter.retain_recent();
-    }
-    let by_address = state
-        .auth
-        .limiter
-        .check_key(&format!("address {}", peer.ip()));
-    let by_name = state.auth.limiter.check_key(&format!("user {username}"));
-    if by_address.is_err() || by_name.is_err() {
-        tracing::warn!(address = %peer.ip(), user = %username, "Too many login attempts.");
-        let mut response = login_form(
-            StatusCode::TOO_MANY_REQUESTS,
-            Some("Too many attempts: wait a minute and try again."),
-        );
-        response.headers_mut().insert(
-            http::header::RETRY_AFTER,
-            http::HeaderValue::from_static("60"),
-        );
-        return response;
-    }
     let user = state
         .settings
         .users
         .iter()
-        .find(|u| u.name == username)
+        .find(|u| name.text.is_some() && u.name == username)
         .cloned();
     let hash = user
         .as_ref()
@@ -344,9 +340,12 @@ pub(crate) async fn login(
     .await
     .unwrap_or(false);
     let Some(user) = user.filter(|u| verified && u.password_hash.is_some()) else {
-        tracing::info!(address = %peer.ip(), user = %username, "A login failed.");
+        state.auth.logins.failed(&name);
+        let logged = super::limiter::Name::logged(given);
+        tracing::info!(address = %client, user = %logged, "A login failed.");
         return login_form(StatusCode::UNAUTHORIZED, Some("Wrong user or password."));
     };
+    state.auth.logins.succeeded(&name);
     let session = Session {
         u: user.name.clone(),
         s: hex::encode(random_bytes::<16>()),

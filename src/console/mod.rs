@@ -15,6 +15,7 @@ mod actions;
 pub mod args;
 mod auth;
 mod form;
+mod limiter;
 mod pages;
 mod story;
 
