@@ -143,6 +143,12 @@ impl Auth {
         hex::encode(mac.finalize().into_bytes())
     }
 
+    /// The CSRF token of a user the trusted proxy names: bound to the user and to the hour,
+    /// so it changes every hour (the last hour's is still taken, for a form opened just before).
+    fn proxy_csrf(&self, session: &str, hour: i64) -> String {
+        self.csrf(&format!("{session}\0{hour}"))
+    }
+
     /// Whether `token` is the CSRF token of `session`, compared in constant time.
     fn csrf_matches(&self, session: &str, token: &str) -> bool {
         let Ok(token) = hex::decode(token) else {
@@ -173,6 +179,8 @@ pub(crate) struct User {
     pub(crate) role: Role,
     /// The session's id: what the CSRF token is bound to.
     session: String,
+    /// Named by the trusted proxy's header: its CSRF token turns with the hour.
+    proxied: bool,
     /// The CSRF token every action form of this session carries.
     pub(crate) csrf: String,
 }
@@ -180,7 +188,16 @@ pub(crate) struct User {
 impl User {
     /// Whether `token` is this session's CSRF token.
     pub(crate) fn csrf_ok(&self, state: &State, token: Option<&str>) -> bool {
-        token.is_some_and(|t| state.auth.csrf_matches(&self.session, t))
+        let Some(token) = token else { return false };
+        if !self.proxied {
+            return state.auth.csrf_matches(&self.session, token);
+        }
+        let hour = this_hour();
+        [hour, hour - 1].iter().any(|h| {
+            state
+                .auth
+                .csrf_matches(&format!("{}\0{h}", self.session), token)
+        })
     }
 
     /// Whether this user sees payloads and raw bytes.
@@ -225,8 +242,9 @@ impl FromRequestParts<State> for User {
                 return Ok(Self {
                     name: user.name.clone(),
                     role: user.role,
-                    csrf: state.auth.csrf(&session),
+                    csrf: state.auth.proxy_csrf(&session, this_hour()),
                     session,
+                    proxied: true,
                 });
             }
         }
@@ -243,11 +261,19 @@ impl FromRequestParts<State> for User {
             .iter()
             .find(|u| u.name == session.u)
             .ok_or_else(to_login)?;
+        // Logged out, or opened with another password_hash: over.
+        let live = super::sessions::live(&state.pool, user, &session.s).await;
+        match live {
+            Ok(true) => {}
+            Ok(false) => return Err(to_login()),
+            Err(e) => return Err(unavailable(&e)),
+        }
         Ok(Self {
             name: user.name.clone(),
             role: user.role,
             csrf: state.auth.csrf(&session.s),
             session: session.s,
+            proxied: false,
         })
     }
 }
@@ -324,11 +350,24 @@ pub(crate) async fn login(
         .iter()
         .find(|u| name.text.is_some() && u.name == username)
         .cloned();
+    let verified = verify(&state, user.as_ref(), password).await;
+    let Some(user) = user.filter(|u| verified && u.password_hash.is_some()) else {
+        state.auth.logins.failed(&name);
+        let logged = super::limiter::Name::logged(given);
+        tracing::info!(address = %client, user = %logged, "A login failed.");
+        return login_form(StatusCode::UNAUTHORIZED, Some("Wrong user or password."));
+    };
+    state.auth.logins.succeeded(&name);
+    let tls = over_tls(&state, &headers, Some(peer.ip()));
+    start_session(&state, &user, tls, jar).await
+}
+
+/// Whether `password` is `user`'s; an unknown user costs what a wrong password does.
+async fn verify(state: &State, user: Option<&UserConfig>, password: String) -> bool {
     let hash = user
-        .as_ref()
         .and_then(|u| u.password_hash.clone())
         .unwrap_or_else(|| state.auth.dummy_hash.clone());
-    let verified = tokio::task::spawn_blocking(move || {
+    tokio::task::spawn_blocking(move || {
         PasswordHash::new(&hash)
             .map(|h| {
                 Argon2::default()
@@ -338,19 +377,24 @@ pub(crate) async fn login(
             .unwrap_or(false)
     })
     .await
-    .unwrap_or(false);
-    let Some(user) = user.filter(|u| verified && u.password_hash.is_some()) else {
-        state.auth.logins.failed(&name);
-        let logged = super::limiter::Name::logged(given);
-        tracing::info!(address = %client, user = %logged, "A login failed.");
-        return login_form(StatusCode::UNAUTHORIZED, Some("Wrong user or password."));
-    };
-    state.auth.logins.succeeded(&name);
+    .unwrap_or(false)
+}
+
+/// Opens a session for `user` and answers with its cookie, `Secure` over `tls`.
+async fn start_session(
+    state: &State,
+    user: &UserConfig,
+    tls: bool,
+    jar: SignedCookieJar,
+) -> Response {
     let session = Session {
         u: user.name.clone(),
         s: hex::encode(random_bytes::<16>()),
         e: chrono::Utc::now().timestamp() + SESSION_LIFETIME.as_secs() as i64,
     };
+    if let Err(e) = super::sessions::open(&state.pool, user, &session.s, session.e).await {
+        return unavailable(&e);
+    }
     let cookie = Cookie::build((
         SESSION_COOKIE,
         serde_json::to_string(&session).expect("serialises"),
@@ -358,20 +402,71 @@ pub(crate) async fn login(
     .path("/")
     .http_only(true)
     .same_site(SameSite::Strict)
-    .secure(over_tls(&state, &headers, Some(peer.ip())));
+    .secure(tls);
     tracing::info!(user = %user.name, role = user.role.as_str(), "Logged in to the console.");
     (jar.add(cookie), Redirect::to("/")).into_response()
 }
 
-/// `POST /logout`: the session cookie is removed.
-pub(crate) async fn logout(jar: SignedCookieJar) -> Response {
+/// `POST /logout`: the session is revoked, so a copy of its cookie opens nothing, and the
+/// cookie is removed.
+pub(crate) async fn logout(
+    axum::extract::State(state): axum::extract::State<State>,
+    jar: SignedCookieJar,
+) -> Response {
+    let session = jar
+        .get(SESSION_COOKIE)
+        .and_then(|c| serde_json::from_str::<Session>(c.value()).ok());
+    if let Some(session) = session {
+        if let Err(e) = super::sessions::revoke(&state.pool, &session.s).await {
+            return unavailable(&e);
+        }
+    }
     let gone = Cookie::build((SESSION_COOKIE, "")).path("/");
     (jar.remove(gone), Redirect::to("/login")).into_response()
+}
+
+/// The hour of now, in hours since the Unix epoch.
+fn this_hour() -> i64 {
+    chrono::Utc::now().timestamp().div_euclid(3600)
+}
+
+/// 503: the sessions' database does not answer.
+fn unavailable(e: &sqlx::Error) -> Response {
+    tracing::warn!(error = %e, "The console's sessions could not be read.");
+    (
+        StatusCode::SERVICE_UNAVAILABLE,
+        pages::message(
+            "Unavailable",
+            "The database does not answer; try again shortly.",
+        ),
+    )
+        .into_response()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_proxied_user_s_csrf_token_turns_with_the_hour() {
+        let file = crate::console::ConsoleFile {
+            session_key: Some("a unit test session key of thirty-two bytes".into()),
+            users: vec![UserConfig {
+                name: "sso".into(),
+                role: Role::Operator,
+                password_hash: None,
+            }],
+            ..Default::default()
+        };
+        let settings = ConsoleSettings::new("127.0.0.1:0".parse().unwrap(), file).unwrap();
+        let auth = Auth::new(&settings).unwrap();
+        let session = "proxy\0sso";
+        let now = auth.proxy_csrf(session, 500_000);
+        assert_ne!(now, auth.proxy_csrf(session, 500_001));
+        assert_ne!(now, auth.csrf(session), "never the constant of old");
+        assert!(auth.csrf_matches(&format!("{session}\0500000"), &now));
+        assert!(!auth.csrf_matches(&format!("{session}\0500002"), &now));
+    }
 
     #[test]
     fn a_hash_is_argon2id_and_verifies_only_its_password() {

@@ -17,6 +17,7 @@ mod auth;
 mod form;
 mod limiter;
 mod pages;
+mod sessions;
 mod story;
 
 pub use argon2::Params as HashParams;

@@ -12,9 +12,10 @@ pub mod args;
 pub mod destinations;
 mod metrics;
 pub mod outbound;
+mod reconcile;
 
 pub use answer::MAX_RETRY_AFTER;
-use answer::{describe, location, may_start_request, settled};
+use answer::{location, may_start_request, settled};
 
 pub use destinations::{Credential, Credentials, Destination, Destinations};
 pub use metrics::DispatchMetrics;
@@ -460,27 +461,7 @@ impl Dispatcher {
     ) -> sqlx::Result<Option<()>> {
         let started_at = chrono::Utc::now();
         let timer = Instant::now();
-        let key = percent_encoding::utf8_percent_encode(
-            &row.operation_key,
-            percent_encoding::NON_ALPHANUMERIC,
-        );
-        let url = url.replace("{key}", &key.to_string());
-        let destination = self.settings.destinations.of(&row.origin);
-        let mut request = self
-            .http
-            .get(&url)
-            .header(&destination.idempotency_header, &row.operation_key);
-        let credentials = &self.settings.outbound.credentials;
-        // A credential bound to other origins never goes to the reconcile URL: no request.
-        let result = match credentials.headers_for(row.credential.as_deref(), &url) {
-            Ok(headers) => {
-                for h in headers {
-                    request = request.header(h.name.clone(), h.value.clone());
-                }
-                request.send().await.map_err(|e| describe(&e))
-            }
-            Err(refused) => Err(refused),
-        };
+        let result = self.ask_reconcile(row, url).await;
         let status = result.as_ref().ok().map(|r| r.status().as_u16());
         let (outcome, settlement) = match status {
             Some(s) if (200..300).contains(&s) => (

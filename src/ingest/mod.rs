@@ -12,6 +12,7 @@ pub mod args;
 pub mod config;
 mod connections;
 mod metrics;
+mod readiness;
 use connections::{serve, ConnectionLimits};
 mod settings;
 pub mod signature;
@@ -104,7 +105,7 @@ impl Ingress {
             .with_label_values(&["unknown", "not_found"]);
         let metrics_stop = CancellationToken::new();
         let health = crate::telemetry::Health::default();
-        health.report(BROKER_CHECK, Some("not reached yet".into()));
+        health.report(readiness::BROKER_CHECK, Some("not reached yet".into()));
         let metrics_addr =
             serve_metrics(settings.metrics_listen, registry, &health, &metrics_stop).await?;
         let state = Arc::new(AppState {
@@ -148,7 +149,7 @@ impl Ingress {
             metrics_stop,
             ..
         } = self;
-        tokio::spawn(watch_broker(state.clone(), shutdown.clone()));
+        tokio::spawn(readiness::watch_broker(state.clone(), shutdown.clone()));
         let mut names: Vec<&String> = state.sources.keys().collect();
         names.sort();
         tracing::info!(%addr, sources = ?names, topic = %state.settings.topic, "Accepting webhooks at /webhooks/{{source}}.");
@@ -158,7 +159,7 @@ impl Ingress {
             header_timeout: state.settings.header_timeout,
             drain_limit: state.settings.drain_limit(),
         };
-        tokio::spawn(drain_after(state.clone(), shutdown));
+        tokio::spawn(readiness::drain_after(state.clone(), shutdown));
         Running::spawn(async move {
             serve(listener, app, limits, state.closing.clone()).await;
             let producer = state.producer.clone();
@@ -196,69 +197,9 @@ fn router(state: Arc<AppState>) -> Router {
     Router::new()
         .route("/webhooks/{source}", post(webhook))
         .route("/livez", get(|| async { "ok\n" }))
-        .route("/readyz", get(readyz))
-        .route("/healthz", get(readyz))
+        .route("/readyz", get(readiness::readyz))
+        .route("/healthz", get(readiness::readyz))
         .with_state(state)
-}
-
-/// On `shutdown`: not ready at once, still accepting for the shutdown delay, then the
-/// listener closes.
-async fn drain_after(state: Arc<AppState>, shutdown: CancellationToken) {
-    shutdown.cancelled().await;
-    state.draining.store(true, Ordering::Relaxed);
-    state
-        .health
-        .report(DRAIN_CHECK, Some("shutting down".into()));
-    let delay = state.settings.shutdown_delay;
-    if !delay.is_zero() {
-        tracing::info!(
-            delay_ms = delay.as_millis() as u64,
-            "Stopping: /readyz answers 503; webhooks are still accepted for the shutdown delay."
-        );
-        tokio::time::sleep(delay).await;
-    }
-    tracing::info!("Closing the listener; finishing the requests in flight.");
-    state.closing.cancel();
-}
-
-/// Keeps `ready` true while the producer can fetch the topic's metadata from the broker.
-async fn watch_broker(state: Arc<AppState>, shutdown: CancellationToken) {
-    let mut reachable = false;
-    while !shutdown.is_cancelled() {
-        let probe = state.clone();
-        let ok = tokio::task::spawn_blocking(move || {
-            let md = probe
-                .producer
-                .client()
-                .fetch_metadata(Some(&probe.settings.topic), Duration::from_secs(2));
-            md.is_ok_and(|m| {
-                m.topics()
-                    .iter()
-                    .any(|t| t.error().is_none() && !t.partitions().is_empty())
-            })
-        })
-        .await
-        .unwrap_or(false);
-        let problem = (!ok).then(|| "the broker is not reachable".to_owned());
-        state.health.report(BROKER_CHECK, problem);
-        if std::mem::replace(&mut reachable, ok) != ok {
-            tracing::info!(ready = ok, "The broker's reachability changed.");
-        }
-        tokio::select! {
-            _ = shutdown.cancelled() => return,
-            _ = tokio::time::sleep(Duration::from_secs(2)) => {}
-        }
-    }
-}
-
-/// The check `/readyz` names while the broker does not answer.
-const BROKER_CHECK: &str = "broker";
-/// The check `/readyz` names after SIGTERM.
-const DRAIN_CHECK: &str = "ingest";
-
-/// The same answer as the metrics port's `/readyz`: one [`crate::telemetry::Health`].
-async fn readyz(State(state): State<Arc<AppState>>) -> (StatusCode, String) {
-    state.health.ready_answer()
 }
 
 /// The outcome of one webhook request, as answered and as counted.

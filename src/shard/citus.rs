@@ -24,7 +24,12 @@ pub const DISTRIBUTED: &[&str] = &[
 ];
 
 /// The tables with no route key: small, written rarely, read with the claims.
-pub const REFERENCE: &[&str] = &["operator_actions", "prune_horizons", "outbox_destinations"];
+pub const REFERENCE: &[&str] = &[
+    "operator_actions",
+    "prune_horizons",
+    "outbox_destinations",
+    "console_sessions",
+];
 
 /// The tables each database keeps of itself, never distributed: which buckets it holds
 /// ([`super::holdings`]); on a Citus coordinator, local tables of the coordinator.

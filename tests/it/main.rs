@@ -33,6 +33,7 @@ mod console {
     mod browser;
     mod logins;
     mod pages;
+    mod sessions;
 }
 /// The operator's commands, `status`, and retention: prune, expired replays, erasure.
 mod operator {
