@@ -18,8 +18,10 @@ pub struct ConsoleArgs {
     #[arg(long, env = "REPLAYPROOF_CONSOLE_LISTEN", default_value = DEFAULT_LISTEN)]
     pub listen: SocketAddr,
 
+    /// Required unless a subcommand runs (`subcommand_negates_reqs`): `hash-password` needs
+    /// no database.
     #[command(flatten)]
-    pub database: Option<DatabaseArgs>,
+    pub database: DatabaseArgs,
 
     /// Kafka bootstrap servers: the group's lag, dead-letter replays and replays by time.
     /// Without them the console shows no lag and replays nothing.
@@ -62,15 +64,12 @@ impl ConsoleArgs {
         if let Some(ConsoleCommand::HashPassword) = self.command {
             return hash_password_from_stdin();
         }
-        let database = self
-            .database
-            .clone()
-            .ok_or_else(|| anyhow::anyhow!("the console needs --database-url (or DATABASE_URL)"))?;
         let settings = self.settings(file)?;
-        // With several databases, the console spans them all unless --shard names one.
-        let shards = match database.shard {
-            Some(_) => crate::shard::Shards::from(database.pool(8)?),
-            None => database.shards(8)?,
+        // With several databases, the console spans them all unless --shard names one; either
+        // way each database must hold the buckets the list gives it.
+        let shards = match self.database.shard {
+            Some(_) => crate::shard::Shards::from(self.database.open_pool(8).await?),
+            None => self.database.open_shards(8).await?,
         };
         super::run(settings, shards, registry.clone()).await
     }

@@ -32,6 +32,7 @@ mod tls;
 mod console {
     mod browser;
     mod pages;
+    mod process;
 }
 /// The operator's commands, `status`, and retention: prune, expired replays, erasure.
 mod operator {
