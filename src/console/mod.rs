@@ -106,6 +106,10 @@ pub struct ConsoleSettings {
     pub effects: Vec<String>,
     /// The `http` effect's target, for a replay by time.
     pub http: Option<crate::effect::HttpOutbox>,
+    /// How a replay by time retries a failing effect, as `consume --effect-attempts`.
+    pub effect_retry: crate::consume::EffectRetry,
+    /// How an event deferred in a replay by time waits, as `consume`'s `--defer-*`.
+    pub defer: crate::consume::DeferSettings,
 }
 
 impl ConsoleSettings {
@@ -155,6 +159,8 @@ impl ConsoleSettings {
             logins_per_minute: 10,
             effects: vec![crate::consume::args::DEFAULT_EFFECT.to_owned()],
             http: None,
+            effect_retry: crate::consume::EffectRetry::default(),
+            defer: crate::consume::DeferSettings::default(),
         })
     }
 }
@@ -223,10 +229,14 @@ pub fn router(
         None => None,
     };
     let processor = match &settings.kafka {
-        Some(_) => Some(crate::consume::BatchProcessor::new(
-            shards.clone(),
-            registry.build(&settings.effects, settings.http.as_ref())?,
-        )),
+        Some(_) => Some(
+            crate::consume::BatchProcessor::new(
+                shards.clone(),
+                registry.build(&settings.effects, settings.http.as_ref())?,
+            )
+            .with_retry(settings.effect_retry)
+            .with_defer(settings.defer.clone()),
+        ),
         None => None,
     };
     let state = State(Arc::new(Inner {

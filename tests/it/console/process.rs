@@ -147,3 +147,75 @@ async fn config_check_says_a_console_without_a_database_is_not_ready() {
     let sharded = check(shards);
     assert!(sharded.contains("console: ready"), "{sharded}");
 }
+
+/// A `[database]` with `db` and a `[consume]` applying a ledger row and an outbox operation.
+fn consume_applying_ledger_and_http(db: &TestDb) -> String {
+    format!(
+        "[database]\nurl = \"{}\"\n\n[consume]\neffect = \"ledger,http\"\n\
+         target_url = \"http://127.0.0.1:9/ops\"\n",
+        db.url
+    )
+}
+
+#[tokio::test]
+async fn the_consoles_replay_by_time_applies_the_effects_of_consume() {
+    let kafka = match std::env::var("KAFKA_BROKERS") {
+        Ok(brokers) if !brokers.is_empty() => TestKafka::External(brokers),
+        _ => {
+            eprintln!("NOT RUN: replay by time needs a broker that looks offsets up by time");
+            return;
+        }
+    };
+    let db = TestDb::new().await;
+    let topic = kafka.topic(1).await;
+    let since = (chrono::Utc::now() - chrono::Duration::seconds(5)).to_rfc3339();
+    let records = [Record::event("evt-missing", serde_json::json!({ "n": 1 }))];
+    produce(&producer(&kafka.brokers()), &topic, &records).await;
+    let dir = tempfile::tempdir().unwrap();
+    let listen = format!("127.0.0.1:{}", free_port());
+    let database = consume_applying_ledger_and_http(&db);
+    let config = config_file(&dir, &database, &listen, &hash_password(PASSWORD));
+    let brokers = kafka.brokers();
+    let mut argv = vec!["console", "--config", &config, "--brokers", &brokers];
+    argv.extend(["--topic", &topic]);
+    let options: Vec<String> = test_kafka_options()
+        .into_iter()
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect();
+    for option in &options {
+        argv.extend(["--kafka-option", option]);
+    }
+    let console = ConsoleProcess::listening(&argv, &[], &listen).await;
+    let alice = console.client().logged_in("alice", PASSWORD).await;
+    let token = alice.csrf("/replay").await;
+    let form = [
+        ("csrf_token", token.as_str()),
+        ("since", since.as_str()),
+        ("reason", "the deploy skipped events"),
+    ];
+    let page = alice.post("/replay", &form).await;
+    assert_eq!(page.status, 200, "{}", page.body);
+    assert!(
+        page.body
+            .contains("<td>newly applied</td><td class=\"n\">1</td>"),
+        "{}",
+        page.body
+    );
+    // Both of consume's effects: the ledger row and the operation the dispatcher delivers.
+    assert_eq!(db.ledger_counts().await.get("evt-missing"), Some(&1));
+    let operations = db.count("SELECT count(*) FROM outbox").await;
+    assert_eq!(operations, 1, "the replay applied consume's http effect");
+}
+
+#[tokio::test]
+async fn the_console_refuses_an_effect_chain_other_than_consumes() {
+    let db = TestDb::new().await;
+    let dir = tempfile::tempdir().unwrap();
+    let listen = format!("127.0.0.1:{}", free_port());
+    let database = consume_applying_ledger_and_http(&db);
+    let config = config_file(&dir, &database, &listen, &hash_password(PASSWORD));
+    let argv = ["console", "--config", &config, "--effect", "ledger"];
+    let (status, said) = exited(&argv).await;
+    assert!(!status.success(), "the console must not start: {said}");
+    assert!(said.contains("[consume] effect"), "{said}");
+}
