@@ -17,6 +17,7 @@ mod auth;
 mod form;
 mod pages;
 mod story;
+mod visibility;
 
 pub use argon2::Params as HashParams;
 pub use auth::{hash_password, hash_password_with, random_hex, Role, UserConfig};

@@ -2,6 +2,7 @@
 //! page shares, and the headers every answer carries.
 
 use super::auth::{Role, User};
+use super::visibility::error_text;
 use super::{State, PAGE_ROWS};
 use crate::operator::events::{self, Cursor, Search, SearchState};
 use axum::extract::{Path, Query};
@@ -498,6 +499,12 @@ pub(crate) async fn dead_letters(
     axum::extract::State(state): axum::extract::State<State>,
     Query(query): Query<LettersQuery>,
 ) -> Response {
+    let sees = user.sees_payloads(&state);
+    // Matching reasons would tell what a hidden reason holds.
+    if !sees && given(&query.reason_like).is_some() {
+        let why = "Reasons, and searching them, are for operators only.";
+        return problem(StatusCode::FORBIDDEN, &user, "Hidden", why);
+    }
     let search = match query.search(PAGE_ROWS) {
         Ok(search) => search,
         Err(e) => return problem(StatusCode::BAD_REQUEST, &user, "Bad search", &e),
@@ -534,7 +541,7 @@ pub(crate) async fn dead_letters(
                                 td { a href=(format!("/dead-letters/{}", l.id)) { (l.id) } }
                                 td { (when(l.created_at)) }
                                 td { (l.topic) "/" (l.partition) "@" (l.offset) }
-                                td { (l.reason) }
+                                td { (error_text(sees, &l.reason)) }
                                 td { (maybe_when(l.replayed_at)) }
                             }
                         }
@@ -617,7 +624,7 @@ pub(crate) async fn dead_letter(
             dl {
                 dt { "stored" } dd { (when(letter.created_at)) }
                 dt { "message" } dd { (letter.topic) " partition " (letter.partition) " offset " (letter.offset) }
-                dt { "reason" } dd id="reason" { (letter.reason) }
+                dt { "reason" } dd id="reason" { (error_text(sees, &letter.reason)) }
                 dt { "replayed" } dd { (maybe_when(letter.replayed_at)) }
             }
             @if let Some(raw) = &raw {

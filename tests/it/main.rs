@@ -31,6 +31,7 @@ mod tls;
 /// The operator's console: its pages and actions over HTTP, and in a real browser.
 mod console {
     mod browser;
+    mod errors;
     mod pages;
     mod process;
 }
