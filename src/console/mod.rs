@@ -14,6 +14,7 @@
 mod actions;
 pub mod args;
 mod auth;
+mod dead_letters;
 mod form;
 mod pages;
 mod story;
@@ -229,17 +230,7 @@ pub fn router(
         )?),
         None => None,
     };
-    let processor = match &settings.kafka {
-        Some(_) => Some(
-            crate::consume::BatchProcessor::new(
-                shards.clone(),
-                registry.build(&settings.effects, settings.http.as_ref())?,
-            )
-            .with_retry(settings.effect_retry)
-            .with_defer(settings.defer.clone()),
-        ),
-        None => None,
-    };
+    let processor = replay_processor(&settings, &shards, &registry)?;
     let state = State(Arc::new(Inner {
         auth: auth::Auth::new(&settings)?,
         processor,
@@ -263,12 +254,12 @@ pub fn router(
         .route("/events/{key}", get(story::story))
         .route("/events/{key}/retry", post(actions::retry))
         .route("/events/{key}/resolve", post(actions::resolve))
-        .route("/dead-letters", get(pages::dead_letters))
+        .route("/dead-letters", get(dead_letters::dead_letters))
         .route(
             "/dead-letters/replay",
             get(actions::bulk_replay_preview).post(actions::bulk_replay),
         )
-        .route("/dead-letters/{id}", get(pages::dead_letter))
+        .route("/dead-letters/{id}", get(dead_letters::dead_letter))
         .route("/dead-letters/{id}/replay", post(actions::replay_letter))
         .route("/expired", get(pages::expired))
         .route(
@@ -278,6 +269,23 @@ pub fn router(
         .fallback(pages::not_found)
         .layer(axum::middleware::from_fn(pages::headers))
         .with_state(state))
+}
+
+/// What applies a replay by time, as `consume` would: None without brokers, which replay
+/// nothing.
+fn replay_processor(
+    settings: &ConsoleSettings,
+    shards: &crate::shard::Shards,
+    registry: &Registry,
+) -> anyhow::Result<Option<crate::consume::BatchProcessor>> {
+    if settings.kafka.is_none() {
+        return Ok(None);
+    }
+    let effect = registry.build(&settings.effects, settings.http.as_ref())?;
+    let processor = crate::consume::BatchProcessor::new(shards.clone(), effect)
+        .with_retry(settings.effect_retry)
+        .with_defer(settings.defer.clone());
+    Ok(Some(processor))
 }
 
 /// A console bound to its address, not yet serving.
