@@ -46,8 +46,13 @@ fn section_of(command_path: &[String], long: &str) -> Option<(&'static str, Stri
             }
             _ => Some(("consume", key)),
         },
+        // A replay by time applies as `consume` does, from the same settings.
         Some("console") => match long {
             "listen" => Some(("console", key)),
+            "effect" | "target-url" | "reconcile-url" | "max-attempts" | "effect-attempts" => {
+                Some(("consume", key))
+            }
+            _ if long.starts_with("defer-") => Some(("consume", key)),
             _ => None,
         },
         Some(command @ ("consume" | "dispatch" | "ingest")) => {

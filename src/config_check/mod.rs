@@ -283,7 +283,9 @@ impl Report {
                         let problem = anyhow::anyhow!("{}", refused.problem);
                         self.command_refused(command, &LayerError::Config(problem))?
                     }
-                    None => match own_problem(command, file, env) {
+                    None => match parsed_problem(&layered, file)
+                        .or_else(|| own_problem(command, file, env))
+                    {
                         Some(problem) => {
                             let problem = LayerError::Config(problem);
                             self.command_refused(command, &problem)?
@@ -324,18 +326,22 @@ impl Report {
     }
 }
 
+/// What stops a command whose flags all parse, read into its arguments as the command reads
+/// them: a value its types refuse, or the console's settings.
+fn parsed_problem(layered: &Layered, file: Option<&ConfigFile>) -> Option<anyhow::Error> {
+    use clap::FromArgMatches as _;
+    match crate::cli::Args::from_arg_matches(&layered.matches) {
+        Ok(args) => match &args.command {
+            crate::cli::Command::Console(console) => console.settings(file).err(),
+            _ => None,
+        },
+        Err(e) => Some(anyhow::anyhow!("{}", render_clap_error(&e))),
+    }
+}
+
 /// What stops a command whose flags all parse: ingest without its sources, or with a secret
 /// variable unset; dispatch with a destination or credential it cannot read.
 fn own_problem(command: &str, file: Option<&ConfigFile>, env: &dyn Env) -> Option<anyhow::Error> {
-    if command == "console" {
-        let listen = crate::console::DEFAULT_LISTEN
-            .parse()
-            .expect("a socket address");
-        let file = file?;
-        return crate::console::ConsoleFile::from_config(file)
-            .and_then(|section| crate::console::ConsoleSettings::new(listen, section))
-            .err();
-    }
     if command == "dispatch" {
         let section = file.map(|f| f.section("dispatch")).unwrap_or_default();
         return crate::dispatch::Destinations::from_table(section.get("destinations"))
@@ -448,6 +454,11 @@ mod tests {
             "{}",
             fine.text
         );
+    }
+
+    #[test]
+    fn a_mistyped_console_key_is_refused() {
+        let env = BTreeMap::<String, String>::new();
         let typo = ConfigFile::parse(
             std::path::Path::new("c.toml"),
             "[console]\nsesion_key = \"x\"\n",

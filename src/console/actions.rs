@@ -3,8 +3,9 @@
 //! for operators only, and runs the command line's own function with the user as the actor.
 
 use super::auth::{Role, User};
+use super::dead_letters::LettersQuery;
 use super::form::Fields;
-use super::pages::{self, document, event_path, problem, EventsQuery, LettersQuery};
+use super::pages::{self, document, event_path, problem, EventsQuery};
 use super::{State, BULK_LIMIT};
 use crate::operator::events::{self, Resolution, Retry};
 use crate::operator::{Act, Change, OperatorError};

@@ -18,8 +18,10 @@ pub struct ConsoleArgs {
     #[arg(long, env = "REPLAYPROOF_CONSOLE_LISTEN", default_value = DEFAULT_LISTEN)]
     pub listen: SocketAddr,
 
+    /// Required unless a subcommand runs (`subcommand_negates_reqs`): `hash-password` needs
+    /// no database.
     #[command(flatten)]
-    pub database: Option<DatabaseArgs>,
+    pub database: DatabaseArgs,
 
     /// Kafka bootstrap servers: the group's lag, dead-letter replays and replays by time.
     /// Without them the console shows no lag and replays nothing.
@@ -37,13 +39,22 @@ pub struct ConsoleArgs {
     #[arg(long, env = "REPLAYPROOF_GROUP", default_value = DEFAULT_GROUP)]
     pub group: String,
 
-    /// The effects a replay by time applies, as `consume --effect`.
+    /// The effects a replay by time applies: `consume --effect`, read from `[consume]` as
+    /// `consume` reads it; a console whose chain differs from `[consume]`'s refuses to start.
     #[arg(long = "effect", env = "REPLAYPROOF_EFFECT", value_delimiter = ',', default_value = crate::consume::args::DEFAULT_EFFECT)]
     pub effects: Vec<String>,
 
-    /// The `http` effect's target, as `consume`'s.
+    /// The `http` effect's target, as `consume`'s (and from `[consume]`).
     #[command(flatten)]
     pub http: crate::consume::args::HttpEffectArgs,
+
+    /// Tries of a failing effect in a replay by time, as `consume --effect-attempts`.
+    #[arg(long, env = "REPLAYPROOF_EFFECT_ATTEMPTS", default_value_t = crate::consume::args::DEFAULT_EFFECT_ATTEMPTS, value_parser = clap::value_parser!(u32).range(1..=10))]
+    pub effect_attempts: u32,
+
+    /// How an event deferred in a replay by time waits, as `consume`'s `--defer-*`.
+    #[command(flatten)]
+    pub defer: crate::consume::defer_args::DeferArgs,
 }
 
 #[derive(Debug, Clone, Subcommand)]
@@ -62,15 +73,12 @@ impl ConsoleArgs {
         if let Some(ConsoleCommand::HashPassword) = self.command {
             return hash_password_from_stdin();
         }
-        let database = self
-            .database
-            .clone()
-            .ok_or_else(|| anyhow::anyhow!("the console needs --database-url (or DATABASE_URL)"))?;
         let settings = self.settings(file)?;
-        // With several databases, the console spans them all unless --shard names one.
-        let shards = match database.shard {
-            Some(_) => crate::shard::Shards::from(database.pool(8)?),
-            None => database.shards(8)?,
+        // With several databases, the console spans them all unless --shard names one; either
+        // way each database must hold the buckets the list gives it.
+        let shards = match self.database.shard {
+            Some(_) => crate::shard::Shards::from(self.database.open_pool(8).await?),
+            None => self.database.open_shards(8).await?,
         };
         super::run(settings, shards, registry.clone()).await
     }
@@ -96,7 +104,50 @@ impl ConsoleArgs {
             });
         settings.effects = self.effects.clone();
         settings.http = self.http.outbox();
+        settings.effect_retry = crate::consume::EffectRetry {
+            attempts: self.effect_attempts,
+            ..Default::default()
+        };
+        settings.defer = self.defer.settings()?;
+        if let Some(file) = file {
+            self.same_effects_as_consume(file)?;
+        }
         Ok(settings)
+    }
+
+    /// Refuses effects other than those `[consume]` names: a replay by time claims each
+    /// missing event, so an event replayed without one of consume's effects would never get it.
+    fn same_effects_as_consume(&self, file: &crate::config::ConfigFile) -> anyhow::Result<()> {
+        let consume = file.section("consume");
+        if let Some(effect) = consume.get("effect") {
+            let theirs: Vec<String> = match effect {
+                toml::Value::Array(list) => list.iter().map(plain).collect(),
+                other => plain(other).split(',').map(str::to_owned).collect(),
+            };
+            let theirs: Vec<&str> = theirs.iter().map(|e| e.trim()).collect();
+            anyhow::ensure!(
+                theirs == self.effects,
+                "the console's --effect {} differs from [consume] effect {}: a replay by time \
+                 would claim events without the effects consume applies",
+                self.effects.join(","),
+                theirs.join(",")
+            );
+        }
+        let target = consume.get("target_url").map(plain);
+        anyhow::ensure!(
+            target.is_none() || target == self.http.target_url,
+            "the console's --target-url differs from [consume] target_url: a replay by time \
+             would send events elsewhere than consume does"
+        );
+        Ok(())
+    }
+}
+
+/// A file's value as text: a string without its quotes.
+fn plain(value: &toml::Value) -> String {
+    match value {
+        toml::Value::String(s) => s.clone(),
+        other => other.to_string(),
     }
 }
 
@@ -108,4 +159,64 @@ fn hash_password_from_stdin() -> anyhow::Result<()> {
     anyhow::ensure!(!password.is_empty(), "no password on standard input");
     println!("{}", super::hash_password(password)?);
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::cli::{parse, Command};
+    use std::collections::BTreeMap;
+    use std::time::Duration;
+
+    /// The console's settings from a file whose `[consume]` applies a ledger row and an
+    /// outbox operation, with `flags` after `console --config FILE`.
+    fn settings(flags: &[&str]) -> anyhow::Result<super::ConsoleSettings> {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("replayproof.toml");
+        let hash = crate::console::hash_password_with(
+            "pw",
+            argon2::Params::new(1024, 1, 1, None).unwrap(),
+        )
+        .unwrap();
+        let text = format!(
+            "[database]\nurl = \"postgres://u@db/x\"\n\n[consume]\neffect = \"ledger,http\"\n\
+             target_url = \"http://downstream:8080/ops\"\neffect_attempts = 7\n\
+             defer_deadline = \"72h\"\n\n[console]\nsession_key = \"{}\"\n\n\
+             [[console.users]]\nname = \"ann\"\nrole = \"operator\"\npassword_hash = \"{hash}\"\n",
+            "k".repeat(40)
+        );
+        std::fs::write(&path, text).unwrap();
+        let mut argv = vec!["replayproof".into(), "console".into(), "--config".into()];
+        argv.push(path.into_os_string());
+        argv.extend(flags.iter().map(Into::into));
+        let args = parse(argv, &BTreeMap::<String, String>::new()).unwrap();
+        let Command::Console(console) = &args.command else {
+            panic!("not the console")
+        };
+        console.settings(args.file.as_ref())
+    }
+
+    #[test]
+    fn a_replay_by_time_applies_the_effects_and_settings_of_consume() {
+        let s = settings(&[]).unwrap();
+        assert_eq!(s.effects, ["ledger", "http"]);
+        let http = s.http.expect("the http effect's target");
+        assert_eq!(http.target_url, "http://downstream:8080/ops");
+        assert_eq!(s.effect_retry.attempts, 7);
+        assert_eq!(s.defer.default.deadline, Duration::from_secs(72 * 3600));
+    }
+
+    #[test]
+    fn a_console_applying_other_effects_than_consume_is_refused() {
+        let other = settings(&["--effect", "ledger"]).err().expect("refused");
+        assert!(
+            format!("{other:#}").contains("[consume] effect"),
+            "{other:#}"
+        );
+        let target = ["--target-url", "http://elsewhere:8080/ops"];
+        let elsewhere = settings(&target).err().expect("refused");
+        assert!(
+            format!("{elsewhere:#}").contains("[consume] target_url"),
+            "{elsewhere:#}"
+        );
+    }
 }

@@ -14,11 +14,13 @@
 mod actions;
 pub mod args;
 mod auth;
+mod dead_letters;
 mod form;
 mod limiter;
 mod pages;
 mod sessions;
 mod story;
+mod visibility;
 
 pub use argon2::Params as HashParams;
 pub use auth::{hash_password, hash_password_with, random_hex, Role, UserConfig};
@@ -108,6 +110,10 @@ pub struct ConsoleSettings {
     pub effects: Vec<String>,
     /// The `http` effect's target, for a replay by time.
     pub http: Option<crate::effect::HttpOutbox>,
+    /// How a replay by time retries a failing effect, as `consume --effect-attempts`.
+    pub effect_retry: crate::consume::EffectRetry,
+    /// How an event deferred in a replay by time waits, as `consume`'s `--defer-*`.
+    pub defer: crate::consume::DeferSettings,
 }
 
 impl ConsoleSettings {
@@ -157,6 +163,8 @@ impl ConsoleSettings {
             logins_per_minute: 10,
             effects: vec![crate::consume::args::DEFAULT_EFFECT.to_owned()],
             http: None,
+            effect_retry: crate::consume::EffectRetry::default(),
+            defer: crate::consume::DeferSettings::default(),
         })
     }
 }
@@ -224,13 +232,7 @@ pub fn router(
         )?),
         None => None,
     };
-    let processor = match &settings.kafka {
-        Some(_) => Some(crate::consume::BatchProcessor::new(
-            shards.clone(),
-            registry.build(&settings.effects, settings.http.as_ref())?,
-        )),
-        None => None,
-    };
+    let processor = replay_processor(&settings, &shards, &registry)?;
     let state = State(Arc::new(Inner {
         auth: auth::Auth::new(&settings)?,
         processor,
@@ -254,12 +256,12 @@ pub fn router(
         .route("/events/{key}", get(story::story))
         .route("/events/{key}/retry", post(actions::retry))
         .route("/events/{key}/resolve", post(actions::resolve))
-        .route("/dead-letters", get(pages::dead_letters))
+        .route("/dead-letters", get(dead_letters::dead_letters))
         .route(
             "/dead-letters/replay",
             get(actions::bulk_replay_preview).post(actions::bulk_replay),
         )
-        .route("/dead-letters/{id}", get(pages::dead_letter))
+        .route("/dead-letters/{id}", get(dead_letters::dead_letter))
         .route("/dead-letters/{id}/replay", post(actions::replay_letter))
         .route("/expired", get(pages::expired))
         .route(
@@ -269,6 +271,23 @@ pub fn router(
         .fallback(pages::not_found)
         .layer(axum::middleware::from_fn(pages::headers))
         .with_state(state))
+}
+
+/// What applies a replay by time, as `consume` would: None without brokers, which replay
+/// nothing.
+fn replay_processor(
+    settings: &ConsoleSettings,
+    shards: &crate::shard::Shards,
+    registry: &Registry,
+) -> anyhow::Result<Option<crate::consume::BatchProcessor>> {
+    if settings.kafka.is_none() {
+        return Ok(None);
+    }
+    let effect = registry.build(&settings.effects, settings.http.as_ref())?;
+    let processor = crate::consume::BatchProcessor::new(shards.clone(), effect)
+        .with_retry(settings.effect_retry)
+        .with_defer(settings.defer.clone());
+    Ok(Some(processor))
 }
 
 /// A console bound to its address, not yet serving.

@@ -3,6 +3,7 @@
 
 use super::auth::{Role, User};
 use super::pages::{self, document, maybe_when, problem, when};
+use super::visibility::error_text;
 use super::State;
 use crate::claims::ClaimStatus;
 use crate::operator::events::{self, EventDetail};
@@ -156,7 +157,7 @@ fn timeline(d: &EventDetail, sees: bool) -> Vec<Entry> {
         detail: html! {
             (claim.attempts) " effect attempt(s)"
             @if let Some(at) = claim.completed_at { ", settled " (when(at)) }
-            @if let Some(e) = &claim.last_error { div class="problem" { "last error: " (e) } }
+            @if let Some(e) = &claim.last_error { div class="problem" { "last error: " (error_text(sees, e)) } }
         },
     });
     if claim.due_at.is_some() || claim.deferred_reason.is_some() {
@@ -166,7 +167,7 @@ fn timeline(d: &EventDetail, sees: bool) -> Vec<Entry> {
             what: "deferred".into(),
             bad: false,
             detail: html! {
-                @if let Some(r) = &claim.deferred_reason { "not yet: " (r) }
+                @if let Some(r) = &claim.deferred_reason { "not yet: " (error_text(sees, r)) }
                 @if let Some(due) = claim.due_at { "; due again " (when(due)) }
                 @if let Some(deadline) = claim.deadline_at { "; fails after " (when(deadline)) }
             },
@@ -218,7 +219,7 @@ fn timeline(d: &EventDetail, sees: bool) -> Vec<Entry> {
                 ", status " (a.status_code.map(|s| s.to_string()).unwrap_or_else(|| "no answer".into()))
                 ", " (a.duration_ms) " ms"
                 @if !a.applied { ", lease taken over: changed nothing" }
-                @if let Some(e) = &a.error { div class="problem" { (e) } }
+                @if let Some(e) = &a.error { div class="problem" { (error_text(sees, e)) } }
                 @if let Some(r) = &a.response_excerpt { @if sees { details { summary { "response" } pre { (r) } } } }
             },
         });
@@ -254,7 +255,7 @@ fn timeline(d: &EventDetail, sees: bool) -> Vec<Entry> {
             what: "dead letter".into(),
             bad: true,
             detail: html! {
-                a href=(format!("/dead-letters/{}", l.id)) { "dead letter " (l.id) } ": " (l.reason)
+                a href=(format!("/dead-letters/{}", l.id)) { "dead letter " (l.id) } ": " (error_text(sees, &l.reason))
                 " at " code { (l.topic) "/" (l.partition) "@" (l.offset) }
                 @if let Some(at) = l.replayed_at { ", replayed " (maybe_when(Some(at))) }
             },

@@ -96,40 +96,9 @@ pub struct ConsumeArgs {
     #[arg(help_heading = "Effects", long, env = "REPLAYPROOF_EFFECT_ATTEMPTS", default_value_t = DEFAULT_EFFECT_ATTEMPTS, value_parser = clap::value_parser!(u32).range(1..=super::batch::MAX_EFFECT_ATTEMPTS as i64))]
     pub effect_attempts: u32,
 
-    /// After an effect first says "not yet" (defers its event), how long until it is applied
-    /// again; doubled after each further deferral (for example 30s, 5m).
-    #[arg(help_heading = "Deferral", long, env = "REPLAYPROOF_DEFER_BACKOFF", default_value = "10s", value_parser = parse_duration)]
-    pub defer_backoff: Duration,
-
-    /// The longest wait between two attempts at a deferred event.
-    #[arg(help_heading = "Deferral", long, env = "REPLAYPROOF_DEFER_MAX_BACKOFF", default_value = "10m", value_parser = parse_duration)]
-    pub defer_max_backoff: Duration,
-
-    /// How long after its first deferral an event may still be deferred; then it is settled
-    /// failed with its reason, for an operator.
-    #[arg(help_heading = "Deferral", long, env = "REPLAYPROOF_DEFER_DEADLINE", default_value = "24h", value_parser = parse_duration)]
-    pub defer_deadline: Duration,
-
-    /// The deferral policy of one source, over the effect's own and the defaults:
-    /// SOURCE=DEADLINE, optionally followed by ,BACKOFF and ,MAX_BACKOFF; for example
-    /// stripe=72h or github=1h,5s,1m. Repeatable.
-    #[arg(
-        help_heading = "Deferral",
-        long = "defer-source",
-        env = "REPLAYPROOF_DEFER_SOURCES",
-        value_delimiter = ';',
-        value_name = "SOURCE=DEADLINE[,BACKOFF[,MAX]]"
-    )]
-    pub defer_sources: Vec<String>,
-
-    /// How often due deferred events are looked for.
-    /// A duration such as 250ms, 30s or 5m; `--defer-poll-ms` (milliseconds) is its old spelling.
-    #[arg(help_heading = "Deferral", long, env = "REPLAYPROOF_DEFER_POLL", value_name = "DURATION", default_value = crate::args::text(super::DEFAULT_DEFER_POLL), value_parser = crate::args::wait(Duration::from_millis(1)), conflicts_with = "defer_poll_ms")]
-    pub defer_poll: Duration,
-
-    /// The old spelling of `--defer-poll`, in milliseconds.
-    #[arg(help_heading = "Deferral", long, env = "REPLAYPROOF_DEFER_POLL_MS", value_parser = crate::args::ms(1), hide = true)]
-    pub defer_poll_ms: Option<u64>,
+    /// How deferred events wait.
+    #[command(flatten)]
+    pub defer: super::defer_args::DeferArgs,
 
     /// The longest pause between retries of a batch that failed on a database error.
     /// A duration such as 250ms, 30s or 5m; `--max-retry-backoff-ms` (milliseconds) is its old spelling.
@@ -315,21 +284,7 @@ impl ConsumeArgs {
 
     /// How deferred events wait, from the `--defer-*` flags.
     pub fn defer_settings(&self) -> anyhow::Result<DeferSettings> {
-        let default = DeferPolicy {
-            backoff: self.defer_backoff,
-            max_backoff: self.defer_max_backoff,
-            deadline: self.defer_deadline,
-        };
-        let sources = self
-            .defer_sources
-            .iter()
-            .map(|s| parse_defer_source(s, default).map_err(anyhow::Error::msg))
-            .collect::<anyhow::Result<_>>()?;
-        Ok(DeferSettings {
-            default,
-            sources,
-            poll_interval: crate::args::or_old_ms(self.defer_poll, self.defer_poll_ms),
-        })
+        self.defer.settings()
     }
 
     /// Runs the consumer process until a signal stops it.
@@ -417,7 +372,10 @@ impl ConsumeArgs {
                 "commit-interval",
                 or_old_ms(self.commit_interval, self.commit_interval_ms),
             ),
-            ("defer-poll", or_old_ms(self.defer_poll, self.defer_poll_ms)),
+            (
+                "defer-poll",
+                or_old_ms(self.defer.defer_poll, self.defer.defer_poll_ms),
+            ),
             (
                 "max-retry-backoff",
                 or_old_ms(self.max_retry_backoff, self.max_retry_backoff_ms),
@@ -467,10 +425,10 @@ impl ToArgs for ConsumeArgs {
         flag("max-lane-bytes", self.max_lane_bytes.to_string());
         flag("effect-attempts", self.effect_attempts.to_string());
         let duration = crate::args::duration_text;
-        flag("defer-backoff", duration(self.defer_backoff));
-        flag("defer-max-backoff", duration(self.defer_max_backoff));
-        flag("defer-deadline", duration(self.defer_deadline));
-        for source in &self.defer_sources {
+        flag("defer-backoff", duration(self.defer.defer_backoff));
+        flag("defer-max-backoff", duration(self.defer.defer_max_backoff));
+        flag("defer-deadline", duration(self.defer.defer_deadline));
+        for source in &self.defer.defer_sources {
             flag("defer-source", source.clone());
         }
         for (name, d) in self.durations() {
@@ -638,7 +596,7 @@ mod tests {
         assert_eq!(format!("{reparsed:?}"), format!("{parsed:?}"));
         assert_eq!(reparsed.to_args(), rendered);
         assert_eq!(reparsed.database.url().expose(), "postgres://u@db:5433/x");
-        assert_eq!(parsed.defer_backoff, Duration::from_secs(90));
+        assert_eq!(parsed.defer.defer_backoff, Duration::from_secs(90));
         let defer = parsed.defer_settings().unwrap();
         assert_eq!(
             defer.sources["stripe"].deadline,

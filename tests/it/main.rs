@@ -31,8 +31,10 @@ mod tls;
 /// The operator's console: its pages and actions over HTTP, and in a real browser.
 mod console {
     mod browser;
+    mod errors;
     mod logins;
     mod pages;
+    mod process;
     mod sessions;
 }
 /// The operator's commands, `status`, and retention: prune, expired replays, erasure.

@@ -1,0 +1,229 @@
+//! The dead-letter pages: the list, searched by time and reason, and one letter with its raw
+//! bytes.
+
+use super::auth::{Role, User};
+use super::pages::{document, given, maybe_when, parse_when, problem, q, when};
+use super::visibility::error_text;
+use super::{State, PAGE_ROWS};
+use axum::extract::{Path, Query};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use maud::{html, Markup};
+use serde::Deserialize;
+
+/// The query of `GET /dead-letters`.
+#[derive(Debug, Default, Deserialize)]
+pub(crate) struct LettersQuery {
+    #[serde(default)]
+    pub since: Option<String>,
+    #[serde(default)]
+    pub reason_like: Option<String>,
+    #[serde(default)]
+    pub not_replayed: Option<String>,
+    #[serde(default)]
+    pub before: Option<i64>,
+}
+
+impl LettersQuery {
+    pub(crate) fn search(
+        &self,
+        limit: i64,
+    ) -> Result<crate::claims::dead_letters::LetterSearch, String> {
+        Ok(crate::claims::dead_letters::LetterSearch {
+            since: given(&self.since).map(parse_when).transpose()?,
+            reason_like: given(&self.reason_like).map(Into::into),
+            not_replayed: given(&self.not_replayed).is_some(),
+            before_id: self.before,
+            limit,
+        })
+    }
+
+    pub(crate) fn query_string(&self) -> String {
+        let mut parts = Vec::new();
+        for (name, value) in [
+            ("since", &self.since),
+            ("reason_like", &self.reason_like),
+            ("not_replayed", &self.not_replayed),
+        ] {
+            if let Some(v) = given(value) {
+                parts.push(format!("{name}={}", q(v)));
+            }
+        }
+        parts.join("&")
+    }
+}
+
+/// `GET /dead-letters`: newest first, a page at a time.
+pub(crate) async fn dead_letters(
+    user: User,
+    axum::extract::State(state): axum::extract::State<State>,
+    Query(query): Query<LettersQuery>,
+) -> Response {
+    let sees = user.sees_payloads(&state);
+    // Matching reasons would tell what a hidden reason holds.
+    if !sees && given(&query.reason_like).is_some() {
+        let why = "Reasons, and searching them, are for operators only.";
+        return problem(StatusCode::FORBIDDEN, &user, "Hidden", why);
+    }
+    let search = match query.search(PAGE_ROWS) {
+        Ok(search) => search,
+        Err(e) => return problem(StatusCode::BAD_REQUEST, &user, "Bad search", &e),
+    };
+    let letters = match crate::claims::dead_letters::search(&state.pool, &search).await {
+        Ok(letters) => letters,
+        Err(e) => {
+            return problem(
+                StatusCode::SERVICE_UNAVAILABLE,
+                &user,
+                "Search failed",
+                &e.to_string(),
+            )
+        }
+    };
+    let this = query.query_string();
+    let value = |v: &Option<String>| v.clone().unwrap_or_default();
+    let body = html! {
+        main {
+            h1 { "Dead letters" }
+            form class="search" method="get" action="/dead-letters" {
+                label { "Since " input name="since" value=(value(&query.since)) placeholder="2h or 2026-12-02T10:00:00Z"; }
+                label { "Reason like " input name="reason_like" value=(value(&query.reason_like)) placeholder="%not JSON%"; }
+                label { input type="checkbox" name="not_replayed" value="1" checked[given(&query.not_replayed).is_some()]; " never replayed" }
+                button type="submit" { "Search" }
+            }
+            (letters_table(&letters, sees))
+            p class="pages" {
+                @if letters.len() as i64 == PAGE_ROWS {
+                    @if let Some(last) = letters.last() {
+                        a id="next" href=(format!("/dead-letters?{this}{}before={}", if this.is_empty() { "" } else { "&" }, last.id)) { "older »" }
+                    }
+                }
+            }
+            @if user.role == Role::Operator {
+                p { a id="bulk-replay" href=(format!("/dead-letters/replay?{this}")) { "Replay every letter of this search never replayed…" } " (a preview first)" }
+            }
+        }
+    };
+    document("Dead letters", Some(&user), body).into_response()
+}
+
+/// One page of dead letters, their reasons shown as payloads are.
+fn letters_table(letters: &[crate::claims::dead_letters::DeadLetterRow], sees: bool) -> Markup {
+    html! {
+        @if letters.is_empty() { p id="none" { "No dead letter matches." } }
+        @else {
+            table id="dead-letters" {
+                thead { tr { th { "id" } th { "stored" } th { "message" } th { "reason" } th { "replayed" } } }
+                tbody {
+                    @for l in letters {
+                        tr {
+                            td { a href=(format!("/dead-letters/{}", l.id)) { (l.id) } }
+                            td { (when(l.created_at)) }
+                            td { (l.topic) "/" (l.partition) "@" (l.offset) }
+                            td { (error_text(sees, &l.reason)) }
+                            td { (maybe_when(l.replayed_at)) }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Bytes as text where they are text, escapes elsewhere.
+fn as_text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+/// Bytes as a hex dump: offset, sixteen bytes, and their printable characters.
+pub(crate) fn hex_dump(bytes: &[u8]) -> String {
+    let mut out = String::new();
+    for (i, chunk) in bytes.chunks(16).enumerate() {
+        let hex: Vec<String> = chunk.iter().map(|b| format!("{b:02x}")).collect();
+        let text: String = chunk
+            .iter()
+            .map(|&b| {
+                if (0x20..0x7f).contains(&b) {
+                    b as char
+                } else {
+                    '.'
+                }
+            })
+            .collect();
+        out.push_str(&format!("{:08x}  {:<47}  {text}\n", i * 16, hex.join(" ")));
+    }
+    out
+}
+
+/// `GET /dead-letters/{id}`: one letter, its raw key and value as text and hex.
+pub(crate) async fn dead_letter(
+    user: User,
+    axum::extract::State(state): axum::extract::State<State>,
+    Path(id): Path<i64>,
+) -> Response {
+    let letter = match crate::claims::dead_letters::find(&state.pool, id).await {
+        Ok(Some(letter)) => letter,
+        Ok(None) => {
+            return problem(
+                StatusCode::NOT_FOUND,
+                &user,
+                "Not found",
+                &format!("No dead letter has the id {id}."),
+            )
+        }
+        Err(e) => {
+            return problem(
+                StatusCode::SERVICE_UNAVAILABLE,
+                &user,
+                "Unavailable",
+                &e.to_string(),
+            )
+        }
+    };
+    let raw = crate::claims::dead_letters::take(&state.pool, id)
+        .await
+        .ok()
+        .flatten();
+    let sees = user.sees_payloads(&state);
+    let body = html! {
+        main {
+            h1 { "Dead letter " (id) }
+            dl {
+                dt { "stored" } dd { (when(letter.created_at)) }
+                dt { "message" } dd { (letter.topic) " partition " (letter.partition) " offset " (letter.offset) }
+                dt { "reason" } dd id="reason" { (error_text(sees, &letter.reason)) }
+                dt { "replayed" } dd { (maybe_when(letter.replayed_at)) }
+            }
+            @if let Some(raw) = &raw {
+                @if sees {
+                    @for (name, bytes) in [("key", &raw.key), ("value", &raw.value)] {
+                        h2 { "Raw " (name) }
+                        @match bytes {
+                            None => p { "none" },
+                            Some(bytes) => {
+                                details open {
+                                    summary { "text (" (bytes.len()) " bytes)" }
+                                    pre class="raw" id=(format!("raw-{name}-text")) { (as_text(bytes)) }
+                                }
+                                details {
+                                    summary { "hex" }
+                                    pre class="raw" id=(format!("raw-{name}-hex")) { (hex_dump(bytes)) }
+                                }
+                            }
+                        }
+                    }
+                } @else {
+                    p class="hidden" { "Raw bytes are shown to operators only." }
+                }
+            }
+            @if user.role == Role::Operator {
+                form class="action" method="post" action=(format!("/dead-letters/{id}/replay")) {
+                    input type="hidden" name="csrf_token" value=(user.csrf);
+                    label { "Reason " input name="reason" id="reason-input" required; }
+                    button type="submit" id="replay" { @if letter.replayed_at.is_some() { "Replay again" } @else { "Replay" } }
+                }
+            }
+        }
+    };
+    document(&format!("Dead letter {id}"), Some(&user), body).into_response()
+}
