@@ -1,6 +1,6 @@
 //! `replayproof console` as a user starts it (docs/console.md): the built binary with a
 //! configuration file whose user's hash `console hash-password` made, its database from the
-//! file, the flag or `DATABASE_URL`, a login over HTTP and the overview; and a list of shards
+//! file, the flag or `DATABASE_URL`, a login over HTTP, the overview and a logout; and a list of shards
 //! that disagrees with what the databases record, refused at start.
 
 use crate::harness::console::{console_command, ConsoleProcess};
@@ -43,12 +43,18 @@ fn config_file(dir: &tempfile::TempDir, database: &str, listen: &str, hash: &str
     path.to_str().unwrap().to_owned()
 }
 
-/// Logs in as `alice` at the console and reads the overview.
+/// Logs in as `alice` at the console, reads the overview and logs out: a copy of the session's
+/// cookie opens nothing afterwards.
 async fn logs_in_and_sees_the_overview(console: &ConsoleProcess) {
     let alice = console.client().logged_in("alice", PASSWORD).await;
     let overview = alice.get("/").await;
     assert_eq!(overview.status, 200, "{}", overview.body);
     assert!(overview.body.contains("Overview"), "{}", overview.body);
+    let mut copy = console.client();
+    copy.cookie = alice.cookie.clone();
+    assert_eq!(alice.post("/logout", &[]).await.status, 303);
+    let after = copy.get("/").await;
+    assert_eq!(after.location.as_deref(), Some("/login"), "{}", after.body);
 }
 
 /// Where a console's database is given: the file's section, flags, the environment.
