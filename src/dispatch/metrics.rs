@@ -102,7 +102,7 @@ impl DispatchMetrics {
         let mut in_flight: BTreeMap<&str, i64> = BTreeMap::new();
         let gauges = match pools {
             [] => Vec::new(),
-            _ => outbox::destination_gauges(&outbox::LimitsHome::over(pools)).await?,
+            _ => outbox::destination_gauges(&outbox::LimitsHome::over(pools, 0)).await?,
         };
         for g in &gauges {
             let label = destinations.label(&g.origin);

@@ -36,6 +36,9 @@ const LOOP: &str = "dispatch loop";
 const DATABASE: &str = "database";
 
 /// Operations leased at once, and so requests in flight at once (`--batch-size`).
+/// The longest an answer's verdict waits to reach the destination's row.
+const JUDGE_LIMIT: Duration = Duration::from_secs(2);
+
 pub const DEFAULT_BATCH_SIZE: i64 = 32;
 /// How long a lease keeps other workers off an operation (`--lease-secs`).
 pub const DEFAULT_LEASE: Duration = Duration::from_secs(300);
@@ -155,7 +158,7 @@ impl Dispatcher {
             0 => databases.to_vec(),
             _ => Vec::new(),
         };
-        self.limits = outbox::LimitsHome::over(databases);
+        self.limits = outbox::LimitsHome::over(databases, shard);
         if databases.len() > 1 {
             // Named once per process and shard, for the process's life.
             let name =
@@ -393,7 +396,10 @@ impl Dispatcher {
     async fn judge(&self, row: &Leased, verdict: Verdict) {
         let destination = self.settings.destinations.of(&row.origin);
         let first = &self.limits.first;
-        match outbox::record_health(first, &row.origin, &destination.limits, verdict).await {
+        // Never long: the operation's own record waits behind it, and the lease runs.
+        let recording = outbox::record_health(first, &row.origin, &destination.limits, verdict);
+        let recorded = tokio::time::timeout(JUDGE_LIMIT, recording).await;
+        match recorded.unwrap_or(Err(sqlx::Error::PoolTimedOut)) {
             Ok(BreakerChange::Opened) => {
                 tracing::warn!(destination = %row.origin, open_for = ?destination.limits.breaker_open, "Opened the circuit breaker of a destination that keeps failing; its operations wait.");
             }

@@ -25,6 +25,9 @@ pub struct LimitsHome {
     pub first: PgPool,
     /// Every database whose outbox sends to the destinations, the first included.
     pub every: Vec<PgPool>,
+    /// The loop using it leases from the first database itself: its leases are taken in the
+    /// transaction that holds the destination's row, on one connection.
+    pub own_is_first: bool,
 }
 
 impl LimitsHome {
@@ -33,14 +36,17 @@ impl LimitsHome {
         Self {
             first: pool.clone(),
             every: vec![pool.clone()],
+            own_is_first: true,
         }
     }
 
-    /// Over `databases` in the order of the list: the limits on the first.
-    pub fn over(databases: &[PgPool]) -> Self {
+    /// Over `databases` in the order of the list, for the loop of the database `own`: the
+    /// limits on the first.
+    pub fn over(databases: &[PgPool], own: usize) -> Self {
         Self {
             first: databases[0].clone(),
             every: databases.to_vec(),
+            own_is_first: own == 0,
         }
     }
 }
@@ -100,7 +106,7 @@ pub async fn lease_within_limits(
         held.commit().await?;
         return Ok(Vec::new());
     }
-    let leased = if home.every.len() == 1 {
+    let leased = if home.own_is_first {
         lease_due(&mut held, origin, admission.count, worker, lease).await?
     } else {
         // Committed before the row's lock is let go, so that the next holder counts them.
@@ -110,13 +116,23 @@ pub async fn lease_within_limits(
         leased
     };
     let probing = admission.probe && !leased.is_empty();
-    if limits.rate_per_sec.is_some() || probing {
-        let next_start = admission.start(leased.len());
-        let probe_until =
-            probing.then(|| now + chrono::Duration::from_std(lease).unwrap_or_default());
-        record_lease(&mut held, origin, next_start, probing, probe_until).await?;
+    let recorded = async {
+        if limits.rate_per_sec.is_some() || probing {
+            let next_start = admission.start(leased.len());
+            let probe_until =
+                probing.then(|| now + chrono::Duration::from_std(lease).unwrap_or_default());
+            record_lease(&mut held, origin, next_start, probing, probe_until).await?;
+        }
+        held.commit().await
+    };
+    match (recorded.await, home.own_is_first) {
+        (Ok(()), _) => {}
+        (Err(e), true) => return Err(e),
+        // The leases are committed on their own database: they are sent, not left to expire.
+        (Err(e), false) => {
+            tracing::warn!(destination = %origin, error = %e, "Leased, but the destination's schedule could not be recorded; sending anyway.");
+        }
     }
-    held.commit().await?;
     Ok(leased
         .into_iter()
         .enumerate()
@@ -345,7 +361,7 @@ pub struct DestinationGauge {
 }
 
 /// Every known origin's breaker, from the first database of `home`, and its requests in
-/// flight on every database.
+/// flight on every database (an origin with no row on the first database is not shown).
 pub async fn destination_gauges(home: &LimitsHome) -> sqlx::Result<Vec<DestinationGauge>> {
     let mut gauges = sqlx::query_as!(
         DestinationGauge,
