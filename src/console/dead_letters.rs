@@ -2,7 +2,7 @@
 //! bytes.
 
 use super::auth::{Role, User};
-use super::pages::{document, given, maybe_when, parse_when, problem, q, when};
+use super::pages::{document, given, maybe_when, parse_when, problem, when};
 use super::visibility::error_text;
 use super::{State, PAGE_ROWS};
 use axum::extract::{Path, Query};
@@ -39,17 +39,11 @@ impl LettersQuery {
     }
 
     pub(crate) fn query_string(&self) -> String {
-        let mut parts = Vec::new();
-        for (name, value) in [
+        super::pages::query_of(&[
             ("since", &self.since),
             ("reason_like", &self.reason_like),
             ("not_replayed", &self.not_replayed),
-        ] {
-            if let Some(v) = given(value) {
-                parts.push(format!("{name}={}", q(v)));
-            }
-        }
-        parts.join("&")
+        ])
     }
 }
 

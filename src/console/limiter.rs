@@ -87,9 +87,7 @@ impl Logins {
         let mut failures = self.failures.lock().expect("failures lock");
         if failures.len() > FORGET_AFTER_KEYS {
             failures.retain(|_, (_, at)| at.elapsed() < FORGET_FAILURES_AFTER);
-            if failures.len() > FORGET_AFTER_KEYS {
-                failures.clear();
-            }
+            forget_oldest(&mut failures);
         }
         let entry = failures.entry(name.digest).or_insert((0, Instant::now()));
         if entry.1.elapsed() >= FORGET_FAILURES_AFTER {
@@ -111,6 +109,18 @@ impl Logins {
     fn names(&self) -> usize {
         self.failures.lock().expect("failures lock").len()
     }
+}
+
+/// Forgets the names whose last failure is oldest until half the room is free: a flood of
+/// made-up names pushes out the oldest, not a victim's recent failures all at once.
+fn forget_oldest(failures: &mut HashMap<[u8; 32], (u32, Instant)>) {
+    if failures.len() <= FORGET_AFTER_KEYS {
+        return;
+    }
+    let mut times: Vec<Instant> = failures.values().map(|(_, at)| *at).collect();
+    times.sort_unstable();
+    let cut = times[failures.len() - FORGET_AFTER_KEYS / 2];
+    failures.retain(|_, (_, at)| *at >= cut);
 }
 
 /// The wait before an attempt under a name that failed `failed` times.

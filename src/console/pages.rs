@@ -187,7 +187,7 @@ pub(crate) async fn overview(
                 )
             }
         };
-    let home = crate::outbox::LimitsHome::over(&state.databases());
+    let home = crate::outbox::LimitsHome::over(&state.databases(), 0);
     let breakers = crate::outbox::destination_gauges(&home)
         .await
         .unwrap_or_default();
@@ -313,6 +313,15 @@ pub(crate) fn given(v: &Option<String>) -> Option<&str> {
     v.as_deref().map(str::trim).filter(|v| !v.is_empty())
 }
 
+/// A query string of the fields given, each `name=value`, URL-encoded.
+pub(crate) fn query_of(fields: &[(&str, &Option<String>)]) -> String {
+    let parts: Vec<String> = fields
+        .iter()
+        .filter_map(|(name, value)| given(value).map(|v| format!("{name}={}", q(v))))
+        .collect();
+    parts.join("&")
+}
+
 impl EventsQuery {
     /// The search it asks for, or what is wrong with it.
     pub(crate) fn search(&self, limit: i64) -> Result<Search, String> {
@@ -334,20 +343,14 @@ impl EventsQuery {
 
     /// The query string of this search, without the cursor.
     pub(crate) fn query_string(&self) -> String {
-        let mut parts = Vec::new();
-        for (name, value) in [
+        query_of(&[
             ("q", &self.q),
             ("source", &self.source),
             ("type", &self.event_type),
             ("state", &self.state),
             ("since", &self.since),
             ("until", &self.until),
-        ] {
-            if let Some(v) = given(value) {
-                parts.push(format!("{name}={}", q(v)));
-            }
-        }
-        parts.join("&")
+        ])
     }
 }
 
