@@ -103,7 +103,7 @@ pub async fn search(pool: &PgPool, search: &LetterSearch) -> sqlx::Result<Vec<De
         q.push(" AND reason LIKE ").push_bind(pattern.clone());
     }
     if search.not_replayed {
-        q.push(" AND replayed_at IS NULL");
+        q.push(" AND replayed_at IS NULL AND payload_erased_at IS NULL");
     }
     if let Some(id) = search.before_id {
         q.push(" AND id < ").push_bind(id);
@@ -170,7 +170,7 @@ pub async fn take(pool: &PgPool, id: i64) -> sqlx::Result<Option<RawLetter>> {
 /// Marks a dead letter replayed, in the caller's transaction.
 pub async fn mark_replayed(conn: &mut PgConnection, id: i64) -> sqlx::Result<bool> {
     let updated = sqlx::query!(
-        "UPDATE dead_letters SET replayed_at = now() WHERE id = $1",
+        "UPDATE dead_letters SET replayed_at = now() WHERE id = $1 AND payload_erased_at IS NULL",
         id
     )
     .execute(conn)

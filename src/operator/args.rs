@@ -332,15 +332,20 @@ async fn erase(
     reason: &str,
 ) -> anyhow::Result<()> {
     use crate::retention::erase;
-    // Each database erases the keys it holds; dead letters are on the first.
+    // Each database erases the keys it holds; dead letters are on the first, whatever --shard.
     let act = op.act(reason);
-    let databases = op.databases().await?;
+    let first = op.first().await?;
     let erased = match (key, source, matching) {
         (Some(key), _, _) => {
-            erase::erase_key(&op.pool_for(&key).await?, &databases[0], &key, &act).await?
+            let pool = match op.database.shard.is_some() || op.database.database_url.len() == 1 {
+                true => Some(op.pool().await?),
+                false => op.database.open_shards(2).await?.holding(&key).await?,
+            };
+            erase::erase_key(pool.as_ref(), &first, &key, &act).await?
         }
         (None, Some(source), Some((field, value))) => {
-            erase::erase_matching(&databases, &source, &field, &value, &act).await?
+            let databases = op.databases().await?;
+            erase::erase_matching(&first, &databases, &source, &field, &value, &act).await?
         }
         _ => anyhow::bail!("give --key, or --source with --match"),
     };

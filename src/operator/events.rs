@@ -496,6 +496,7 @@ pub async fn to_retry(pool: &PgPool, f: &RetryFilter) -> Result<Vec<String>, Ope
              AND ($2::text IS NULL OR source = $2)
              AND ($3::timestamptz IS NULL OR claimed_at >= $3)
              AND NOT EXISTS (SELECT 1 FROM outbox o WHERE o.event_key = event_summaries.event_key
+                             AND o.state IN ('failed', 'uncertain', 'dead')
                              AND o.payload_erased_at IS NOT NULL)
            ORDER BY claimed_at, event_key
            LIMIT $4"#,

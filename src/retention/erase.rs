@@ -64,15 +64,21 @@ async fn matching_payloads(
     .await
 }
 
-/// `events erase --key`: `key`'s payloads in `pool`, its database, and its dead letters' bytes
-/// in `first`, where dead letters are kept.
+/// `events erase --key`: `key`'s payloads in `pool`, its database (None when no database
+/// holds it), and its dead letters' bytes in `first`, where dead letters are kept.
 pub async fn erase_key(
-    pool: &PgPool,
+    pool: Option<&PgPool>,
     first: &PgPool,
     key: &str,
     act: &Act,
 ) -> sqlx::Result<Erased> {
-    let mut erased = erase(pool, &[key.to_owned()], act).await?;
+    let mut erased = match pool {
+        Some(pool) => erase(pool, &[key.to_owned()], act).await?,
+        None => Erased {
+            refused: vec![(key.to_owned(), NO_SUCH_EVENT.to_owned())],
+            ..Erased::default()
+        },
+    };
     let letters = super::erase_search::dead_letters_of(first, key).await?;
     erase_letters(first, &letters, act, &mut erased).await?;
     // Only dead letters of it: erased, and no claim needed.
@@ -82,9 +88,11 @@ pub async fn erase_key(
     Ok(erased)
 }
 
-/// `events erase --source --match FIELD=VALUE`: the matching events of every database, the
-/// matching dead letters of the first, and what could not be searched.
+/// `events erase --source --match FIELD=VALUE`: the matching events of `databases`, the
+/// matching dead letters of `first` (where every dead letter is kept), and what could not be
+/// searched.
 pub async fn erase_matching(
+    first: &PgPool,
     databases: &[PgPool],
     source: &str,
     field: &str,
@@ -108,10 +116,15 @@ pub async fn erase_matching(
             ));
         }
     }
-    if let Some(first) = databases.first() {
-        let letters =
-            super::erase_search::matching_dead_letters(first, source, &path, value).await?;
-        erase_letters(first, &letters, act, &mut erased).await?;
+    let (letters, unsearched) =
+        super::erase_search::matching_dead_letters(first, source, &path, value).await?;
+    erase_letters(first, &letters, act, &mut erased).await?;
+    if unsearched > 0 {
+        erased.unsearched.push(format!(
+            "{unsearched} dead letter(s) that are no envelope: a value shorter than {} \
+             characters is not looked for in raw bytes; erase them by --key",
+            super::erase_search::MIN_RAW_MATCH
+        ));
     }
     Ok(erased)
 }

@@ -56,15 +56,20 @@ pub async fn matching_bodies(
         .collect())
 }
 
+/// The shortest value looked for in a dead letter's raw bytes: a shorter one would match
+/// unrelated letters, whose erasure cannot be undone.
+pub const MIN_RAW_MATCH: usize = 4;
+
 /// The dead letters, not yet erased, that may carry the data subject's `value`: an envelope of
-/// `source` holding it at `path` in its payload; bytes that are no envelope, wherever they
-/// contain it.
+/// `source` holding it at `path` in its payload; anything else (not JSON, or JSON that is no
+/// envelope) wherever its bytes contain it. With a value shorter than [`MIN_RAW_MATCH`], the
+/// letters that are no envelope are not searched: the second number, how many.
 pub async fn matching_dead_letters(
     pool: &PgPool,
     source: &str,
     path: &[&str],
     value: &str,
-) -> sqlx::Result<Vec<i64>> {
+) -> sqlx::Result<(Vec<i64>, usize)> {
     let letters = sqlx::query!(
         r#"SELECT id, raw_value AS "value!" FROM dead_letters
            WHERE payload_erased_at IS NULL AND raw_value IS NOT NULL ORDER BY id"#
@@ -72,17 +77,26 @@ pub async fn matching_dead_letters(
     .fetch_all(pool)
     .await?;
     let needle = value.as_bytes();
-    Ok(letters
-        .into_iter()
-        .filter(|l| match serde_json::from_slice::<Value>(&l.value) {
-            Ok(envelope) if envelope["source"] == source => {
-                holds(&envelope["payload"], path, value)
+    let (mut ids, mut unsearched) = (Vec::new(), 0);
+    for letter in letters {
+        let envelope = serde_json::from_slice::<Value>(&letter.value)
+            .ok()
+            .filter(|v| v["source"].is_string() && v.get("payload").is_some());
+        let matched = match envelope {
+            Some(envelope) => {
+                envelope["source"] == source && holds(&envelope["payload"], path, value)
             }
-            Ok(_) => false,
-            Err(_) => !needle.is_empty() && l.value.windows(needle.len()).any(|w| w == needle),
-        })
-        .map(|l| l.id)
-        .collect())
+            None if needle.len() < MIN_RAW_MATCH => {
+                unsearched += 1;
+                false
+            }
+            None => letter.value.windows(needle.len()).any(|w| w == needle),
+        };
+        if matched {
+            ids.push(letter.id);
+        }
+    }
+    Ok((ids, unsearched))
 }
 
 /// The dead letters of `key` (their Kafka key), not yet erased.
@@ -96,11 +110,12 @@ pub async fn dead_letters_of(pool: &PgPool, key: &str) -> sqlx::Result<Vec<i64>>
     .await
 }
 
-/// Erases the bytes of the dead letters `ids`, keeping their place and reason; how many.
+/// Erases the bytes of the dead letters `ids`, keeping their place, reason and identity (the
+/// hash of the bytes, so a redelivery of the message is still the stored letter); how many.
 pub async fn erase_dead_letters(pool: &PgPool, ids: &[i64]) -> sqlx::Result<u64> {
     let done = sqlx::query!(
-        "UPDATE dead_letters SET raw_value = NULL, payload_erased_at = now() \
-         WHERE id = ANY($1) AND payload_erased_at IS NULL",
+        "UPDATE dead_letters SET erased_sha256 = message_sha256, raw_value = NULL, \
+         payload_erased_at = now() WHERE id = ANY($1) AND payload_erased_at IS NULL",
         ids
     )
     .execute(pool)

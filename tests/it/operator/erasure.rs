@@ -175,3 +175,52 @@ async fn erasure_by_key_takes_its_dead_letters_too() {
         1
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_erased_dead_letter_stays_erased_when_its_message_is_delivered_again() {
+    let db = TestDb::new().await;
+    let poison = replayproof::consume::RawMessage {
+        offset: 5,
+        key: Some(b"junk-key".to_vec()),
+        value: Some(b"not an envelope, cus_subject_9".to_vec()),
+        traceparent: None,
+    };
+    process(&db, Arc::new(Ledger), std::slice::from_ref(&poison)).await;
+    assert_eq!(db.count("SELECT count(*) FROM dead_letters").await, 1);
+    let (ok, said) = erase(&db, &["--key", "junk-key"]);
+    assert!(ok, "{said}");
+    // The same message again (a restart before the offset commit, a replay by time).
+    process(&db, Arc::new(Ledger), &[poison]).await;
+    let kept: Vec<Option<Vec<u8>>> = sqlx::query_scalar("SELECT raw_value FROM dead_letters")
+        .fetch_all(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(kept, [None], "still the one erased letter");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_letters_are_erased_on_the_first_database_whatever_shard_is_named() {
+    let (first, second) = (TestDb::new().await, TestDb::new().await);
+    dead_letter(&first, 4, "evt-gone", b"raw cus_subject_9 bytes").await;
+    let out = crate::harness::replayproof()
+        .args([
+            "events",
+            "erase",
+            "--key",
+            "evt-gone",
+            "--reason",
+            "request 9",
+        ])
+        .args(["--database-url", &first.url, "--database-url", &second.url])
+        .args(["--shard", "1"])
+        .output()
+        .unwrap();
+    let said =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{said}");
+    let value: Option<Vec<u8>> = sqlx::query_scalar("SELECT raw_value FROM dead_letters")
+        .fetch_one(&first.pool)
+        .await
+        .unwrap();
+    assert_eq!(value, None, "{said}");
+}
