@@ -15,6 +15,7 @@
 #[cfg(feature = "cli")]
 pub mod args;
 mod batch;
+#[cfg(feature = "cli")]
 pub mod defer_args;
 mod deferred;
 mod ffi;
