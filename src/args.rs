@@ -334,14 +334,21 @@ impl DatabaseArgs {
         key: &str,
         max_connections: u32,
     ) -> anyhow::Result<sqlx::PgPool> {
-        if self.database_url.len() == 1 || self.shard.is_some() {
-            return self.open_pool(max_connections).await;
-        }
-        self.open_shards(max_connections)
-            .await?
-            .holding(key)
+        self.pool_holding_key(key, max_connections)
             .await?
             .ok_or_else(|| anyhow::anyhow!("no shard holds the event {key}"))
+    }
+
+    /// [`DatabaseArgs::pool_for_key`], None when no shard holds the key.
+    pub async fn pool_holding_key(
+        &self,
+        key: &str,
+        max_connections: u32,
+    ) -> anyhow::Result<Option<sqlx::PgPool>> {
+        if self.database_url.len() == 1 || self.shard.is_some() {
+            return Ok(Some(self.open_pool(max_connections).await?));
+        }
+        self.open_shards(max_connections).await?.holding(key).await
     }
 
     /// The shards: one pool per `--database-url`, in the order given, or the Citus

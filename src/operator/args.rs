@@ -32,11 +32,11 @@ impl OperatorArgs {
             .unwrap_or_else(|| "operator".into())
     }
 
-    fn act(&self, reason: &str) -> Act {
+    pub(super) fn act(&self, reason: &str) -> Act {
         Act::new(&self.actor(), reason)
     }
 
-    async fn pool(&self) -> anyhow::Result<sqlx::PgPool> {
+    pub(super) async fn pool(&self) -> anyhow::Result<sqlx::PgPool> {
         self.database.open_pool(2).await
     }
 
@@ -46,12 +46,12 @@ impl OperatorArgs {
     }
 
     /// The first database: with several shards, the one that holds every dead letter.
-    async fn first(&self) -> anyhow::Result<sqlx::PgPool> {
+    pub(super) async fn first(&self) -> anyhow::Result<sqlx::PgPool> {
         Ok(self.database.open_shards(2).await?.first().clone())
     }
 
     /// Every database a listing reads: each shard, or only the one `--shard` names.
-    async fn databases(&self) -> anyhow::Result<Vec<sqlx::PgPool>> {
+    pub(super) async fn databases(&self) -> anyhow::Result<Vec<sqlx::PgPool>> {
         if self.database.shard.is_some() {
             return Ok(vec![self.pool().await?]);
         }
@@ -316,68 +316,11 @@ impl EventsCommand {
                 source,
                 matching,
                 reason,
-            } => erase(op, key, source, matching, &reason).await?,
+            } => super::erasure::run(op, key, source, matching, &reason).await?,
             _ => unreachable!("the other commands run in EventsCommand::run"),
         }
         Ok(())
     }
-}
-
-/// `events erase`: one key, or the events of a source whose payload matches.
-async fn erase(
-    op: OperatorArgs,
-    key: Option<String>,
-    source: Option<String>,
-    matching: Option<(String, String)>,
-    reason: &str,
-) -> anyhow::Result<()> {
-    use crate::retention::erase;
-    // Each database erases the keys it holds; dead letters are on the first, whatever --shard.
-    let act = op.act(reason);
-    let first = op.first().await?;
-    let erased = match (key, source, matching) {
-        (Some(key), _, _) => {
-            let pool = match op.database.shard.is_some() || op.database.database_url.len() == 1 {
-                true => Some(op.pool().await?),
-                false => op.database.open_shards(2).await?.holding(&key).await?,
-            };
-            erase::erase_key(pool.as_ref(), &first, &key, &act).await?
-        }
-        (None, Some(source), Some((field, value))) => {
-            let databases = op.databases().await?;
-            erase::erase_matching(&first, &databases, &source, &field, &value, &act).await?
-        }
-        _ => anyhow::bail!("give --key, or --source with --match"),
-    };
-    render::print(op.json, &erased, |e| {
-        let mut out = String::new();
-        for key in &e.erased {
-            out.push_str(&format!("{key}: payloads erased\n"));
-        }
-        for (key, why) in &e.refused {
-            out.push_str(&format!("{key}: refused: {why}\n"));
-        }
-        for id in &e.dead_letters {
-            out.push_str(&format!("dead letter {id}: bytes erased\n"));
-        }
-        for blind in &e.unsearched {
-            out.push_str(&format!("not searched: {blind}\n"));
-        }
-        out.push_str(&format!(
-            "{} erased, {} refused, {} dead letter(s) erased\n",
-            e.erased.len(),
-            e.refused.len(),
-            e.dead_letters.len()
-        ));
-        out
-    });
-    anyhow::ensure!(
-        erased.refused.is_empty() && erased.unsearched.is_empty(),
-        "{} event(s) were not erased, {} place(s) could not be searched",
-        erased.refused.len(),
-        erased.unsearched.len()
-    );
-    Ok(())
 }
 
 impl RetryArgs {

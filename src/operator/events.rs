@@ -1,6 +1,7 @@
 //! `events list`, `show`, `retry` and `resolve`: an event's claim and operations, read and moved
 //! by hand.
 
+pub use super::bulk_retry::{to_retry, RetryFilter};
 use super::{Act, Change, OperatorError};
 use crate::claims::{self, conflicts, dead_letters, ClaimStatus};
 use crate::consume::settle::{self, Next, Policy, Standing};
@@ -474,40 +475,6 @@ pub async fn show(pool: &PgPool, key: &str) -> Result<EventDetail, OperatorError
         dead_letters: dead_letters::of_key(pool, key).await?,
         key_conflicts: conflicts::of_event(pool, key).await?,
     })
-}
-
-/// Which events a bulk retry takes.
-#[derive(Debug, Clone)]
-pub struct RetryFilter {
-    /// `failed`, `uncertain` or `dead` ([`StateName::retryable`]).
-    pub state: StateName,
-    pub source: Option<String>,
-    /// Only events claimed at or after this time.
-    pub since: Option<DateTime<Utc>>,
-    pub limit: i64,
-}
-
-/// The events a bulk retry takes, oldest claim first; never one whose operations' bodies were
-/// erased, which can never be sent again.
-pub async fn to_retry(pool: &PgPool, f: &RetryFilter) -> Result<Vec<String>, OperatorError> {
-    let keys = sqlx::query_scalar!(
-        r#"SELECT event_key AS "event_key!" FROM event_summaries
-           WHERE (claim = $1 OR $1 = ANY(operation_states))
-             AND ($2::text IS NULL OR source = $2)
-             AND ($3::timestamptz IS NULL OR claimed_at >= $3)
-             AND NOT EXISTS (SELECT 1 FROM outbox o WHERE o.event_key = event_summaries.event_key
-                             AND o.state IN ('failed', 'uncertain', 'dead')
-                             AND o.payload_erased_at IS NOT NULL)
-           ORDER BY claimed_at, event_key
-           LIMIT $4"#,
-        f.state.as_str(),
-        f.source.as_deref(),
-        f.since,
-        f.limit,
-    )
-    .fetch_all(pool)
-    .await?;
-    Ok(keys)
 }
 
 /// What a retry runs.

@@ -7,7 +7,10 @@
 
 #[cfg(feature = "cli")]
 pub mod args;
+mod bulk_retry;
 pub mod dead_letters;
+#[cfg(feature = "cli")]
+mod erasure;
 pub mod events;
 pub mod expired;
 #[cfg(feature = "cli")]

@@ -14,7 +14,6 @@ pub mod state;
 
 pub use by_hand::*;
 pub use destinations::*;
-
 pub use state::{AttemptKind, OutboxState, Outcome};
 
 use chrono::{DateTime, Utc};
