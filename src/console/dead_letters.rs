@@ -2,7 +2,7 @@
 //! bytes.
 
 use super::auth::{Role, User};
-use super::pages::{document, given, maybe_when, parse_when, problem, when};
+use super::pages::{document, given, maybe_when, parse_when, problem, unavailable, when};
 use super::visibility::error_text;
 use super::{State, PAGE_ROWS};
 use axum::extract::{Path, Query};
@@ -65,14 +65,7 @@ pub(crate) async fn dead_letters(
     };
     let letters = match crate::claims::dead_letters::search(&state.pool, &search).await {
         Ok(letters) => letters,
-        Err(e) => {
-            return problem(
-                StatusCode::SERVICE_UNAVAILABLE,
-                &user,
-                "Search failed",
-                &e.to_string(),
-            )
-        }
+        Err(e) => return unavailable(&user, "Search failed", &e),
     };
     let this = query.query_string();
     let value = |v: &Option<String>| v.clone().unwrap_or_default();
@@ -165,14 +158,7 @@ pub(crate) async fn dead_letter(
                 &format!("No dead letter has the id {id}."),
             )
         }
-        Err(e) => {
-            return problem(
-                StatusCode::SERVICE_UNAVAILABLE,
-                &user,
-                "Unavailable",
-                &e.to_string(),
-            )
-        }
+        Err(e) => return unavailable(&user, "Unavailable", &e),
     };
     let raw = crate::claims::dead_letters::take(&state.pool, id)
         .await

@@ -122,6 +122,16 @@ pub(crate) fn problem(status: StatusCode, user: &User, title: &str, text: &str) 
     (status, document(title, Some(user), body)).into_response()
 }
 
+/// 503 titled `title`: the database (or the broker) did not answer; `error` says how.
+pub(crate) fn unavailable(user: &User, title: &str, error: &dyn std::fmt::Display) -> Response {
+    problem(
+        StatusCode::SERVICE_UNAVAILABLE,
+        user,
+        title,
+        &error.to_string(),
+    )
+}
+
 /// Any other path: not found, for a logged-in user only.
 pub(crate) async fn not_found(user: User) -> Response {
     problem(
@@ -399,14 +409,7 @@ pub(crate) async fn events(
     };
     let page = match events::search_over(&state.databases(), &search).await {
         Ok(page) => page,
-        Err(e) => {
-            return problem(
-                StatusCode::SERVICE_UNAVAILABLE,
-                &user,
-                "Search failed",
-                &e.to_string(),
-            )
-        }
+        Err(e) => return unavailable(&user, "Search failed", &e),
     };
     let this = query.query_string();
     let retryable = matches!(
@@ -457,14 +460,7 @@ pub(crate) async fn expired(
     let rows =
         match crate::retention::expired::list_over(&state.databases(), false, PAGE_ROWS).await {
             Ok(rows) => rows,
-            Err(e) => {
-                return problem(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    &user,
-                    "Unavailable",
-                    &e.to_string(),
-                )
-            }
+            Err(e) => return unavailable(&user, "Unavailable", &e),
         };
     let body = html! {
         main {

@@ -2,7 +2,7 @@
 //! actions its state allows.
 
 use super::auth::{Role, User};
-use super::pages::{self, document, maybe_when, problem, when};
+use super::pages::{self, document, maybe_when, problem, unavailable, when};
 use super::visibility::error_text;
 use super::State;
 use crate::claims::ClaimStatus;
@@ -51,14 +51,7 @@ pub(crate) async fn story(
                 &format!("No event has the key {key:?}."),
             )
         }
-        Err(e) => {
-            return problem(
-                StatusCode::SERVICE_UNAVAILABLE,
-                &user,
-                "Unavailable",
-                &e.to_string(),
-            )
-        }
+        Err(e) => return unavailable(&user, "Unavailable", &e),
     };
     let letters: Vec<String> = detail
         .dead_letters
