@@ -351,6 +351,11 @@ impl DatabaseArgs {
         self.open_shards(max_connections).await?.holding(key).await
     }
 
+    /// Whether the claims are spread over several databases or Citus shards.
+    pub fn is_sharded(&self) -> bool {
+        self.database_url.len() > 1 || self.citus_shards.is_some_and(|n| n > 1)
+    }
+
     /// The shards: one pool per `--database-url`, in the order given, or the Citus
     /// coordinator's pool once per Citus shard; `max_connections` per database.
     pub fn shards(&self, max_connections: u32) -> anyhow::Result<crate::shard::Shards> {

@@ -234,7 +234,7 @@ impl Cli {
             Command::DeadLetters(command) => command.run().await,
             Command::Status(args) => args.run().await,
             Command::Console(console) => console.run(&self.effects, args.file.as_ref()).await,
-            Command::Replay(replay) => replay.run(&self.effects).await,
+            Command::Replay(replay) => replay.run(&self.effects, args.file.as_ref()).await,
             Command::Prune(prune) => prune.run(args.file.as_ref()).await,
             Command::Config(ConfigCommand::Check { no_connect }) => {
                 use clap::CommandFactory as _;

@@ -49,9 +49,8 @@ fn section_of(command_path: &[String], long: &str) -> Option<(&'static str, Stri
         // A replay by time applies as `consume` does, from the same settings.
         Some("console") => match long {
             "listen" => Some(("console", key)),
-            "effect" | "target-url" | "reconcile-url" | "max-attempts" | "effect-attempts" => {
-                Some(("consume", key))
-            }
+            "effect" | "target-url" | "reconcile-url" | "max-attempts" | "effect-attempts"
+            | "operation-key" => Some(("consume", key)),
             _ if long.starts_with("defer-") => Some(("consume", key)),
             _ => None,
         },

@@ -71,6 +71,7 @@ pub(crate) async fn retry(
     let retry = Retry {
         operation: fields.get("operation").map(Into::into),
         effect: None,
+        accept_duplicate_risk: fields.get("accept_duplicate_risk") == Some("yes"),
     };
     let pool = match state.pool_for(&key).await {
         Ok(pool) => pool,

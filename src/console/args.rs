@@ -103,7 +103,7 @@ impl ConsoleArgs {
                 options: self.kafka.kafka_options.clone(),
             });
         settings.effects = self.effects.clone();
-        settings.http = self.http.outbox();
+        settings.http = self.http.outbox_for(file, self.database.is_sharded())?;
         settings.effect_retry = crate::consume::EffectRetry {
             attempts: self.effect_attempts,
             ..Default::default()

@@ -194,9 +194,12 @@ fn timeline(d: &EventDetail, sees: bool) -> Vec<Entry> {
                 @if matches!(op.state, OutboxState::Pending | OutboxState::Retryable | OutboxState::Uncertain) { ", due " (when(op.next_attempt_at)) }
                 @if let Some(lease) = op.lease_expires_at { ", leased until " (when(lease)) }
                 @if let Some(at) = op.completed_at { ", settled " (when(at)) }
+                @if let Some(until) = op.idempotent_until { ", its key honoured downstream until " (when(until)) }
+                @if let Some(at) = op.held_at { div class="problem" id="held" { "Held since " (when(at)) ": past the idempotency window, so a dispatcher will not send it again (the downstream could apply it twice). Check the downstream, then resolve it, or retry it accepting the risk." } }
             },
         });
     }
+    out.extend(fulfilled(d));
     for a in &d.attempts {
         let kind = match a.kind.as_str() {
             "reconcile" => "reconciliation",
@@ -257,6 +260,33 @@ fn timeline(d: &EventDetail, sees: bool) -> Vec<Entry> {
     out
 }
 
+/// The operations another event's operations fulfil: both events named one obligation.
+fn fulfilled(d: &EventDetail) -> Vec<Entry> {
+    d.fulfilled_by
+        .iter()
+        .map(|f| Entry {
+            at: f.recorded_at,
+            order: 5,
+            what: format!("operation {}: fulfilled by another event", f.operation),
+            bad: false,
+            detail: html! {
+                "Nothing was enqueued: the obligation " code { (f.operation_key) } " is held by "
+                a href=(pages::event_path(&f.fulfilled_by)) class="fulfilled-by" { (f.fulfilled_by) }
+            },
+        })
+        .collect()
+}
+
+/// Whether one of the event's operations is past its idempotency window: a retry must accept
+/// the risk of a second application.
+fn past_window(d: &EventDetail) -> bool {
+    let now = chrono::Utc::now();
+    d.operations.iter().any(|o| {
+        o.state.is_retryable_by_hand()
+            && (o.held_at.is_some() || o.idempotent_until.is_some_and(|u| u <= now))
+    })
+}
+
 /// The kept payload and a conflicting one side by side, line by line.
 fn diff(kept: &str, other: &str) -> Markup {
     let (kept, other) = (pages::pretty(kept), pages::pretty(other));
@@ -313,6 +343,9 @@ fn actions_of(user: &User, key: &str, d: &EventDetail) -> Markup {
                     form class="action" method="post" action=(format!("{path}/retry")) {
                         input type="hidden" name="csrf_token" value=(user.csrf);
                         label { "Reason " input name="reason" id="retry-reason" required; }
+                        @if past_window(d) {
+                            label { input type="checkbox" name="accept_duplicate_risk" value="yes" id="accept-duplicate-risk"; " send past the idempotency window (the downstream could apply it twice)" }
+                        }
                         button type="submit" id="retry" { "Retry" }
                     }
                 }

@@ -1,8 +1,9 @@
 //! `replayproof consume`'s flags, and the consumer process they start.
 
+pub use super::http_args::HttpEffectArgs;
 use super::*;
 use crate::args::{DatabaseArgs, KafkaArgs, ToArgs};
-use crate::effect::{DeferPolicy, HttpOutbox, Registry};
+use crate::effect::{DeferPolicy, Registry};
 use clap::Args;
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -11,8 +12,7 @@ use std::time::Duration;
 pub const DEFAULT_METRICS_ADDR: &str = "127.0.0.1:9464";
 /// The built-in effect that records each event (`--effect`).
 pub const DEFAULT_EFFECT: &str = "ledger";
-/// Sends of an outbox operation before it is dead (`--max-attempts`).
-pub const DEFAULT_MAX_ATTEMPTS: i32 = 10;
+pub use super::http_args::DEFAULT_MAX_ATTEMPTS;
 /// Tries of a failing effect, each in its own transaction, before the event is settled
 /// `failed` (`--effect-attempts`).
 pub const DEFAULT_EFFECT_ATTEMPTS: u32 = 3;
@@ -170,25 +170,6 @@ pub struct ConsumeArgs {
     pub migrate: bool,
 }
 
-/// The `http` effect's flags.
-#[derive(Debug, Clone, Default, Args)]
-#[command(next_help_heading = "Effects")]
-pub struct HttpEffectArgs {
-    /// With --effect http: where each event is POSTed (by `replayproof dispatch`).
-    #[arg(long, env = "REPLAYPROOF_TARGET_URL", value_parser = crate::dispatch::outbound::check_url)]
-    pub target_url: Option<String>,
-
-    /// With --effect http: a URL template, `{key}` replaced by the operation key, that answers
-    /// 2xx when the downstream already has the operation and 404 when it does not. Used to
-    /// settle uncertain outcomes without resending.
-    #[arg(long, env = "REPLAYPROOF_RECONCILE_URL", value_parser = crate::dispatch::outbound::check_url)]
-    pub reconcile_url: Option<String>,
-
-    /// With --effect http: attempts before an operation is dead.
-    #[arg(long, env = "REPLAYPROOF_MAX_ATTEMPTS", default_value_t = DEFAULT_MAX_ATTEMPTS, value_parser = clap::value_parser!(i32).range(1..=1000))]
-    pub max_attempts: i32,
-}
-
 /// A duration with its unit: 500ms, 30s, 10m, 24h, 3d.
 /// At most [`MAX_DEFER_DURATION`]: longer is refused at start, not overflowed later.
 pub fn parse_duration(text: &str) -> Result<Duration, String> {
@@ -232,17 +213,6 @@ pub fn parse_defer_source(
         ));
     }
     Ok((source.to_owned(), policy))
-}
-
-impl HttpEffectArgs {
-    /// The outbox effect's settings, when a target is given.
-    pub fn outbox(&self) -> Option<HttpOutbox> {
-        self.target_url.clone().map(|target_url| HttpOutbox {
-            target_url,
-            reconcile_url: self.reconcile_url.clone(),
-            max_attempts: self.max_attempts,
-        })
-    }
 }
 
 impl ConsumeArgs {
@@ -293,6 +263,8 @@ impl ConsumeArgs {
         registry: &Registry,
         file: Option<&crate::config::ConfigFile>,
     ) -> anyhow::Result<()> {
+        // Refused before anything starts: an obligation its sources are not routed by.
+        self.http.outbox_for(file, self.database.is_sharded())?;
         let process = crate::shutdown::Process::start("consume", Some(self.metrics_addr)).await?;
         let metrics = ConsumeMetrics::new(&process.registry)?;
         metrics.known_sources(self.known_sources(file)?.iter().map(String::as_str));
@@ -321,7 +293,7 @@ impl ConsumeArgs {
                 tokio::spawn(background.run(process.shutdown.clone()));
             }
         }
-        let processor = self.processor(shards, registry)?;
+        let processor = self.processor(shards, registry, file)?;
         Consumer::build(self.settings(), processor, metrics, process.health)?
             .run_until_stopped(process.shutdown)
             .stopped()
@@ -331,21 +303,24 @@ impl ConsumeArgs {
 
 impl ConsumeArgs {
     /// What applies each batch: the effects, their retries and deferrals, through `shards`
-    /// (a `PgPool` for one database).
+    /// (a `PgPool` for one database); the `http` effect's obligations as `file`'s sources
+    /// name them.
     pub fn processor(
         &self,
         shards: impl Into<crate::shard::Shards>,
         registry: &Registry,
+        file: Option<&crate::config::ConfigFile>,
     ) -> anyhow::Result<BatchProcessor> {
-        Ok(BatchProcessor::new(
-            shards,
-            registry.build(&self.effects, self.http.outbox().as_ref())?,
+        let shards: crate::shard::Shards = shards.into();
+        let http = self.http.outbox_for(file, shards.len() > 1)?;
+        Ok(
+            BatchProcessor::new(shards, registry.build(&self.effects, http.as_ref())?)
+                .with_retry(EffectRetry {
+                    attempts: self.effect_attempts,
+                    ..EffectRetry::default()
+                })
+                .with_defer(self.defer_settings()?),
         )
-        .with_retry(EffectRetry {
-            attempts: self.effect_attempts,
-            ..EffectRetry::default()
-        })
-        .with_defer(self.defer_settings()?))
     }
 
     /// The sources whose events this consumer expects: the configuration file's
@@ -419,6 +394,9 @@ impl ToArgs for ConsumeArgs {
         }
         if let Some(url) = &self.http.reconcile_url {
             flag("reconcile-url", url.clone());
+        }
+        if let Some(pointer) = &self.http.operation_key {
+            flag("operation-key", pointer.clone());
         }
         flag("max-attempts", self.http.max_attempts.to_string());
         flag("batch-size", self.batch_size.to_string());
@@ -522,6 +500,8 @@ mod tests {
         "http://t/ops/{key}",
         "--max-attempts",
         "4",
+        "--operation-key",
+        "/data/object/metadata/order_id",
         "--batch-size",
         "5",
         "--linger",

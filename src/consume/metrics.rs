@@ -17,6 +17,10 @@ pub struct ConsumeMetrics {
     pub events: IntCounterVec,
     /// Effect attempts that returned an error, retried or not.
     pub effect_failures: IntCounter,
+    /// Operations of applied events whose source names an obligation, by source and how they
+    /// were keyed: obligation (held by this event), fulfilled (by an earlier event; nothing
+    /// enqueued), fallback (the field was missing: keyed by the event).
+    pub operation_keys: IntCounterVec,
     /// Batches that failed on a database error and were retried.
     pub batch_retries: IntCounter,
     /// Messages per batch.
@@ -193,6 +197,14 @@ impl ConsumeMetrics {
                 "replayproof_effect_failures_total",
                 "Effect attempts that failed.",
             )?,
+            operation_keys: m.keep(IntCounterVec::new(
+                Opts::new(
+                    "replayproof_consume_operation_keys_total",
+                    "Operations of applied events whose source names an obligation, by source \
+                     and key: obligation, fulfilled (by an earlier event), fallback (by event).",
+                ),
+                &["source", "key"],
+            ))?,
             batch_retries: m.counter(
                 "replayproof_batch_retries_total",
                 "Batches retried after a database error.",
@@ -239,6 +251,10 @@ impl ConsumeMetrics {
             for outcome in Outcome::ALL {
                 self.events.with_label_values(&[source, outcome.label()]);
             }
+            for keyed in crate::envelope::OperationKeyed::ALL {
+                self.operation_keys
+                    .with_label_values(&[source, keyed.label()]);
+            }
         }
     }
 
@@ -267,5 +283,10 @@ impl ConsumeMetrics {
             }
         }
         self.effect_failures.inc_by(report.effect_errors as u64);
+        for ((source, keyed), n) in &report.keyed {
+            self.operation_keys
+                .with_label_values(&[source.as_str(), keyed.label()])
+                .inc_by(*n as u64);
+        }
     }
 }

@@ -20,6 +20,8 @@ pub mod defer_args;
 mod deferred;
 mod ffi;
 mod health;
+#[cfg(feature = "cli")]
+pub mod http_args;
 mod internal_events;
 mod lane;
 mod metrics;

@@ -109,6 +109,7 @@ fn http_outbox(opts: &DevArgs) -> Option<HttpOutbox> {
         target_url,
         reconcile_url: None,
         max_attempts: crate::consume::args::DEFAULT_MAX_ATTEMPTS,
+        operation_keys: Default::default(),
     })
 }
 

@@ -30,9 +30,11 @@ impl Dispatcher {
             500..=599 => Verdict::Failing,
             _ => Verdict::Answering,
         };
-        let (outcome, settlement) = match status {
-            200..=299 => (Outcome::Done, settled(OutboxState::Done, code, None)),
-            300..=399 => (
+        let refusal = super::window::key_refusal(status, &body);
+        let (outcome, settlement) = match (status, refusal) {
+            (400..=499, Some(refusal)) => self.refused_key(row, refusal, code, body),
+            (200..=299, _) => (Outcome::Done, settled(OutboxState::Done, code, None)),
+            (300..=399, _) => (
                 Outcome::Redirected,
                 Settlement {
                     response: Some(body),
@@ -46,7 +48,7 @@ impl Dispatcher {
                     )
                 },
             ),
-            400 | 401 | 403 | 404 | 410 | 422 => (
+            (400 | 401 | 403 | 404 | 410 | 422, _) => (
                 Outcome::Failed,
                 Settlement {
                     response: Some(body),
@@ -210,6 +212,9 @@ pub(super) fn settled(
         status,
         error,
         response: None,
+        maybe_applied_since: None,
+        idempotent_until: None,
+        held: false,
     }
 }
 

@@ -11,6 +11,7 @@
 //! breaker_failures = 5       # retryable failures in a row that open the circuit breaker
 //! breaker_open = "30s"       # how long it stays open before one probe request goes
 //! idempotency_header = "Idempotency-Key"
+//! idempotency_window = "24h" # how long it honours a key ("forever" when unknown)
 //!
 //! [dispatch.credentials.stripe_live]
 //! headers = { Authorization = "Bearer ${STRIPE_LIVE_KEY}" }
@@ -23,7 +24,7 @@
 //! gives.
 
 use super::outbound::Header;
-use crate::outbox::{self, Limits};
+use crate::outbox::{self, IdempotencyWindow, Limits};
 use anyhow::{bail, Context as _};
 use reqwest::header::HeaderName;
 use serde::Deserialize;
@@ -33,12 +34,21 @@ use std::time::Duration;
 /// The idempotency key's header unless a destination names another.
 pub const DEFAULT_IDEMPOTENCY_HEADER: &str = "Idempotency-Key";
 
+/// How long the providers the docs cover honour an idempotency key, when their section does not
+/// say: Stripe removes keys once they are at least 24 hours old. Every other origin, unless
+/// configured: forever.
+pub const KNOWN_WINDOWS: &[(&str, Duration)] =
+    &[("https://api.stripe.com", Duration::from_secs(24 * 3600))];
+
 /// One destination's settings.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Destination {
     pub limits: Limits,
     /// The header that carries the operation key.
     pub idempotency_header: HeaderName,
+    /// How long it honours an idempotency key, when its own section says
+    /// ([`Destinations::window`] decides for an origin).
+    pub idempotency_window: Option<IdempotencyWindow>,
 }
 
 impl Default for Destination {
@@ -46,6 +56,7 @@ impl Default for Destination {
         Self {
             limits: Limits::default(),
             idempotency_header: HeaderName::from_static("idempotency-key"),
+            idempotency_window: None,
         }
     }
 }
@@ -72,6 +83,22 @@ impl Destinations {
             "default"
         }
     }
+
+    /// How long `origin` honours an idempotency key: its own section's window, else the
+    /// provider's known one ([`KNOWN_WINDOWS`]), else the `default` section's, else forever.
+    pub fn window(&self, origin: &str) -> IdempotencyWindow {
+        let own = self
+            .by_origin
+            .get(origin)
+            .and_then(|d| d.idempotency_window);
+        let known = KNOWN_WINDOWS
+            .iter()
+            .find(|(o, _)| *o == origin)
+            .map(|(_, w)| IdempotencyWindow(Some(*w)));
+        own.or(known)
+            .or(self.default.idempotency_window)
+            .unwrap_or_default()
+    }
 }
 
 /// The named credentials: headers added to the requests of the operations that name them,
@@ -97,6 +124,8 @@ struct DestinationFile {
     #[serde(default, with = "humantime_serde_text")]
     breaker_open: Option<Duration>,
     idempotency_header: Option<String>,
+    /// A duration, or "forever".
+    idempotency_window: Option<String>,
 }
 
 /// One credential as the file writes it.
@@ -164,8 +193,23 @@ impl DestinationFile {
                 breaker_open: self.breaker_open.unwrap_or(base.limits.breaker_open),
             },
             idempotency_header,
+            idempotency_window: self.idempotency_window.as_deref().map(window).transpose()?,
         })
     }
+}
+
+/// An `idempotency_window`: a duration of at least a second, or "forever".
+fn window(text: &str) -> anyhow::Result<IdempotencyWindow> {
+    if text.trim() == "forever" {
+        return Ok(IdempotencyWindow(None));
+    }
+    let window = humantime::parse_duration(text.trim())
+        .with_context(|| format!("idempotency_window {text:?} is a duration or \"forever\""))?;
+    anyhow::ensure!(
+        window >= Duration::from_secs(1),
+        "idempotency_window must be at least 1s"
+    );
+    Ok(IdempotencyWindow(Some(window)))
 }
 
 impl Destinations {

@@ -13,6 +13,7 @@ pub mod destinations;
 mod metrics;
 pub mod outbound;
 mod reconcile;
+mod window;
 
 pub use answer::MAX_RETRY_AFTER;
 use answer::{location, may_start_request, settled};
@@ -302,10 +303,15 @@ impl Dispatcher {
     /// timeout left on the lease: the row would be taken over with the request still in flight.
     async fn attempt(&self, row: &Leased, lease_deadline: Instant) -> sqlx::Result<()> {
         if row.may_have_been_applied() {
-            if let Some(url) = &row.reconcile_url {
-                if let Some(settled) = self.reconcile(row, url, lease_deadline).await? {
-                    return Ok(settled);
+            match &row.reconcile_url {
+                Some(url) => {
+                    if let Some(settled) = self.reconcile(row, url, lease_deadline).await? {
+                        return Ok(settled);
+                    }
                 }
+                // Past the window only a reconcile may clear a resend.
+                None if self.past_window(row) => return self.hold(row, lease_deadline).await,
+                None => {}
             }
         }
         crate::stallpoint!("dispatch::before_delivery");
@@ -519,6 +525,7 @@ impl Dispatcher {
             .with_label_values(&[attempt.outcome.as_str()])
             .inc();
         self.metrics.latency.observe(attempt.duration.as_secs_f64());
+        let settlement = &self.windowed(row, settlement, attempt.outcome, attempt.started_at);
         let applied = self
             .record(row, settlement, attempt, lease_deadline)
             .await?;

@@ -1,12 +1,16 @@
 //! The built-in `http` effect: an outbox operation per event, delivered later by `dispatch`.
 
+use super::obligation::{Obligation, OperationKeys};
 use super::{Effect, EffectError, Tx};
-use crate::envelope::Event;
+use crate::envelope::{Event, OperationKeyed};
 use anyhow::Context as _;
 use async_trait::async_trait;
 
 /// The built-in outbox effect: one `deliver` operation per event, a POST of the event's
 /// envelope to a fixed URL, enqueued with the claim and sent later by `replayproof dispatch`.
+/// Keyed by its event, or by the obligation the event names when its source has an
+/// `operation_key` ([`OperationKeys`]): then a later event naming the same obligation enqueues
+/// nothing.
 #[derive(Debug, Clone)]
 pub struct HttpOutbox {
     /// Where each event's envelope is POSTed.
@@ -16,7 +20,12 @@ pub struct HttpOutbox {
     pub reconcile_url: Option<String>,
     /// Attempts before an operation is `dead`.
     pub max_attempts: i32,
+    /// Where each source's events name the obligation they fulfil.
+    pub operation_keys: OperationKeys,
 }
+
+/// The name of the `http` effect's one operation per event.
+const DELIVER: &str = "deliver";
 
 #[async_trait]
 impl Effect for HttpOutbox {
@@ -31,20 +40,24 @@ impl Effect for HttpOutbox {
     /// One statement for the whole batch; each request body is the event's envelope, its
     /// payload copied as it arrived.
     async fn apply_batch(&self, tx: &mut Tx<'_>, events: &[&Event]) -> Result<(), EffectError> {
-        let ops: Vec<_> = events
-            .iter()
-            .map(|event| crate::outbox::NewOperation {
-                reconcile_url: self.reconcile_url.clone(),
-                max_attempts: self.max_attempts,
-                ..crate::outbox::NewOperation::of_event(
-                    event,
-                    "deliver",
-                    &self.target_url,
-                    event.envelope_bytes(),
-                )
-            })
-            .collect();
-        crate::outbox::enqueue_all(tx, &ops).await?;
+        let ops: Vec<_> = events.iter().map(|event| self.operation(event)).collect();
+        let enqueued = crate::outbox::enqueue_all(tx, &ops).await?;
+        for event in events {
+            let keyed = match self.operation_keys.of(event) {
+                Obligation::None => continue,
+                Obligation::Missing => OperationKeyed::Fallback,
+                Obligation::Named(_)
+                    if enqueued
+                        .fulfilled
+                        .iter()
+                        .any(|f| f.event_key == event.key.as_str()) =>
+                {
+                    OperationKeyed::Fulfilled
+                }
+                Obligation::Named(_) => OperationKeyed::Obligation,
+            };
+            event.note_keyed(DELIVER, keyed);
+        }
         Ok(())
     }
 
@@ -54,6 +67,7 @@ impl Effect for HttpOutbox {
             "target_url": self.target_url,
             "reconcile_url": self.reconcile_url,
             "max_attempts": self.max_attempts,
+            "operation_keys": self.operation_keys,
         }))
     }
 }
@@ -72,6 +86,29 @@ impl HttpOutbox {
                 .and_then(serde_json::Value::as_i64)
                 .and_then(|n| i32::try_from(n).ok())
                 .context("an http effect spec names its max_attempts")?,
+            operation_keys: match spec.get("operation_keys") {
+                Some(keys) => serde_json::from_value(keys.clone())
+                    .context("an http effect spec's operation_keys")?,
+                None => OperationKeys::default(),
+            },
         })
+    }
+
+    /// The `deliver` operation of `event`: keyed by the obligation it names, if any.
+    fn operation<'e>(&'e self, event: &'e Event) -> crate::outbox::NewOperation<'e> {
+        let op = crate::outbox::NewOperation {
+            reconcile_url: self.reconcile_url.clone(),
+            max_attempts: self.max_attempts,
+            ..crate::outbox::NewOperation::of_event(
+                event,
+                DELIVER,
+                &self.target_url,
+                event.envelope_bytes(),
+            )
+        };
+        match self.operation_keys.of(event) {
+            Obligation::Named(obligation) => op.obligation(&event.source, &obligation),
+            Obligation::None | Obligation::Missing => op,
+        }
     }
 }

@@ -69,6 +69,7 @@ mod error;
 pub mod http;
 pub mod ledger;
 pub mod newest;
+pub mod obligation;
 mod registry;
 #[cfg(feature = "failpoints")]
 pub mod testing;

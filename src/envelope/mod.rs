@@ -325,6 +325,53 @@ pub struct Event {
     /// The payload as a JSON value, built the first time [`Event::payload`] asks for it: the
     /// built-in effects store and send the text and never need it.
     payload: std::sync::OnceLock<Result<serde_json::Value, Malformed>>,
+    /// How the effect keyed each of its operations the last time it applied the event
+    /// ([`Event::note_keyed`]), counted once the event's transaction commits.
+    keyed: KeyedNotes,
+}
+
+/// How an effect keyed one operation of an event: the `replayproof_consume_operation_keys_total`
+/// counter's `key` label.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum OperationKeyed {
+    /// By the obligation its event names: this event holds it.
+    Obligation,
+    /// Its obligation is held by an earlier event: nothing was enqueued.
+    Fulfilled,
+    /// The source names an obligation but this event's field is missing or unusable: keyed by
+    /// the event.
+    Fallback,
+}
+
+impl OperationKeyed {
+    /// Every value, in label order.
+    pub const ALL: [Self; 3] = [Self::Obligation, Self::Fulfilled, Self::Fallback];
+
+    /// The `key` label.
+    pub fn label(self) -> &'static str {
+        match self {
+            Self::Obligation => "obligation",
+            Self::Fulfilled => "fulfilled",
+            Self::Fallback => "fallback",
+        }
+    }
+}
+
+/// An event's notes of how its operations were keyed, by operation name; a later application
+/// (a batch tried again in parts) replaces an earlier one's.
+#[derive(Debug, Default)]
+struct KeyedNotes(std::sync::Mutex<std::collections::BTreeMap<String, OperationKeyed>>);
+
+impl Clone for KeyedNotes {
+    fn clone(&self) -> Self {
+        Self(std::sync::Mutex::new(self.notes()))
+    }
+}
+
+impl KeyedNotes {
+    fn notes(&self) -> std::collections::BTreeMap<String, OperationKeyed> {
+        self.0.lock().map(|n| n.clone()).unwrap_or_default()
+    }
 }
 
 /// The envelope as read: `payload` is required, though it may be `null`.
@@ -410,6 +457,7 @@ impl Event {
             route,
             span: None,
             payload: std::sync::OnceLock::new(),
+            keyed: KeyedNotes::default(),
         })
     }
 
@@ -428,6 +476,19 @@ impl Event {
     /// the envelope's `route` when its source routes by a tenant field, else the event key.
     pub fn route_key(&self) -> &str {
         self.route.as_ref().unwrap_or(&self.key).as_str()
+    }
+
+    /// Notes how the effect keyed its operation `operation` of this event; counted when the
+    /// event's transaction commits with it.
+    pub fn note_keyed(&self, operation: &str, keyed: OperationKeyed) {
+        if let Ok(mut notes) = self.keyed.0.lock() {
+            notes.insert(operation.to_owned(), keyed);
+        }
+    }
+
+    /// How each operation of the event was keyed, as last noted ([`Event::note_keyed`]).
+    pub fn keyed_notes(&self) -> Vec<OperationKeyed> {
+        self.keyed.notes().into_values().collect()
     }
 
     /// The route key only when it is not the event key: what the newest-wins effect keeps its
@@ -474,6 +535,7 @@ impl Event {
             route: None,
             span: None,
             payload: std::sync::OnceLock::new(),
+            keyed: KeyedNotes::default(),
         }
     }
 

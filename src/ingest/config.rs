@@ -78,6 +78,10 @@ pub struct SourceConfig {
     /// unset, and required for kind = "hmac". Checked by prune against the kind's floor.
     #[serde(default, deserialize_with = "humantime_text")]
     pub retention: Option<std::time::Duration>,
+    /// The JSON pointer to the business obligation this source's events fulfil (an order id:
+    /// `"/data/object/metadata/order_id"`), read by `consume`'s `http` effect over
+    /// `[consume] operation_key` (docs/outbox.md, "Obligations").
+    pub operation_key: Option<String>,
 }
 
 /// A duration written as humantime text (`"5m"`, `"72h"`), or absent.
@@ -112,6 +116,7 @@ impl SourceConfig {
             replay_window: None,
             replay_window_secs: None,
             retention: None,
+            operation_key: None,
         }
     }
 

@@ -219,6 +219,10 @@ pub struct RetryArgs {
     /// Bulk: list the events that would be retried, and change nothing.
     #[arg(long, requires = "state")]
     dry_run: bool,
+    /// Send operations past their destination's idempotency window too: the downstream no
+    /// longer knows their key and could apply them twice. Recorded in the audit row.
+    #[arg(long)]
+    accept_duplicate_risk: bool,
     /// Why, for the audit table.
     #[arg(long)]
     reason: String,
@@ -332,6 +336,7 @@ impl RetryArgs {
         let retry = Retry {
             operation: self.operation.clone(),
             effect: effect.transpose()?,
+            accept_duplicate_risk: self.accept_duplicate_risk,
         };
         let act = self.op.act(&self.reason);
         let Some(state) = self.state else {
@@ -658,12 +663,16 @@ pub struct ReplayArgs {
 }
 
 impl ReplayArgs {
-    pub async fn run(self, registry: &Registry) -> anyhow::Result<()> {
+    pub async fn run(
+        self,
+        registry: &Registry,
+        file: Option<&crate::config::ConfigFile>,
+    ) -> anyhow::Result<()> {
         let consume = &self.consume;
         let shards = consume.database.open_shards(4).await?;
         // The first database keeps the audit; the window is applied over every shard.
         let pool = shards.first().clone();
-        let processor = consume.processor(shards, registry)?;
+        let processor = consume.processor(shards, registry, file)?;
         let window = super::replay::Window {
             brokers: consume.kafka.brokers.clone(),
             topic: consume.topic.clone(),

@@ -457,6 +457,8 @@ pub struct EventDetail {
     pub claim: claims::ClaimRow,
     pub ledger: Vec<ledger::LedgerRow>,
     pub operations: Vec<outbox::OperationRow>,
+    /// Its operations fulfilled by another event's: both named one obligation.
+    pub fulfilled_by: Vec<outbox::FulfilledRow>,
     pub attempts: Vec<outbox::AttemptRow>,
     pub dead_letters: Vec<dead_letters::DeadLetterRow>,
     pub key_conflicts: Vec<conflicts::ConflictRow>,
@@ -471,6 +473,7 @@ pub async fn show(pool: &PgPool, key: &str) -> Result<EventDetail, OperatorError
         claim,
         ledger: ledger::of_event(pool, key).await?,
         operations: outbox::of_event(pool, key).await?,
+        fulfilled_by: outbox::fulfilled_of_event(pool, key).await?,
         attempts: outbox::attempts_of_event(pool, key).await?,
         dead_letters: dead_letters::of_key(pool, key).await?,
         key_conflicts: conflicts::of_event(pool, key).await?,
@@ -485,6 +488,9 @@ pub struct Retry {
     /// The effect to run again for a failed local effect, instead of the one recorded on its
     /// claim (needed only for an effect the registry cannot build by name).
     pub effect: Option<Arc<dyn Effect>>,
+    /// Sends operations past their idempotency window too, which the downstream could apply a
+    /// second time; the audit row says so.
+    pub accept_duplicate_risk: bool,
 }
 
 /// Sends an event's `failed`, `uncertain` or `dead` operations again, with the same idempotency
@@ -509,6 +515,22 @@ pub async fn retry(
         match op.state {
             state if state.is_retryable_by_hand() && op.erased => {
                 return Err(OperatorError::BodyErased(op.operation_key))
+            }
+            state if state.is_retryable_by_hand() && op.past_window => {
+                if !retry.accept_duplicate_risk {
+                    return Err(OperatorError::PastWindow(op.operation_key));
+                }
+                outbox::requeue(&mut tx, op.id).await?;
+                let change = Change::new(&op.operation_key, state, OutboxState::Pending);
+                let risk = Act {
+                    reason: format!(
+                        "{} (accepted the duplicate risk: past the idempotency window)",
+                        act.reason
+                    ),
+                    ..act.clone()
+                };
+                crate::audit::record(&mut tx, risk.audit("retry", &change)).await?;
+                changes.push(change);
             }
             state if state.is_retryable_by_hand() => {
                 outbox::requeue(&mut tx, op.id).await?;

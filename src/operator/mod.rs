@@ -33,6 +33,8 @@ pub enum OperatorError {
     AlreadyDone(String),
     #[error("{0} can never be sent again: its body was erased (events erase); it stays as it is")]
     BodyErased(String),
+    #[error("{0} is past its destination's idempotency window after an attempt whose outcome is unknown: sent again, the downstream could apply it twice; reconcile it with the downstream, or send it with --accept-duplicate-risk (audited)")]
+    PastWindow(String),
     #[error("{target} is {state}: it is already on its way")]
     OnItsWay { target: String, state: String },
     #[error("{0} is being sent right now; resolve it when its lease has ended")]

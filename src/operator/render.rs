@@ -88,6 +88,7 @@ pub fn event_detail(detail: &EventDetail) -> String {
         ("claim", claim),
         ("effect rows (ledger)", rows(&detail.ledger)),
         ("outbox operations", rows(&detail.operations)),
+        ("fulfilled by", fulfilled(detail)),
         ("attempts", rows(&detail.attempts)),
         ("dead letters", rows(&detail.dead_letters)),
         ("key conflicts", rows(&detail.key_conflicts)),
@@ -95,6 +96,23 @@ pub fn event_detail(detail: &EventDetail) -> String {
     .into_iter()
     .map(|(name, table)| format!("== {name}\n{table}"))
     .collect()
+}
+
+/// The operations another event fulfils, one line each: nothing was sent for them.
+fn fulfilled(detail: &EventDetail) -> String {
+    if detail.fulfilled_by.is_empty() {
+        return rows(&detail.fulfilled_by);
+    }
+    detail
+        .fulfilled_by
+        .iter()
+        .map(|f| {
+            format!(
+                "{}: fulfilled by {} ({}); nothing was enqueued for this event\n",
+                f.operation, f.fulfilled_by, f.operation_key
+            )
+        })
+        .collect()
 }
 
 /// What a change moved, one line per row.

@@ -31,6 +31,11 @@ pub struct OperationRow {
     pub last_error: Option<String>,
     /// When it was settled.
     pub completed_at: Option<DateTime<Utc>>,
+    /// Until when the downstream's idempotency key protects it, once an attempt's outcome was
+    /// unknown and the destination's window is known.
+    pub idempotent_until: Option<DateTime<Utc>>,
+    /// Since when it is held for an operator, past its idempotency window.
+    pub held_at: Option<DateTime<Utc>>,
 }
 
 /// An event's operations, their destinations redacted ([`crate::secrets::redact_url`]): a
@@ -41,7 +46,8 @@ pub async fn of_event(pool: &PgPool, key: &str) -> sqlx::Result<Vec<OperationRow
         r#"SELECT operation_key, state AS "state: OutboxState",
                   attempts || '/' || max_attempts AS "attempts!",
                   method || ' ' || content_type AS "request!", destination, credential,
-                  next_attempt_at, lease_expires_at, last_status, last_error, completed_at
+                  next_attempt_at, lease_expires_at, last_status, last_error, completed_at,
+                  idempotent_until, held_at
            FROM outbox WHERE event_key = $1 ORDER BY operation"#,
         key
     )
@@ -51,6 +57,31 @@ pub async fn of_event(pool: &PgPool, key: &str) -> sqlx::Result<Vec<OperationRow
         row.destination = crate::secrets::redact_url(&row.destination);
     }
     Ok(rows)
+}
+
+/// An operation of an event that another event's operation fulfils: both named one obligation.
+#[derive(Debug, Clone, Serialize)]
+pub struct FulfilledRow {
+    /// The operation's name within the event.
+    pub operation: String,
+    /// The obligation's operation key.
+    pub operation_key: String,
+    /// The event whose operation it is.
+    pub fulfilled_by: String,
+    /// When the event named the obligation again.
+    pub recorded_at: DateTime<Utc>,
+}
+
+/// The operations of an event that other events' operations fulfil.
+pub async fn fulfilled_of_event(pool: &PgPool, key: &str) -> sqlx::Result<Vec<FulfilledRow>> {
+    sqlx::query_as!(
+        FulfilledRow,
+        "SELECT operation, operation_key, fulfilled_by, recorded_at FROM fulfilled_operations \
+         WHERE event_key = $1 ORDER BY operation",
+        key
+    )
+    .fetch_all(pool)
+    .await
 }
 
 /// One recorded attempt, as the operator sees it.
@@ -108,6 +139,9 @@ pub struct Locked {
     pub leased: bool,
     /// Whether its body was erased (`events erase`): it can never be sent again.
     pub erased: bool,
+    /// Past its idempotency window after an attempt whose outcome is unknown (held, or its
+    /// window ended): sent again, it could be applied twice.
+    pub past_window: bool,
 }
 
 /// An event's operations (or only `operation`), locked until the caller's transaction ends.
@@ -120,7 +154,9 @@ pub async fn lock_of_event(
         Locked,
         r#"SELECT id, operation_key, state AS "state: OutboxState",
                   coalesce(lease_expires_at > now(), false) AS "leased!",
-                  payload_erased_at IS NOT NULL AS "erased!"
+                  payload_erased_at IS NOT NULL AS "erased!",
+                  (held_at IS NOT NULL OR coalesce(idempotent_until <= now(), false))
+                      AS "past_window!"
            FROM outbox WHERE event_key = $1 AND ($2::text IS NULL OR operation = $2)
            ORDER BY operation FOR UPDATE"#,
         key,
@@ -131,10 +167,13 @@ pub async fn lock_of_event(
 }
 
 /// Makes an operation due again with fresh attempts; its key and payload stay as they were.
+/// Its idempotency window starts afresh: an operator who sends it past the window accepted
+/// the risk of a second application.
 pub async fn requeue(conn: &mut PgConnection, id: i64) -> sqlx::Result<()> {
     sqlx::query!(
         "UPDATE outbox SET state = 'pending', attempts = 0, next_attempt_at = now(), \
-         updated_at = now() WHERE id = $1",
+         updated_at = now(), maybe_applied_at = NULL, idempotent_until = NULL, held_at = NULL \
+         WHERE id = $1",
         id
     )
     .execute(conn)

@@ -77,7 +77,7 @@ pub async fn due_origins(pool: &PgPool) -> sqlx::Result<Vec<String>> {
            WHERE origin IS NOT NULL
              AND EXISTS (SELECT 1 FROM outbox d WHERE d.origin = o.origin
                          AND d.state IN ('pending', 'retryable', 'uncertain')
-                         AND d.next_attempt_at <= now())
+                         AND d.next_attempt_at <= now() AND d.held_at IS NULL)
            UNION
            SELECT DISTINCT coalesce(origin, destination) FROM outbox
            WHERE state = 'in_progress' AND lease_expires_at <= now()"#
@@ -215,6 +215,7 @@ async fn lease_due(
            WHERE origin = $1
              AND ((state IN ('pending', 'retryable', 'uncertain') AND next_attempt_at <= now())
                   OR (state = 'in_progress' AND lease_expires_at <= now()))
+             AND held_at IS NULL
            ORDER BY next_attempt_at
            LIMIT $2
            FOR UPDATE SKIP LOCKED"#,

@@ -10,11 +10,15 @@
 mod admission;
 mod by_hand;
 mod destinations;
+mod enqueue;
 pub mod state;
+mod window;
 
 pub use by_hand::*;
 pub use destinations::*;
+pub use enqueue::{enqueue, enqueue_all, Enqueued};
 pub use state::{AttemptKind, OutboxState, Outcome};
+pub use window::{past_window_reason, IdempotencyWindow};
 
 use chrono::{DateTime, Utc};
 use sqlx::{PgConnection, PgPool};
@@ -55,6 +59,9 @@ pub struct NewOperation<'a> {
     pub max_attempts: i32,
     /// The W3C `traceparent` of the event's trace, which the dispatcher's request continues.
     pub traceparent: Option<String>,
+    /// The business obligation it fulfils, as `{source}:{obligation}`
+    /// ([`NewOperation::obligation`]); None keys it by its event.
+    pub obligation: Option<String>,
 }
 
 /// The `Content-Type` of a JSON body, the default.
@@ -88,6 +95,7 @@ impl<'a> NewOperation<'a> {
             reconcile_url: None,
             max_attempts: DEFAULT_MAX_ATTEMPTS,
             traceparent: None,
+            obligation: None,
         }
     }
 
@@ -151,6 +159,18 @@ impl<'a> NewOperation<'a> {
         self
     }
 
+    /// Keys the operation by the business obligation it fulfils, `obligation` of `source` (an
+    /// order id, a subscription id), instead of by its event: its key is
+    /// `{source}:{obligation}#{operation}`, claimed in the event's transaction. The first event
+    /// naming the obligation enqueues it; a later one enqueues nothing and is recorded as
+    /// fulfilled by the first ([`Enqueued::fulfilled`]). Operations of other names stay
+    /// independent. With several databases, `source` must be routed by the same field
+    /// (`route_from`), so that every event naming the obligation is claimed where it is held.
+    pub fn obligation(mut self, source: &str, obligation: &str) -> Self {
+        self.obligation = Some(format!("{source}:{obligation}"));
+        self
+    }
+
     /// Why this operation cannot be stored as a request, if it cannot: a method or header
     /// HTTP cannot carry, a header replayproof sets itself, or a secret in a stored header.
     /// The same operation is refused every time, so the effect fails rather than retries.
@@ -183,9 +203,13 @@ impl<'a> NewOperation<'a> {
         })
     }
 
-    /// The key sent downstream as the idempotency key on every attempt.
+    /// The key sent downstream as the idempotency key on every attempt: the obligation's when
+    /// it names one, else its event's.
     pub fn operation_key(&self) -> String {
-        operation_key(self.event_key, self.operation)
+        operation_key(
+            self.obligation.as_deref().unwrap_or(self.event_key),
+            self.operation,
+        )
     }
 }
 
@@ -199,67 +223,11 @@ pub fn origin(destination: &str) -> String {
     }
 }
 
-/// The operation key of `operation` of the event `event_key`: sent downstream as the
-/// idempotency key (and `webhook-id`) on every attempt.
+/// The operation key of `operation` of the event `event_key` (or of the obligation
+/// `{source}:{obligation}`): sent downstream as the idempotency key (and `webhook-id`) on every
+/// attempt.
 pub fn operation_key(event_key: &str, operation: &str) -> String {
     format!("{event_key}#{operation}")
-}
-
-/// Enqueues an operation in the caller's transaction. Enqueuing one twice keeps the first.
-pub async fn enqueue(conn: &mut PgConnection, op: &NewOperation<'_>) -> sqlx::Result<()> {
-    enqueue_all(conn, std::slice::from_ref(op)).await
-}
-
-/// Enqueues operations in the caller's transaction, in one statement, in operation-key order
-/// (so two transactions enqueuing overlapping operations never deadlock). Enqueuing one twice
-/// keeps the first.
-pub async fn enqueue_all(conn: &mut PgConnection, ops: &[NewOperation<'_>]) -> sqlx::Result<()> {
-    if let Some(refusal) = ops.iter().find_map(|op| op.refusal()) {
-        return Err(sqlx::Error::InvalidArgument(refusal));
-    }
-    let operation_keys: Vec<String> = ops.iter().map(NewOperation::operation_key).collect();
-    let event_keys: Vec<&str> = ops.iter().map(|o| o.event_key).collect();
-    let routes: Vec<&str> = ops.iter().map(|o| o.route_key).collect();
-    let operations: Vec<&str> = ops.iter().map(|o| o.operation).collect();
-    let destinations: Vec<&str> = ops.iter().map(|o| o.destination).collect();
-    let origins: Vec<String> = ops.iter().map(|o| origin(o.destination)).collect();
-    let methods: Vec<&str> = ops.iter().map(|o| o.method.as_str()).collect();
-    let content_types: Vec<&str> = ops.iter().map(|o| o.content_type.as_str()).collect();
-    let payloads: Vec<&[u8]> = ops.iter().map(|o| o.payload.as_slice()).collect();
-    let headers: Vec<serde_json::Value> =
-        ops.iter().map(|o| serde_json::json!(o.headers)).collect();
-    let credentials: Vec<Option<&str>> = ops.iter().map(|o| o.credential.as_deref()).collect();
-    let reconcile: Vec<Option<&str>> = ops.iter().map(|o| o.reconcile_url.as_deref()).collect();
-    let max_attempts: Vec<i32> = ops.iter().map(|o| o.max_attempts).collect();
-    let traceparents: Vec<Option<&str>> = ops.iter().map(|o| o.traceparent.as_deref()).collect();
-    sqlx::query!(
-        r#"INSERT INTO outbox (operation_key, event_key, operation, destination, origin, method,
-                content_type, payload, headers, credential, reconcile_url, max_attempts,
-                traceparent, route_key)
-           SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[],
-                                $6::text[], $7::text[], $8::bytea[], $9::jsonb[], $10::text[],
-                                $11::text[], $12::int4[], $13::text[], $14::text[])
-                AS u(ok, k, op, d, o, m, ct, p, h, c, r, ma, tp, rk)
-           ORDER BY ok COLLATE "C", rk COLLATE "C"
-           ON CONFLICT (operation_key, route_key) DO NOTHING"#,
-        &operation_keys,
-        &event_keys as _,
-        &operations as _,
-        &destinations as _,
-        &origins,
-        &methods as _,
-        &content_types as _,
-        &payloads as _,
-        &headers,
-        &credentials as _,
-        &reconcile as _,
-        &max_attempts,
-        &traceparents as _,
-        &routes as _,
-    )
-    .execute(conn)
-    .await?;
-    Ok(())
 }
 
 /// A row leased to this worker.
@@ -298,6 +266,9 @@ pub struct Leased {
     /// `uncertain`, or `in_progress` for a lease taken over from a worker that vanished: the
     /// operation may already have been applied.
     pub previous_state: OutboxState,
+    /// When its first attempt whose outcome is unknown started (a lease taken over counts from
+    /// the lost lease's start): its idempotency window runs from then.
+    pub maybe_applied_at: Option<DateTime<Utc>>,
 }
 
 impl Leased {
@@ -316,7 +287,7 @@ impl Leased {
         matches!(
             self.previous_state,
             OutboxState::Uncertain | OutboxState::InProgress
-        )
+        ) || self.maybe_applied_at.is_some()
     }
 }
 
@@ -336,8 +307,9 @@ pub async fn lease(
     let mut tx = pool.begin().await?;
     let due = sqlx::query!(
         r#"SELECT id, state AS "state: OutboxState" FROM outbox
-           WHERE (state IN ('pending', 'retryable', 'uncertain') AND next_attempt_at <= now())
-              OR (state = 'in_progress' AND lease_expires_at <= now())
+           WHERE ((state IN ('pending', 'retryable', 'uncertain') AND next_attempt_at <= now())
+                  OR (state = 'in_progress' AND lease_expires_at <= now()))
+             AND held_at IS NULL
            ORDER BY next_attempt_at
            LIMIT $1
            FOR UPDATE SKIP LOCKED"#,
@@ -367,14 +339,18 @@ async fn lease_rows(
            UPDATE outbox o
            SET state = 'in_progress', attempts = o.attempts + 1, leased_by = $3,
                lease_expires_at = now() + make_interval(secs => $4),
-               fencing_token = nextval('outbox_fencing_token'), updated_at = now()
+               fencing_token = nextval('outbox_fencing_token'), updated_at = now(),
+               maybe_applied_at = CASE WHEN o.state = 'in_progress'
+                                       THEN coalesce(o.maybe_applied_at, o.updated_at)
+                                       ELSE o.maybe_applied_at END
            FROM due WHERE o.id = due.id
            RETURNING o.id, o.route_key, o.operation_key, o.destination,
                      coalesce(o.origin, o.destination) AS "origin!", o.method, o.content_type,
                      o.payload, o.headers AS "headers: sqlx::types::Json<Vec<(String, String)>>",
                      o.credential, o.reconcile_url, o.traceparent, o.attempts, o.max_attempts,
                      o.fencing_token AS "fencing_token!",
-                     due.previous_state AS "previous_state!: OutboxState""#,
+                     due.previous_state AS "previous_state!: OutboxState",
+                     o.maybe_applied_at"#,
         &ids,
         &states as _,
         worker,
@@ -417,6 +393,14 @@ pub struct Settlement {
     pub error: Option<String>,
     /// The start of the downstream's answer, for an operator.
     pub response: Option<String>,
+    /// When this attempt, whose outcome is unknown, started: the request may have been
+    /// applied. The row keeps the first such time.
+    pub maybe_applied_since: Option<DateTime<Utc>>,
+    /// Until when the downstream's idempotency key protects the operation, when its window is
+    /// known ([`IdempotencyWindow::until`]).
+    pub idempotent_until: Option<DateTime<Utc>>,
+    /// Held for an operator: past the idempotency window, it is not sent again by itself.
+    pub held: bool,
 }
 
 /// One attempt, as recorded whatever its lease became.
@@ -515,7 +499,9 @@ async fn settle_row(
     let updated = sqlx::query!(
         "UPDATE outbox SET state = $3, next_attempt_at = coalesce($4, next_attempt_at), \
          last_status = $5, last_error = $6, last_response = $7, lease_expires_at = NULL, \
-         updated_at = now(), completed_at = CASE WHEN $3 = 'done' THEN now() END \
+         updated_at = now(), completed_at = CASE WHEN $3 = 'done' THEN now() END, \
+         maybe_applied_at = coalesce(maybe_applied_at, $8), idempotent_until = $9, \
+         held_at = CASE WHEN $10 THEN now() END \
          WHERE id = $1 AND fencing_token = $2 AND state = 'in_progress'",
         leased.id,
         leased.fencing_token,
@@ -524,6 +510,9 @@ async fn settle_row(
         settlement.status,
         settlement.error.as_deref(),
         settlement.response.as_deref(),
+        settlement.maybe_applied_since,
+        settlement.idempotent_until,
+        settlement.held,
     )
     .execute(conn)
     .await?
@@ -598,7 +587,7 @@ pub async fn gauges(pool: &PgPool) -> sqlx::Result<Gauges> {
     let row = sqlx::query!(
         r#"SELECT (SELECT extract(epoch FROM now() - min(next_attempt_at))::float8 FROM outbox
                    WHERE state IN ('pending', 'retryable', 'uncertain')
-                     AND next_attempt_at <= now()) AS oldest,
+                     AND next_attempt_at <= now() AND held_at IS NULL) AS oldest,
                   (SELECT count(*) FROM outbox
                    WHERE state = 'in_progress' AND lease_expires_at <= now()) AS "expired!""#
     )

@@ -119,11 +119,26 @@ pub enum Outcome {
     /// The request could not be built (a header or URL that HTTP cannot carry): nothing was
     /// sent, and sending again would fail the same way.
     Unsendable,
+    /// Not sent: past the destination's idempotency window after an attempt whose outcome is
+    /// unknown; held for an operator.
+    PastWindow,
+    /// The downstream is still processing an earlier request with the same key (Stripe's
+    /// `idempotency_key_in_use`, a 409): it may be applied; asked again later.
+    KeyInUse,
+    /// The downstream refused the key as first used with other parameters (Stripe's
+    /// `idempotency_error`, a 422 of the IETF draft): never a plain 4xx of the request.
+    KeyMismatch,
 }
 
 impl Outcome {
+    /// Whether the request may have been applied without the answer saying so: its idempotency
+    /// window runs from this attempt when it is the first.
+    pub fn maybe_applied(self) -> bool {
+        matches!(self, Self::Uncertain | Self::KeyInUse)
+    }
+
     /// Every outcome.
-    pub const ALL: [Self; 10] = [
+    pub const ALL: [Self; 13] = [
         Self::Done,
         Self::Redirected,
         Self::Failed,
@@ -134,6 +149,9 @@ impl Outcome {
         Self::ReconcileUnknown,
         Self::LeaseShort,
         Self::Unsendable,
+        Self::PastWindow,
+        Self::KeyInUse,
+        Self::KeyMismatch,
     ];
 
     /// The outcome as stored.
@@ -149,6 +167,9 @@ impl Outcome {
             Self::ReconcileUnknown => "reconcile_unknown",
             Self::LeaseShort => "lease_short",
             Self::Unsendable => "unsendable",
+            Self::PastWindow => "past_window",
+            Self::KeyInUse => "key_in_use",
+            Self::KeyMismatch => "key_mismatch",
         }
     }
 }

@@ -141,6 +141,8 @@ async fn delete_claims(
                         RETURNING 1),
            ledger AS (DELETE FROM ledger l USING doomed d WHERE l.event_key = d.event_key
                       RETURNING 1),
+           obligations AS (DELETE FROM operation_obligations ob USING doomed d
+                           WHERE ob.event_key = d.event_key RETURNING 1),
            claims AS (DELETE FROM processed_events p USING doomed d
                       WHERE p.event_key = d.event_key RETURNING 1)
            SELECT (SELECT count(*) FROM claims) AS "claims!",

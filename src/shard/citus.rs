@@ -21,6 +21,8 @@ pub const DISTRIBUTED: &[&str] = &[
     "ledger",
     "object_versions",
     "dead_letters",
+    "operation_obligations",
+    "fulfilled_operations",
 ];
 
 /// The tables with no route key: small, written rarely, read with the claims.

@@ -37,6 +37,8 @@ const MOVED: &[&str] = &[
     "ledger",
     "outbox",
     "outbox_attempts",
+    "operation_obligations",
+    "fulfilled_operations",
 ];
 
 /// Tables given fresh ids on the target: their ids are unique per database and looked up alone.

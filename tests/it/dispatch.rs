@@ -244,6 +244,9 @@ async fn lease_taken_over_makes_the_stale_completion_change_nothing() {
         status: Some(200),
         error: None,
         response: None,
+        maybe_applied_since: None,
+        idempotent_until: None,
+        held: false,
     };
     assert!(outbox::complete(
         &db.pool,

@@ -16,6 +16,9 @@ mod consume {
 mod destinations;
 /// The outbox's delivery under leases, with idempotency keys, against a fake downstream.
 mod dispatch;
+/// The business boundary: operations keyed by their obligation, and the downstream's
+/// idempotency window, through the binaries.
+mod obligations;
 /// The HTTP ingress: requests, their answers and what reaches the topic; each signature scheme.
 mod ingest {
     mod overload;

@@ -740,6 +740,7 @@ async fn one_dispatch_process_delivers_every_shards_outbox_within_one_concurrenc
         target_url: api.url("/ops"),
         reconcile_url: None,
         max_attempts: 8,
+        operation_keys: Default::default(),
     };
     let batch: Vec<RawMessage> = (0..40)
         .map(|n| message(n, &format!("evt-{n}"), None))
@@ -824,6 +825,7 @@ async fn a_destination_s_breaker_counts_the_failures_of_every_shard_once() {
         target_url: api.url("/ops"),
         reconcile_url: None,
         max_attempts: 50,
+        operation_keys: Default::default(),
     };
     let batch: Vec<RawMessage> = (0..20)
         .map(|n| message(n, &format!("evt-{n}"), None))

@@ -81,6 +81,9 @@ pub struct BatchReport {
     /// not be an envelope at all, counts under the source `unknown`. The counts are in the
     /// order of [`Outcome::ALL`].
     pub by_source: BTreeMap<String, [usize; Outcome::ALL.len()]>,
+    /// Operations of the applied events by source and how they were keyed, when their source
+    /// names an obligation.
+    pub keyed: BTreeMap<(String, crate::envelope::OperationKeyed), usize>,
 }
 
 /// The source label of what has no source.
@@ -142,6 +145,9 @@ impl BatchReport {
         self.deferred += other.deferred;
         self.effect_errors += other.effect_errors;
         self.expired += other.expired;
+        for (keyed, n) in other.keyed {
+            *self.keyed.entry(keyed).or_default() += n;
+        }
         for (source, counts) in other.by_source {
             let mine = self.by_source.entry(source).or_default();
             for (n, more) in mine.iter_mut().zip(counts) {
@@ -647,6 +653,12 @@ impl BatchProcessor {
         let succeeded = claimed.iter().filter(|(o, _)| !failed.contains(o));
         for (_, event) in succeeded.clone() {
             report.tally(&event.source, Outcome::Applied);
+            for keyed in event.keyed_notes() {
+                *report
+                    .keyed
+                    .entry((event.source.clone(), keyed))
+                    .or_default() += 1;
+            }
         }
         let mut applied = Vec::new();
         if tracing::enabled!(target: APPLIED_LOG, tracing::Level::DEBUG) {

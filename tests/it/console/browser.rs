@@ -132,6 +132,7 @@ async fn an_operator_finds_an_event_reads_its_story_and_retries_it_in_a_browser(
         target_url: downstream.url(),
         reconcile_url: None,
         max_attempts: 3,
+        operation_keys: Default::default(),
     };
     let effect = Registry::default()
         .build(&["ledger".into(), "http".into()], Some(&http))

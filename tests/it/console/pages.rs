@@ -538,6 +538,7 @@ async fn an_event_s_story_has_its_message_claim_attempts_conflicts_and_dead_lett
         target_url: target,
         reconcile_url: None,
         max_attempts: 3,
+        operation_keys: Default::default(),
     };
     // A ledger row (which keeps the payload) and an operation.
     let effect = replayproof::effect::Registry::default()

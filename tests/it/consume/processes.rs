@@ -227,6 +227,7 @@ async fn dispatcher_killed_mid_request_is_taken_over_and_its_late_completion_cha
             target_url: downstream.url(),
             reconcile_url: None,
             max_attempts: 5,
+            operation_keys: Default::default(),
         }),
     )
     .with_retry(Default::default());
@@ -330,6 +331,7 @@ async fn dispatcher_killed_mid_request_is_taken_over_and_its_late_completion_cha
         max_attempts: 5,
         fencing_token: token,
         previous_state: outbox::OutboxState::Pending,
+        maybe_applied_at: None,
     };
     let settlement = outbox::Settlement {
         state: outbox::OutboxState::Failed,
@@ -337,6 +339,9 @@ async fn dispatcher_killed_mid_request_is_taken_over_and_its_late_completion_cha
         status: Some(500),
         error: Some("late".into()),
         response: None,
+        maybe_applied_since: None,
+        idempotent_until: None,
+        held: false,
     };
     let attempt = outbox::Attempt {
         worker: "first",

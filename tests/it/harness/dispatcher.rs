@@ -52,6 +52,12 @@ struct State {
     streamed: usize,
     streaming: u32,
     script: HashMap<String, VecDeque<Behaviour>>,
+    /// How long a key is honoured; None: forever. Past it, the same key applies again.
+    key_window: Option<Duration>,
+    /// When each key was last applied.
+    applied_at: HashMap<String, std::time::Instant>,
+    /// Lookups (GET) answered 503: the downstream cannot say.
+    lookups_unknown: bool,
 }
 
 #[derive(Clone)]
@@ -91,6 +97,17 @@ impl Downstream {
             .unwrap()
             .script
             .insert(key.into(), behaviours.iter().copied().collect());
+    }
+
+    /// Honours each idempotency key for `window` only, as Stripe does for 24 hours: past it,
+    /// a request with the same key is applied again.
+    pub fn forget_keys_after(&self, window: Duration) {
+        self.state.lock().unwrap().key_window = Some(window);
+    }
+
+    /// Lookups (GET) answer 503 while `unknown`: the downstream cannot say.
+    pub fn lookups_unknown(&self, unknown: bool) {
+        self.state.lock().unwrap().lookups_unknown = unknown;
     }
 
     pub fn applied(&self) -> HashMap<String, u32> {
@@ -157,6 +174,11 @@ impl Downstream {
             let _ = respond_with(&mut stream, 302, &location).await;
             return;
         }
+        if method == "GET" && self.state.lock().unwrap().lookups_unknown {
+            self.state.lock().unwrap().reconciles += 1;
+            let _ = respond(&mut stream, 503).await;
+            return;
+        }
         if method == "GET" {
             let key = path.trim_start_matches("/ops/");
             let key = percent_encoding::percent_decode_str(key)
@@ -188,7 +210,16 @@ impl Downstream {
                 .unwrap_or(Behaviour::Ok)
         };
         let apply = |s: &mut State| {
-            s.applied.entry(key.clone()).or_insert(1);
+            let now = std::time::Instant::now();
+            let forgotten = match (s.key_window, s.applied_at.get(&key)) {
+                (Some(window), Some(at)) => now.duration_since(*at) >= window,
+                _ => false,
+            };
+            let n = s.applied.entry(key.clone()).or_insert(0);
+            if *n == 0 || forgotten {
+                *n += 1;
+                s.applied_at.insert(key.clone(), now);
+            }
         };
         match behaviour {
             Behaviour::Ok => {
@@ -347,6 +378,7 @@ pub async fn enqueue_to(
         target_url: target_url.into(),
         reconcile_url,
         max_attempts: 8,
+        operation_keys: Default::default(),
     };
     let processor = BatchProcessor::new(db.pool.clone(), Arc::new(effect));
     let messages: Vec<RawMessage> = keys

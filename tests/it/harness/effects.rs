@@ -22,6 +22,7 @@ impl Effect for LedgerAndOutbox {
             target_url: "http://127.0.0.1:9/ops".into(),
             reconcile_url: None,
             max_attempts: 3,
+            operation_keys: Default::default(),
         };
         outbox.apply_batch(tx, events).await
     }

@@ -37,6 +37,7 @@ pub async fn operations_in(db: &TestDb, states: &[(&str, &str)]) {
         target_url: downstream.url(),
         reconcile_url: None,
         max_attempts: 3,
+        operation_keys: Default::default(),
     };
     let messages: Vec<_> = states
         .iter()

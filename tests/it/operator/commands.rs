@@ -24,6 +24,7 @@ async fn retry(
     let retry = Retry {
         operation: None,
         effect,
+        accept_duplicate_risk: false,
     };
     let act = Act::new(actor, reason);
     events::retry(&db.pool, &Registry::default(), key, &retry, &act).await
@@ -426,6 +427,7 @@ async fn failed_chain(db: &TestDb, downstream: &Downstream, keys: &[&str]) {
         target_url: downstream.url(),
         reconcile_url: None,
         max_attempts: 4,
+        operation_keys: Default::default(),
     };
     let chain = Registry::default()
         .build(&["ledger".into(), "http".into()], Some(&http))

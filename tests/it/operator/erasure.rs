@@ -42,6 +42,7 @@ async fn erasure_by_field_reaches_operation_bodies_answers_excerpts_and_dead_let
         target_url: downstream.url(),
         reconcile_url: None,
         max_attempts: 3,
+        operation_keys: Default::default(),
     };
     let subject = json!({"data": {"object": {"customer": "cus_subject_9"}}});
     let other = json!({"data": {"object": {"customer": "cus_other_1"}}});
