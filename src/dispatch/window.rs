@@ -21,20 +21,28 @@ pub(super) enum KeyRefusal {
     OtherParameters,
 }
 
-/// Whether an answer refuses the key rather than the request: only an answer that speaks of
-/// idempotency, so an ordinary 400, 409 or 422 stays what it is.
+/// Whether an answer refuses the key rather than the request: only a 400, 409 or 422 that
+/// speaks of idempotency, so an ordinary refusal stays what it is. A key still in use (an
+/// earlier request being processed) may be applied; a key first used with other parameters
+/// (Stripe's `idempotency_error`, the IETF draft's 422, a 409 "reused with a different
+/// intent") is never sent again.
 pub(super) fn key_refusal(status: u16, body: &str) -> Option<KeyRefusal> {
     let body = body.to_ascii_lowercase();
     if !body.contains("idempot") {
         return None;
     }
-    let other_parameters = ["idempotency_error", "parameter", "different", "mismatch"]
-        .iter()
-        .any(|word| body.contains(word));
+    let any = |words: &[&str]| words.iter().any(|word| body.contains(word));
+    let in_use = any(&[
+        "idempotency_key_in_use",
+        "in progress",
+        "in-progress",
+        "concurrent",
+    ]);
+    let other_parameters = any(&["idempotency_error", "parameter", "different", "mismatch"]);
     match status {
-        _ if body.contains("idempotency_key_in_use") => Some(KeyRefusal::InUse),
+        400 | 409 | 422 if in_use => Some(KeyRefusal::InUse),
+        400 | 409 | 422 if other_parameters => Some(KeyRefusal::OtherParameters),
         409 => Some(KeyRefusal::InUse),
-        400 | 422 if other_parameters => Some(KeyRefusal::OtherParameters),
         _ => None,
     }
 }
@@ -157,6 +165,10 @@ mod tests {
         );
         let draft = "Idempotency-Key is already used with a different request payload";
         assert_eq!(key_refusal(422, draft), Some(KeyRefusal::OtherParameters));
+        let reused = "the Idempotency-Key is being reused with a different intent";
+        assert_eq!(key_refusal(409, reused), Some(KeyRefusal::OtherParameters));
+        let draft_409 = "a request with this Idempotency-Key is outstanding";
+        assert_eq!(key_refusal(409, draft_409), Some(KeyRefusal::InUse));
         // Ordinary refusals stay ordinary.
         assert_eq!(key_refusal(400, r#"{"error":"amount is missing"}"#), None);
         assert_eq!(key_refusal(409, "order already shipped"), None);

@@ -185,7 +185,7 @@ pub async fn requeue(conn: &mut PgConnection, id: i64) -> sqlx::Result<()> {
 pub async fn resolve(conn: &mut PgConnection, id: i64, to: OutboxState) -> sqlx::Result<()> {
     sqlx::query!(
         "UPDATE outbox SET state = $2, lease_expires_at = NULL, updated_at = now(), \
-         completed_at = CASE WHEN $2 = 'done' THEN now() END WHERE id = $1",
+         completed_at = CASE WHEN $2 = 'done' THEN now() END, held_at = NULL WHERE id = $1",
         id,
         to.as_str()
     )

@@ -381,3 +381,108 @@ async fn a_fulfil_and_a_notify_of_one_order_are_both_sent_once() {
     }
     assert_eq!(applied.len(), 4);
 }
+
+/// A claim for `key`, so that operations can hang off it.
+async fn claim(db: &TestDb, key: &str) {
+    sqlx::query(
+        "INSERT INTO processed_events (event_key, route_key, source, status, payload_sha256, \
+         payload, kafka_topic, kafka_partition, kafka_offset) \
+         VALUES ($1, $1, 's', 'done', decode(repeat('00', 32), 'hex'), '{}', 't', 0, 0)",
+    )
+    .bind(key)
+    .execute(&db.pool)
+    .await
+    .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_transactions_naming_one_obligation_at_once_enqueue_it_once() {
+    let db = TestDb::new().await;
+    for key in ["evt-first", "evt-second", "evt-third"] {
+        claim(&db, key).await;
+    }
+    let op = |event: &'static str| {
+        NewOperation::new(event, "fulfil", "http://127.0.0.1:1/ops", b"{}".to_vec())
+            .obligation("shop", "o-9")
+    };
+    let mut first = db.pool.begin().await.unwrap();
+    let enqueued = outbox::enqueue(&mut first, &op("evt-first")).await.unwrap();
+    assert!(enqueued.fulfilled.is_empty());
+    // The second waits for the first's claim of the obligation, then finds it held.
+    let pool = db.pool.clone();
+    let second = tokio::spawn(async move {
+        let mut tx = pool.begin().await.unwrap();
+        let enqueued = outbox::enqueue(&mut tx, &op("evt-second")).await.unwrap();
+        tx.commit().await.unwrap();
+        enqueued
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!second.is_finished(), "the second waits for the first");
+    first.commit().await.unwrap();
+    let enqueued = second.await.unwrap();
+    assert_eq!(enqueued.fulfilled.len(), 1);
+    assert_eq!(enqueued.fulfilled[0].by, "evt-first");
+    assert_eq!(db.count("SELECT count(*) FROM outbox").await, 1);
+    // A claim rolled back holds nothing: the next event naming its obligation enqueues it.
+    let other = |event: &'static str| {
+        NewOperation::new(event, "fulfil", "http://127.0.0.1:1/ops", b"{}".to_vec())
+            .obligation("shop", "o-10")
+    };
+    let mut undone = db.pool.begin().await.unwrap();
+    outbox::enqueue(&mut undone, &other("evt-first"))
+        .await
+        .unwrap();
+    undone.rollback().await.unwrap();
+    let mut third = db.pool.begin().await.unwrap();
+    let enqueued = outbox::enqueue(&mut third, &other("evt-third"))
+        .await
+        .unwrap();
+    third.commit().await.unwrap();
+    assert!(enqueued.fulfilled.is_empty());
+    assert_eq!(db.count("SELECT count(*) FROM outbox").await, 2);
+    assert_eq!(
+        db.count("SELECT count(*) FROM fulfilled_operations").await,
+        1
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_key_is_recorded_as_such_never_as_a_plain_refusal() {
+    let db = TestDb::new().await;
+    let downstream = Downstream::start().await;
+    let mismatch: &'static [u8] = br#"{"error":{"type":"idempotency_error","message":"Keys for idempotent requests can only be used with the same parameters they were first used with."}}"#;
+    let in_use: &'static [u8] = br#"{"error":{"code":"idempotency_key_in_use","message":"There is currently another in-progress request using this Idempotent Key."}}"#;
+    downstream.script(
+        "evt-mismatch#deliver",
+        &[Behaviour::RefuseWithBody(400, mismatch)],
+    );
+    downstream.script(
+        "evt-in-use#deliver",
+        &[Behaviour::RefuseWithBody(409, in_use)],
+    );
+    let keys = ["evt-mismatch".to_owned(), "evt-in-use".to_owned()];
+    enqueue_http(&db, &downstream, &keys, false).await;
+    let dispatcher = replayproof::dispatch::Dispatcher::build(
+        replayproof::dispatch::DispatchSettings::new("w"),
+        db.pool.clone(),
+        replayproof::dispatch::DispatchMetrics::new(&prometheus::Registry::new()).unwrap(),
+        replayproof::telemetry::Health::default(),
+    )
+    .unwrap();
+    assert_eq!(dispatcher.dispatch_once().await.unwrap(), 2);
+    let rows: Vec<(String, String, String, bool)> = sqlx::query_as(
+        "SELECT o.operation_key, o.state, a.outcome, o.maybe_applied_at IS NOT NULL \
+         FROM outbox o JOIN outbox_attempts a ON a.outbox_id = o.id ORDER BY 1",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    let row = |k: &str, s: &str, o: &str, maybe| (k.to_owned(), s.to_owned(), o.to_owned(), maybe);
+    assert_eq!(
+        rows,
+        vec![
+            row("evt-in-use#deliver", "uncertain", "key_in_use", true),
+            row("evt-mismatch#deliver", "failed", "key_mismatch", false),
+        ]
+    );
+}
