@@ -175,30 +175,7 @@ fn timeline(d: &EventDetail, sees: bool) -> Vec<Entry> {
             detail: html! { "row " (row.id) @if sees { details { summary { "payload" } pre { (pages::pretty(row.payload.get())) } } } },
         });
     }
-    for op in &d.operations {
-        let name = short(&op.operation_key);
-        let bad = matches!(
-            op.state,
-            OutboxState::Failed | OutboxState::Dead | OutboxState::Uncertain
-        );
-        out.push(Entry {
-            at: claim.claimed_at,
-            order: 5,
-            what: format!("operation {name}: {}", op.state),
-            bad,
-            detail: html! {
-                (op.request) " " code { (op.destination) }
-                @if let Some(c) = &op.credential { " with credential " (c) }
-                ", idempotency key " code { (op.operation_key) }
-                ", attempts " (op.attempts)
-                @if matches!(op.state, OutboxState::Pending | OutboxState::Retryable | OutboxState::Uncertain) { ", due " (when(op.next_attempt_at)) }
-                @if let Some(lease) = op.lease_expires_at { ", leased until " (when(lease)) }
-                @if let Some(at) = op.completed_at { ", settled " (when(at)) }
-                @if let Some(until) = op.idempotent_until { ", its key honoured downstream until " (when(until)) }
-                @if let Some(at) = op.held_at { div class="problem" id="held" { "Held since " (when(at)) ": past the idempotency window, so a dispatcher will not send it again (the downstream could apply it twice). Check the downstream, then resolve it, or retry it accepting the risk." } }
-            },
-        });
-    }
+    out.extend(operations(d));
     out.extend(fulfilled(d));
     for a in &d.attempts {
         let kind = match a.kind.as_str() {
@@ -254,6 +231,37 @@ fn timeline(d: &EventDetail, sees: bool) -> Vec<Entry> {
                 a href=(format!("/dead-letters/{}", l.id)) { "dead letter " (l.id) } ": " (error_text(sees, &l.reason))
                 " at " code { (l.topic) "/" (l.partition) "@" (l.offset) }
                 @if let Some(at) = l.replayed_at { ", replayed " (maybe_when(Some(at))) }
+            },
+        });
+    }
+    out
+}
+
+/// Each outbox operation of the event, as it stands.
+fn operations(d: &EventDetail) -> Vec<Entry> {
+    let claim = &d.claim;
+    let mut out = Vec::new();
+    for op in &d.operations {
+        let name = short(&op.operation_key);
+        let bad = matches!(
+            op.state,
+            OutboxState::Failed | OutboxState::Dead | OutboxState::Uncertain
+        );
+        out.push(Entry {
+            at: claim.claimed_at,
+            order: 5,
+            what: format!("operation {name}: {}", op.state),
+            bad,
+            detail: html! {
+                (op.request) " " code { (op.destination) }
+                @if let Some(c) = &op.credential { " with credential " (c) }
+                ", idempotency key " code { (op.operation_key) }
+                ", attempts " (op.attempts)
+                @if matches!(op.state, OutboxState::Pending | OutboxState::Retryable | OutboxState::Uncertain) { ", due " (when(op.next_attempt_at)) }
+                @if let Some(lease) = op.lease_expires_at { ", leased until " (when(lease)) }
+                @if let Some(at) = op.completed_at { ", settled " (when(at)) }
+                @if let Some(until) = op.idempotent_until { ", its key honoured downstream until " (when(until)) }
+                @if let Some(at) = op.held_at { div class="problem" id="held" { "Held since " (when(at)) ": past the idempotency window, so a dispatcher will not send it again (the downstream could apply it twice). Check the downstream, then resolve it, or retry it accepting the risk." } }
             },
         });
     }

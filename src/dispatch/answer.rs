@@ -21,15 +21,7 @@ impl Dispatcher {
         let location = location(&response);
         let body = excerpt(response).await;
         let code = Some(i32::from(status));
-        let verdict = match status {
-            429 => Verdict::SlowDown(
-                retry_after
-                    .unwrap_or(self.settings.backoff_base)
-                    .min(MAX_RETRY_AFTER),
-            ),
-            500..=599 => Verdict::Failing,
-            _ => Verdict::Answering,
-        };
+        let verdict = self.verdict(status, retry_after);
         let refusal = super::window::key_refusal(status, &body);
         let (outcome, settlement) = match (status, refusal) {
             (400..=499, Some(refusal)) => self.refused_key(row, refusal, code, body),
@@ -68,6 +60,19 @@ impl Dispatcher {
             }
         };
         (outcome, settlement, verdict)
+    }
+
+    /// What an answer with `status` says of its destination, for the breaker and the pause.
+    fn verdict(&self, status: u16, retry_after: Option<Duration>) -> Verdict {
+        match status {
+            429 => Verdict::SlowDown(
+                retry_after
+                    .unwrap_or(self.settings.backoff_base)
+                    .min(MAX_RETRY_AFTER),
+            ),
+            500..=599 => Verdict::Failing,
+            _ => Verdict::Answering,
+        }
     }
 
     pub(super) fn classify_error(

@@ -1,6 +1,7 @@
 //! The operator commands' flags, and how each runs: `events`, `dead-letters` and `status`.
 
-use super::events::{self, Cursor, Resolution, Retry, RetryFilter, Search, SearchState, StateName};
+use super::events::{self, Cursor, Resolution, Search, SearchState};
+pub use super::retry_args::RetryArgs;
 use super::{dead_letters, expired, render, status, Act};
 use crate::args::{DatabaseArgs, KafkaOptions};
 use crate::effect::Registry;
@@ -41,7 +42,7 @@ impl OperatorArgs {
     }
 
     /// The database holding `key`, whichever shard it is.
-    async fn pool_for(&self, key: &str) -> anyhow::Result<sqlx::PgPool> {
+    pub(super) async fn pool_for(&self, key: &str) -> anyhow::Result<sqlx::PgPool> {
         self.database.pool_for_key(key, 2).await
     }
 
@@ -190,44 +191,6 @@ pub enum EventsCommand {
     },
 }
 
-#[derive(Debug, Clone, Args)]
-pub struct RetryArgs {
-    #[command(flatten)]
-    op: OperatorArgs,
-    /// The event to retry; without it, every event matching --state (and --source, --since).
-    #[arg(required_unless_present = "state")]
-    key: Option<String>,
-    /// Only this operation of the event.
-    #[arg(long)]
-    operation: Option<String>,
-    /// The effect to run again for a failed local effect, by its name as for `consume
-    /// --effect`, instead of the effects recorded on its claim.
-    #[arg(long)]
-    effect: Option<String>,
-    /// Bulk: retry every event whose claim or an operation is in this state.
-    #[arg(long, value_parser = StateName::retryable, conflicts_with = "key")]
-    state: Option<StateName>,
-    /// Bulk: only events of this source.
-    #[arg(long, requires = "state")]
-    source: Option<String>,
-    /// Bulk: only events claimed at or after this time (RFC 3339).
-    #[arg(long, requires = "state")]
-    since: Option<chrono::DateTime<chrono::Utc>>,
-    /// Bulk: at most this many events.
-    #[arg(long, default_value_t = DEFAULT_RETRY_LIMIT, requires = "state")]
-    limit: i64,
-    /// Bulk: list the events that would be retried, and change nothing.
-    #[arg(long, requires = "state")]
-    dry_run: bool,
-    /// Send operations past their destination's idempotency window too: the downstream no
-    /// longer knows their key and could apply them twice. Recorded in the audit row.
-    #[arg(long)]
-    accept_duplicate_risk: bool,
-    /// Why, for the audit table.
-    #[arg(long)]
-    reason: String,
-}
-
 impl EventsCommand {
     pub async fn run(self, registry: &Registry) -> anyhow::Result<()> {
         match self {
@@ -323,67 +286,6 @@ impl EventsCommand {
             } => super::erasure::run(op, key, source, matching, &reason).await?,
             _ => unreachable!("the other commands run in EventsCommand::run"),
         }
-        Ok(())
-    }
-}
-
-impl RetryArgs {
-    async fn run(self, registry: &Registry) -> anyhow::Result<()> {
-        let effect = self
-            .effect
-            .as_ref()
-            .map(|name| registry.build(std::slice::from_ref(name), None));
-        let retry = Retry {
-            operation: self.operation.clone(),
-            effect: effect.transpose()?,
-            accept_duplicate_risk: self.accept_duplicate_risk,
-        };
-        let act = self.op.act(&self.reason);
-        let Some(state) = self.state else {
-            let key = self.key.as_deref().unwrap_or_default();
-            let pool = self.op.pool_for(key).await?;
-            let changes = events::retry(&pool, registry, key, &retry, &act).await?;
-            render::print(self.op.json, &changes, |c| render::changes(c));
-            return Ok(());
-        };
-        let filter = RetryFilter {
-            state,
-            source: self.source.clone(),
-            since: self.since,
-            limit: self.limit,
-        };
-        // Every shard's events of the filter, each retried in its own database.
-        let mut keys = Vec::new();
-        for pool in self.op.databases().await? {
-            for key in events::to_retry(&pool, &filter).await? {
-                keys.push((pool.clone(), key));
-            }
-        }
-        if self.dry_run {
-            for (_, key) in &keys {
-                println!("{key}: would be retried");
-            }
-            println!(
-                "{} events would be retried (dry run: nothing changed)",
-                keys.len()
-            );
-            return Ok(());
-        }
-        let mut failures = 0;
-        for (pool, key) in &keys {
-            match events::retry(pool, registry, key, &retry, &act).await {
-                Ok(changes) => render::print(self.op.json, &changes, |c| render::changes(c)),
-                Err(e) => {
-                    failures += 1;
-                    eprintln!("{key}: not retried: {e:#}");
-                }
-            }
-        }
-        anyhow::ensure!(
-            failures == 0,
-            "{failures} of {} events were not retried",
-            keys.len()
-        );
         Ok(())
     }
 }

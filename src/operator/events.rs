@@ -2,6 +2,7 @@
 //! by hand.
 
 pub use super::bulk_retry::{to_retry, RetryFilter};
+pub use super::retry::{retry, Retry};
 use super::{Act, Change, OperatorError};
 use crate::claims::{self, conflicts, dead_letters, ClaimStatus};
 use crate::consume::settle::{self, Next, Policy, Standing};
@@ -480,83 +481,12 @@ pub async fn show(pool: &PgPool, key: &str) -> Result<EventDetail, OperatorError
     })
 }
 
-/// What a retry runs.
-#[derive(Clone, Default)]
-pub struct Retry {
-    /// Only this operation of the event.
-    pub operation: Option<String>,
-    /// The effect to run again for a failed local effect, instead of the one recorded on its
-    /// claim (needed only for an effect the registry cannot build by name).
-    pub effect: Option<Arc<dyn Effect>>,
-    /// Sends operations past their idempotency window too, which the downstream could apply a
-    /// second time; the audit row says so.
-    pub accept_duplicate_risk: bool,
-}
-
-/// Sends an event's `failed`, `uncertain` or `dead` operations again, with the same idempotency
-/// key and payload; an event without operations whose local effect failed or deferred has the
-/// effect run again, now, from its stored payload. `done` is refused, and so is an operation
-/// already on its way or whose body was erased.
-pub async fn retry(
-    pool: &PgPool,
-    registry: &Registry,
-    key: &str,
-    retry: &Retry,
-    act: &Act,
-) -> Result<Vec<Change>, OperatorError> {
-    let mut tx = pool.begin().await?;
-    let ops = outbox::lock_of_event(&mut tx, key, retry.operation.as_deref()).await?;
-    if ops.is_empty() {
-        drop(tx);
-        return retry_local(pool, registry, key, retry.effect.clone(), act).await;
-    }
-    let mut changes = Vec::new();
-    for op in ops {
-        match op.state {
-            state if state.is_retryable_by_hand() && op.erased => {
-                return Err(OperatorError::BodyErased(op.operation_key))
-            }
-            state if state.is_retryable_by_hand() && op.past_window => {
-                if !retry.accept_duplicate_risk {
-                    return Err(OperatorError::PastWindow(op.operation_key));
-                }
-                outbox::requeue(&mut tx, op.id).await?;
-                let change = Change::new(&op.operation_key, state, OutboxState::Pending);
-                let risk = Act {
-                    reason: format!(
-                        "{} (accepted the duplicate risk: past the idempotency window)",
-                        act.reason
-                    ),
-                    ..act.clone()
-                };
-                crate::audit::record(&mut tx, risk.audit("retry", &change)).await?;
-                changes.push(change);
-            }
-            state if state.is_retryable_by_hand() => {
-                outbox::requeue(&mut tx, op.id).await?;
-                let change = Change::new(&op.operation_key, state, OutboxState::Pending);
-                crate::audit::record(&mut tx, act.audit("retry", &change)).await?;
-                changes.push(change);
-            }
-            OutboxState::Done => return Err(OperatorError::AlreadyDone(op.operation_key)),
-            state => {
-                return Err(OperatorError::OnItsWay {
-                    target: op.operation_key,
-                    state: state.to_string(),
-                })
-            }
-        }
-    }
-    tx.commit().await?;
-    Ok(changes)
-}
-
 /// Runs a failed or deferred local effect again, now, once, in one transaction with its claim's
 /// change and audit row. What becomes of the claim is the consumer's rule
 /// ([`settle::next`]), with the deferral policy stored on the claim: an effect that defers again
 /// leaves it `deferred` (from `failed`, with a fresh deadline from that policy); a transient
 /// failure changes nothing.
-async fn retry_local(
+pub(super) async fn retry_local(
     pool: &PgPool,
     registry: &Registry,
     key: &str,

@@ -16,6 +16,9 @@ pub mod expired;
 #[cfg(feature = "cli")]
 pub mod render;
 pub mod replay;
+mod retry;
+#[cfg(feature = "cli")]
+mod retry_args;
 pub mod status;
 
 use serde::Serialize;

@@ -15,13 +15,13 @@ impl IdempotencyWindow {
     /// Until when the key protects an operation first maybe-applied at `since`; None: as long
     /// as the operation lives (no window, or nothing was ever maybe-applied).
     pub fn until(self, since: Option<DateTime<Utc>>) -> Option<DateTime<Utc>> {
-        Some(crate::effect::later(since?, self.0?))
+        Some(later(since?, self.0?))
     }
 
     /// Whether a request started at `now` and lasting up to `request` could reach the downstream
     /// after `until`: then the key may no longer protect it.
     pub fn passed(until: Option<DateTime<Utc>>, now: DateTime<Utc>, request: Duration) -> bool {
-        until.is_some_and(|until| crate::effect::later(now, request) >= until)
+        until.is_some_and(|until| later(now, request) >= until)
     }
 
     /// The next attempt of a maybe-applied operation, due at `next` by its backoff, moved
@@ -42,6 +42,14 @@ impl IdempotencyWindow {
             false => next,
         }
     }
+}
+
+/// `at + wait`, saturating at the latest time there is.
+fn later(at: DateTime<Utc>, wait: Duration) -> DateTime<Utc> {
+    chrono::Duration::from_std(wait)
+        .ok()
+        .and_then(|w| at.checked_add_signed(w))
+        .unwrap_or(DateTime::<Utc>::MAX_UTC)
 }
 
 /// Why a held operation is not sent: the window of `origin` passed since its first attempt

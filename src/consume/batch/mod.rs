@@ -16,11 +16,13 @@
 mod expired;
 mod failures;
 mod guarded;
+mod outcome;
 mod plan;
 mod refused;
 mod replays;
 mod retrying;
 
+pub use outcome::Outcome;
 pub use retrying::{EffectRetry, Retrying, MAX_EFFECT_ATTEMPTS, MAX_EFFECT_BACKOFF};
 
 use super::settle::DeferSettings;
@@ -88,51 +90,6 @@ pub struct BatchReport {
 
 /// The source label of what has no source.
 pub const UNKNOWN_SOURCE: &str = "unknown";
-
-/// What became of one consumed event, as `replayproof_consume_events_total` labels it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Outcome {
-    /// Claimed here, its effect committed.
-    Applied,
-    /// A replay of a key claimed before with the same payload.
-    Duplicate,
-    /// A key claimed before with another payload.
-    Conflict,
-    /// Not an envelope, or a value PostgreSQL refused.
-    DeadLetter,
-    /// Its effect failed every attempt.
-    Failed,
-    /// Its effect said "not yet".
-    Deferred,
-    /// Its key unknown and older than its source's prune horizon.
-    ExpiredReplay,
-}
-
-impl Outcome {
-    /// Every outcome, in the order of [`BatchReport::by_source`]'s counts.
-    pub const ALL: [Outcome; 7] = [
-        Outcome::Applied,
-        Outcome::Duplicate,
-        Outcome::Conflict,
-        Outcome::DeadLetter,
-        Outcome::Failed,
-        Outcome::Deferred,
-        Outcome::ExpiredReplay,
-    ];
-
-    /// The `outcome` label.
-    pub fn label(self) -> &'static str {
-        match self {
-            Outcome::Applied => "applied",
-            Outcome::Duplicate => "duplicate",
-            Outcome::Conflict => "conflict",
-            Outcome::DeadLetter => "dead_letter",
-            Outcome::Failed => "failed",
-            Outcome::Deferred => "deferred",
-            Outcome::ExpiredReplay => "expired_replay",
-        }
-    }
-}
 
 impl BatchReport {
     /// Adds the report of a later part of the same batch.
