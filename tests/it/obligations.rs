@@ -486,3 +486,80 @@ async fn a_refused_key_is_recorded_as_such_never_as_a_plain_refusal() {
         ]
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_console_names_the_event_that_fulfils_and_why_a_held_operation_waits() {
+    use crate::harness::console::{settings, TestConsole};
+    let db = TestDb::new().await;
+    let effect = replayproof::effect::HttpOutbox {
+        target_url: "http://127.0.0.1:1/ops".into(),
+        reconcile_url: None,
+        max_attempts: 3,
+        operation_keys: replayproof::effect::obligation::OperationKeys {
+            default: Some("/order".into()),
+            ..Default::default()
+        },
+    };
+    let processor = BatchProcessor::new(db.pool.clone(), Arc::new(effect));
+    let messages: Vec<RawMessage> = ["evt-first", "evt-again"]
+        .iter()
+        .enumerate()
+        .map(|(i, key)| RawMessage {
+            offset: i as i64,
+            key: Some(key.as_bytes().to_vec()),
+            value: Some(envelope(key, json!({"order": "o-5"}))),
+            traceparent: None,
+        })
+        .collect();
+    processor.process("t", 0, &messages).await.unwrap();
+    // The operation's answer was lost and the downstream's window passed: held.
+    sqlx::query(
+        "UPDATE outbox SET state = 'uncertain', maybe_applied_at = now() - interval '2 days', \
+         idempotent_until = now() - interval '1 day', held_at = now(), \
+         last_error = 'past the idempotency window'",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let console = TestConsole::start(&db, settings()).await;
+    let ann = console.login("ann").await;
+    let again = ann.get("/events/evt-again").await;
+    assert!(
+        again.body.contains("fulfilled by another event"),
+        "{}",
+        again.body
+    );
+    assert!(
+        again.body.contains("href=\"/events/evt-first\""),
+        "{}",
+        again.body
+    );
+    let first = ann.get("/events/evt-first").await;
+    assert!(first.body.contains("id=\"held\""), "{}", first.body);
+    assert!(
+        first.body.contains("id=\"accept-duplicate-risk\""),
+        "{}",
+        first.body
+    );
+    let token = ann.csrf("/events/evt-first").await;
+    let form = [("csrf_token", token.as_str()), ("reason", "checked")];
+    let refused = ann.post("/events/evt-first/retry", &form).await;
+    assert_eq!(refused.status, 409, "{}", refused.body);
+    assert!(
+        refused.body.contains("idempotency window"),
+        "{}",
+        refused.body
+    );
+    let accepted = [
+        ("csrf_token", token.as_str()),
+        ("reason", "checked"),
+        ("accept_duplicate_risk", "yes"),
+    ];
+    let sent = ann.post("/events/evt-first/retry", &accepted).await;
+    assert_eq!(sent.status, 303, "{}", sent.body);
+    let state: (String, bool) = sqlx::query_as("SELECT state, held_at IS NULL FROM outbox")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(state, ("pending".to_owned(), true));
+}

@@ -20,7 +20,7 @@ pub enum Outcome {
 }
 
 impl Outcome {
-    /// Every outcome, in the order of [`BatchReport::by_source`]'s counts.
+    /// Every outcome, in the order of [`super::BatchReport::by_source`]'s counts.
     pub const ALL: [Outcome; 7] = [
         Outcome::Applied,
         Outcome::Duplicate,
