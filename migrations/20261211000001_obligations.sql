@@ -39,3 +39,22 @@ CREATE TABLE fulfilled_operations (
 ALTER TABLE outbox ADD COLUMN maybe_applied_at TIMESTAMPTZ;
 ALTER TABLE outbox ADD COLUMN idempotent_until TIMESTAMPTZ;
 ALTER TABLE outbox ADD COLUMN held_at TIMESTAMPTZ;
+
+-- Operations that may have been applied before this migration: their window runs from their
+-- first attempt without an answer (a lease still held counts from its start).
+UPDATE outbox o SET maybe_applied_at = coalesce(
+        (SELECT min(a.started_at) FROM outbox_attempts a
+         WHERE a.outbox_id = o.id AND a.route_key = o.route_key
+           AND a.outcome IN ('uncertain', 'reconcile_unknown')),
+        CASE WHEN o.state IN ('in_progress', 'uncertain') THEN o.updated_at END)
+    WHERE o.state <> 'done';
+
+-- Held operations are never due: the indexes the dispatcher leases through leave them out, so
+-- a long outage's held backlog costs its scans nothing.
+DROP INDEX outbox_due_idx;
+CREATE INDEX outbox_due_idx ON outbox (next_attempt_at)
+    WHERE state IN ('pending', 'retryable', 'uncertain') AND held_at IS NULL;
+DROP INDEX outbox_origin_due_idx;
+CREATE INDEX outbox_origin_due_idx ON outbox (origin, next_attempt_at)
+    WHERE state IN ('pending', 'retryable', 'uncertain') AND held_at IS NULL;
+CREATE INDEX outbox_held_idx ON outbox (held_at) WHERE held_at IS NOT NULL;

@@ -348,6 +348,39 @@ mod tests {
     }
 
     #[test]
+    fn a_window_is_its_own_sections_else_the_providers_else_the_defaults_else_forever() {
+        let hours = |h: u64| IdempotencyWindow(Some(Duration::from_secs(h * 3600)));
+        let none = destinations("").unwrap();
+        assert_eq!(none.window("https://api.stripe.com"), hours(24), "Stripe's");
+        assert_eq!(none.window("https://example.com"), IdempotencyWindow(None));
+        let d = destinations(
+            r#"
+            [destinations.default]
+            idempotency_window = "2h"
+            [destinations."https://api.stripe.com"]
+            max_concurrency = 4
+            [destinations."https://a.example"]
+            idempotency_window = "forever"
+            [destinations."https://b.example"]
+            idempotency_window = "7days"
+            "#,
+        )
+        .unwrap();
+        assert_eq!(
+            d.window("https://api.stripe.com"),
+            hours(24),
+            "a section without one"
+        );
+        assert_eq!(d.window("https://a.example"), IdempotencyWindow(None));
+        assert_eq!(d.window("https://b.example"), hours(7 * 24));
+        assert_eq!(d.window("https://c.example"), hours(2), "the default's");
+        for bad in ["soon", "0s"] {
+            let text = format!("[destinations.default]\nidempotency_window = \"{bad}\"");
+            assert!(destinations(&text).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
     fn origins_inherit_the_default_and_are_keyed_as_origins() {
         let d = destinations(
             r#"

@@ -14,6 +14,8 @@ pub struct DispatchMetrics {
     pub operations: IntGaugeVec,
     pub oldest_due_seconds: IntGauge,
     pub expired_leases: IntGauge,
+    /// Operations held past their idempotency window, waiting for an operator.
+    pub held: IntGauge,
     /// Destinations by breaker position; `destination` is an origin with its own
     /// `[dispatch.destinations]` section, or `default` for the rest.
     pub breakers: IntGaugeVec,
@@ -53,6 +55,10 @@ impl DispatchMetrics {
                 "replayproof_outbox_expired_leases",
                 "In-progress operations whose lease expired: their worker is gone.",
             )?,
+            held: IntGauge::new(
+                "replayproof_outbox_held",
+                "Operations held past their idempotency window, waiting for an operator.",
+            )?,
             breakers: IntGaugeVec::new(
                 Opts::new(
                     "replayproof_dispatch_breakers",
@@ -78,6 +84,7 @@ impl DispatchMetrics {
         registry.register(Box::new(m.operations.clone()))?;
         registry.register(Box::new(m.oldest_due_seconds.clone()))?;
         registry.register(Box::new(m.expired_leases.clone()))?;
+        registry.register(Box::new(m.held.clone()))?;
         registry.register(Box::new(m.breakers.clone()))?;
         registry.register(Box::new(m.in_flight.clone()))?;
         Ok(m)
@@ -121,7 +128,7 @@ impl DispatchMetrics {
             let n = in_flight.get(label).copied().unwrap_or(0);
             self.in_flight.with_label_values(&[label]).set(n);
         }
-        let (mut by_state, mut oldest_due, mut expired) = (BTreeMap::new(), 0f64, 0);
+        let (mut by_state, mut oldest_due, mut expired, mut held) = (BTreeMap::new(), 0f64, 0, 0);
         for pool in pools {
             let g = outbox::gauges(pool).await?;
             for (state, n) in g.by_state {
@@ -129,6 +136,7 @@ impl DispatchMetrics {
             }
             oldest_due = oldest_due.max(g.oldest_due_seconds);
             expired += g.expired_leases;
+            held += g.held;
         }
         for state in OutboxState::ALL {
             let n = by_state.get(state.as_str()).copied().unwrap_or(0);
@@ -136,6 +144,7 @@ impl DispatchMetrics {
         }
         self.oldest_due_seconds.set(oldest_due as i64);
         self.expired_leases.set(expired);
+        self.held.set(held);
         Ok(())
     }
 }

@@ -141,7 +141,7 @@ impl Dispatcher {
                     ..settled(
                         OutboxState::Failed,
                         status,
-                        Some("the downstream refused the idempotency key as first used with other parameters; replayproof sends the stored bytes on every attempt, so another request used this key (or the body was changed outside replayproof); not sent again".into()),
+                        Some("the downstream refused the idempotency key as first used with other parameters; replayproof sends an operation's stored bytes on every attempt, so another request used this key: another client, the body changed outside replayproof, or an obligation sent again by a later event after prune removed the event that held it; not sent again".into()),
                     )
                 },
             ),

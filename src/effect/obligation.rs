@@ -18,6 +18,11 @@ pub struct OperationKeys {
     /// Each source's own pointer.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub sources: BTreeMap<String, String>,
+    /// With several databases: an event names its obligation only when it was routed by it
+    /// (its route key is the obligation), so that it is claimed where the obligation is held;
+    /// any other event (an envelope without its route, an older producer) is keyed by event.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub routed: bool,
 }
 
 /// The obligation an event names, as [`crate::outbox::NewOperation::obligation`] takes it.
@@ -55,6 +60,9 @@ impl OperationKeys {
         let at = KeyFrom::JsonPointer(pointer.to_owned());
         let value = route_of(&at, &http::HeaderMap::new(), &event.payload_json);
         match value {
+            Some(value) if self.routed && event.tenant_route() != Some(value.as_str()) => {
+                Obligation::Missing
+            }
             Some(value) if usable(&event.source, &value) => Obligation::Named(value),
             _ => Obligation::Missing,
         }
@@ -73,6 +81,7 @@ impl OperationKeys {
         let mut keys = Self {
             default: default.map(str::to_owned),
             sources: BTreeMap::new(),
+            routed: sharded,
         };
         for source in sources {
             if let Some(pointer) = &source.operation_key {
@@ -106,10 +115,10 @@ impl OperationKeys {
     }
 }
 
-/// Whether an obligation's key can be sent as a header and stored as a key: no control
-/// character, and short enough.
+/// Whether an obligation's key can be sent as a header and stored as a key: visible ASCII only
+/// (a header carries nothing else plainly), and short enough.
 fn usable(source: &str, value: &str) -> bool {
-    !value.chars().any(char::is_control)
+    value.chars().all(|c| c.is_ascii_graphic())
         && source.len() + value.len() < crate::envelope::MAX_KEY_BYTES
 }
 
@@ -142,6 +151,7 @@ mod tests {
         let keys = OperationKeys {
             default: Some("/order".into()),
             sources: [("github".to_owned(), "/repository/id".to_owned())].into(),
+            routed: false,
         };
         let named = |s: &str| Obligation::Named(s.to_owned());
         assert_eq!(
@@ -158,6 +168,7 @@ mod tests {
             r#"{"order":""}"#,
             r#"{"order":null}"#,
             r#"{"order":"a\nb"}"#,
+            r#"{"order":"caf\u00e9"}"#,
         ] {
             assert_eq!(keys.of(&event("stripe", missing)), Obligation::Missing);
         }
@@ -165,6 +176,30 @@ mod tests {
             OperationKeys::default().of(&event("stripe", r#"{"order":"o_1"}"#)),
             Obligation::None
         );
+    }
+
+    #[test]
+    fn with_several_databases_only_an_event_routed_by_its_obligation_names_it() {
+        let keys = OperationKeys {
+            sources: [("stripe".to_owned(), "/order".to_owned())].into(),
+            routed: true,
+            ..OperationKeys::default()
+        };
+        let routed = |route: Option<&str>| {
+            let mut wire = serde_json::json!({
+                "key": "evt_1", "source": "stripe", "payload": {"order": "o_1"},
+            });
+            if let Some(route) = route {
+                wire["route"] = route.into();
+            }
+            Event::parse(None, Some(wire.to_string().as_bytes())).unwrap()
+        };
+        assert_eq!(
+            keys.of(&routed(Some("o_1"))),
+            Obligation::Named("o_1".into())
+        );
+        assert_eq!(keys.of(&routed(None)), Obligation::Missing);
+        assert_eq!(keys.of(&routed(Some("acct_9"))), Obligation::Missing);
     }
 
     #[test]

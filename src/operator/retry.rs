@@ -50,7 +50,7 @@ pub async fn retry(
                 if op.past_window && !retry.accept_duplicate_risk {
                     return Err(OperatorError::PastWindow(op.operation_key));
                 }
-                outbox::requeue(&mut tx, op.id).await?;
+                outbox::requeue(&mut tx, op.id, op.past_window).await?;
                 let change = Change::new(&op.operation_key, state, OutboxState::Pending);
                 let act = match op.past_window {
                     true => accepting_risk(act),

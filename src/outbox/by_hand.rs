@@ -166,15 +166,18 @@ pub async fn lock_of_event(
     .await
 }
 
-/// Makes an operation due again with fresh attempts; its key and payload stay as they were.
-/// Its idempotency window starts afresh: an operator who sends it past the window accepted
-/// the risk of a second application.
-pub async fn requeue(conn: &mut PgConnection, id: i64) -> sqlx::Result<()> {
+/// Makes an operation due again with fresh attempts; its key and payload stay as they were,
+/// and so does its idempotency window, unless `fresh_window`: an operator who sends it past the
+/// window accepted the risk of a second application, and its window starts again.
+pub async fn requeue(conn: &mut PgConnection, id: i64, fresh_window: bool) -> sqlx::Result<()> {
     sqlx::query!(
         "UPDATE outbox SET state = 'pending', attempts = 0, next_attempt_at = now(), \
-         updated_at = now(), maybe_applied_at = NULL, idempotent_until = NULL, held_at = NULL \
+         updated_at = now(), held_at = NULL, \
+         maybe_applied_at = CASE WHEN $2 THEN NULL ELSE maybe_applied_at END, \
+         idempotent_until = CASE WHEN $2 THEN NULL ELSE idempotent_until END \
          WHERE id = $1",
-        id
+        id,
+        fresh_window
     )
     .execute(conn)
     .await?;

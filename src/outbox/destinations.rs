@@ -68,10 +68,11 @@ pub async fn due_origins(pool: &PgPool) -> sqlx::Result<Vec<String>> {
     sqlx::query_scalar!(
         r#"WITH RECURSIVE origins AS (
                SELECT min(origin) AS origin FROM outbox
-               WHERE state IN ('pending', 'retryable', 'uncertain')
+               WHERE state IN ('pending', 'retryable', 'uncertain') AND held_at IS NULL
                UNION ALL
                SELECT (SELECT min(origin) FROM outbox
-                       WHERE state IN ('pending', 'retryable', 'uncertain') AND origin > o.origin)
+                       WHERE state IN ('pending', 'retryable', 'uncertain') AND held_at IS NULL
+                         AND origin > o.origin)
                FROM origins o WHERE o.origin IS NOT NULL)
            SELECT origin AS "origin!" FROM origins o
            WHERE origin IS NOT NULL

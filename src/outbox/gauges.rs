@@ -13,6 +13,8 @@ pub struct Gauges {
     pub oldest_due_seconds: f64,
     /// In-progress rows whose lease expired: their worker is gone.
     pub expired_leases: i64,
+    /// Operations held past their idempotency window, waiting for an operator.
+    pub held: i64,
 }
 
 /// The outbox's gauges: operations by state, the oldest due one, expired leases.
@@ -40,7 +42,8 @@ pub async fn gauges(pool: &PgPool) -> sqlx::Result<Gauges> {
                    WHERE state IN ('pending', 'retryable', 'uncertain')
                      AND next_attempt_at <= now() AND held_at IS NULL) AS oldest,
                   (SELECT count(*) FROM outbox
-                   WHERE state = 'in_progress' AND lease_expires_at <= now()) AS "expired!""#
+                   WHERE state = 'in_progress' AND lease_expires_at <= now()) AS "expired!",
+                  (SELECT count(*) FROM outbox WHERE held_at IS NOT NULL) AS "held!""#
     )
     .fetch_one(pool)
     .await?;
@@ -48,5 +51,6 @@ pub async fn gauges(pool: &PgPool) -> sqlx::Result<Gauges> {
         by_state,
         oldest_due_seconds: row.oldest.unwrap_or(0.0),
         expired_leases: row.expired,
+        held: row.held,
     })
 }

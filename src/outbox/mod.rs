@@ -366,6 +366,7 @@ async fn lease_rows(
 async fn bury_expired_last_attempts(pool: &PgPool) -> sqlx::Result<()> {
     let buried = sqlx::query!(
         "UPDATE outbox SET state = 'dead', lease_expires_at = NULL, updated_at = now(), \
+         maybe_applied_at = coalesce(maybe_applied_at, updated_at), \
          last_error = format('the lease expired on attempt %s of %s: its worker died or hung', \
                              attempts, max_attempts) \
          WHERE state = 'in_progress' AND lease_expires_at <= now() AND attempts >= max_attempts",

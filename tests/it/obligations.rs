@@ -395,54 +395,103 @@ async fn claim(db: &TestDb, key: &str) {
     .unwrap();
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn two_transactions_naming_one_obligation_at_once_enqueue_it_once() {
-    let db = TestDb::new().await;
-    for key in ["evt-first", "evt-second", "evt-third"] {
-        claim(&db, key).await;
-    }
-    let op = |event: &'static str| {
-        NewOperation::new(event, "fulfil", "http://127.0.0.1:1/ops", b"{}".to_vec())
-            .obligation("shop", "o-9")
-    };
-    let mut first = db.pool.begin().await.unwrap();
-    let enqueued = outbox::enqueue(&mut first, &op("evt-first")).await.unwrap();
-    assert!(enqueued.fulfilled.is_empty());
-    // The second waits for the first's claim of the obligation, then finds it held.
+/// Enqueues `obligation`'s operation for `event` in a transaction of its own, in the
+/// background, once `first` holds the obligation: it waits for `first` to end.
+async fn racing(
+    db: &TestDb,
+    event: &'static str,
+    obligation: &'static str,
+) -> tokio::task::JoinHandle<outbox::Enqueued> {
     let pool = db.pool.clone();
     let second = tokio::spawn(async move {
         let mut tx = pool.begin().await.unwrap();
-        let enqueued = outbox::enqueue(&mut tx, &op("evt-second")).await.unwrap();
+        let op = NewOperation::new(event, "fulfil", "http://127.0.0.1:1/ops", b"{}".to_vec())
+            .obligation("shop", obligation);
+        let enqueued = outbox::enqueue(&mut tx, &op).await.unwrap();
         tx.commit().await.unwrap();
         enqueued
     });
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    assert!(!second.is_finished(), "the second waits for the first");
+    wait_for("the second to wait for the first's claim", WAIT, || async {
+        db.count(
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' \
+             AND datname = current_database() AND query LIKE '%operation_obligations%'",
+        )
+        .await
+            == 1
+    })
+    .await;
+    second
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_transactions_naming_one_obligation_at_once_enqueue_it_once() {
+    let db = TestDb::new().await;
+    for key in ["evt-first", "evt-second", "evt-third", "evt-fourth"] {
+        claim(&db, key).await;
+    }
+    let op = |event: &'static str, obligation: &'static str| {
+        NewOperation::new(event, "fulfil", "http://127.0.0.1:1/ops", b"{}".to_vec())
+            .obligation("shop", obligation)
+    };
+    // The second waits for the first's claim of the obligation, and finds it held once the
+    // first commits.
+    let mut first = db.pool.begin().await.unwrap();
+    let enqueued = outbox::enqueue(&mut first, &op("evt-first", "o-9"))
+        .await
+        .unwrap();
+    assert!(enqueued.fulfilled.is_empty());
+    let second = racing(&db, "evt-second", "o-9").await;
     first.commit().await.unwrap();
     let enqueued = second.await.unwrap();
     assert_eq!(enqueued.fulfilled.len(), 1);
     assert_eq!(enqueued.fulfilled[0].by, "evt-first");
     assert_eq!(db.count("SELECT count(*) FROM outbox").await, 1);
-    // A claim rolled back holds nothing: the next event naming its obligation enqueues it.
-    let other = |event: &'static str| {
-        NewOperation::new(event, "fulfil", "http://127.0.0.1:1/ops", b"{}".to_vec())
-            .obligation("shop", "o-10")
-    };
-    let mut undone = db.pool.begin().await.unwrap();
-    outbox::enqueue(&mut undone, &other("evt-first"))
-        .await
-        .unwrap();
-    undone.rollback().await.unwrap();
+    // When the first rolls back instead, the waiting one claims the obligation and enqueues it.
     let mut third = db.pool.begin().await.unwrap();
-    let enqueued = outbox::enqueue(&mut third, &other("evt-third"))
+    outbox::enqueue(&mut third, &op("evt-third", "o-10"))
         .await
         .unwrap();
-    third.commit().await.unwrap();
-    assert!(enqueued.fulfilled.is_empty());
-    assert_eq!(db.count("SELECT count(*) FROM outbox").await, 2);
+    let fourth = racing(&db, "evt-fourth", "o-10").await;
+    third.rollback().await.unwrap();
+    assert!(fourth.await.unwrap().fulfilled.is_empty());
+    let holder: String =
+        sqlx::query_scalar("SELECT event_key FROM outbox WHERE operation_key = 'shop:o-10#fulfil'")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(holder, "evt-fourth");
     assert_eq!(
         db.count("SELECT count(*) FROM fulfilled_operations").await,
         1
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_within_the_window_keeps_the_first_window() {
+    let db = TestDb::new().await;
+    let downstream = Downstream::start().await;
+    enqueue_http(&db, &downstream, &["evt-kept".to_owned()], false).await;
+    // Its first attempt without an answer an hour ago; Stripe's window ends in 23 hours.
+    sqlx::query(
+        "UPDATE outbox SET state = 'dead', maybe_applied_at = now() - interval '1 hour', \
+         idempotent_until = now() + interval '23 hours'",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let (ok, text) = events(&db, &["retry", "evt-kept", "--reason", "downstream back"]);
+    assert!(ok, "{text}");
+    let kept: (String, bool) = sqlx::query_as(
+        "SELECT state, maybe_applied_at < now() - interval '59 minutes' AND \
+         idempotent_until > now() FROM outbox",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        kept,
+        ("pending".to_owned(), true),
+        "the window still runs from the first"
     );
 }
 
