@@ -79,15 +79,20 @@ impl DispatchMetrics {
         for outcome in outbox::Outcome::ALL {
             m.attempts.with_label_values(&[outcome.as_str()]);
         }
-        registry.register(Box::new(m.attempts.clone()))?;
-        registry.register(Box::new(m.latency.clone()))?;
-        registry.register(Box::new(m.operations.clone()))?;
-        registry.register(Box::new(m.oldest_due_seconds.clone()))?;
-        registry.register(Box::new(m.expired_leases.clone()))?;
-        registry.register(Box::new(m.held.clone()))?;
-        registry.register(Box::new(m.breakers.clone()))?;
-        registry.register(Box::new(m.in_flight.clone()))?;
+        m.register(registry)?;
         Ok(m)
+    }
+
+    /// Registers every metric in `registry`.
+    fn register(&self, registry: &Registry) -> prometheus::Result<()> {
+        registry.register(Box::new(self.attempts.clone()))?;
+        registry.register(Box::new(self.latency.clone()))?;
+        registry.register(Box::new(self.operations.clone()))?;
+        registry.register(Box::new(self.oldest_due_seconds.clone()))?;
+        registry.register(Box::new(self.expired_leases.clone()))?;
+        registry.register(Box::new(self.held.clone()))?;
+        registry.register(Box::new(self.breakers.clone()))?;
+        registry.register(Box::new(self.in_flight.clone()))
     }
 
     /// Every configured destination's series from the start, at 0.

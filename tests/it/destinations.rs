@@ -2,6 +2,7 @@
 //! credentials, the destination's idempotency header), and each destination's limits held
 //! across dispatchers: concurrency, rate, circuit breaker, a 429's pause.
 
+use crate::harness::dispatcher::claim;
 use crate::harness::recorder::{Answer, Recorder};
 use crate::harness::*;
 use replayproof::dispatch::outbound::Header;
@@ -35,19 +36,6 @@ fn limited(origin: &str, limits: Limits) -> (String, Destination) {
             ..Destination::default()
         },
     )
-}
-
-/// A claim for `key`, so that operations can hang off it.
-async fn claim(db: &TestDb, key: &str) {
-    sqlx::query(
-        "INSERT INTO processed_events (event_key, route_key, source, status, payload_sha256, \
-         payload, kafka_topic, kafka_partition, kafka_offset) \
-         VALUES ($1, $1, 's', 'done', decode(repeat('00', 32), 'hex'), '{}', 't', 0, 0)",
-    )
-    .bind(key)
-    .execute(&db.pool)
-    .await
-    .unwrap();
 }
 
 /// Enqueues `op` in a transaction of its own, its claim first.

@@ -3,7 +3,7 @@
 //! (`[dispatch.destinations."ORIGIN"] idempotency_window`), against a downstream that honours a
 //! key for a few seconds only.
 
-use crate::harness::dispatcher::{Behaviour, Downstream};
+use crate::harness::dispatcher::{claim, dispatcher_of, Behaviour, Downstream};
 use crate::harness::*;
 use replayproof::consume::{BatchProcessor, RawMessage};
 use replayproof::effect::{Effect, EffectError, Tx};
@@ -361,13 +361,7 @@ async fn a_fulfil_and_a_notify_of_one_order_are_both_sent_once() {
         "test:o-8#notify",
     ];
     assert_eq!(keys, expected);
-    let dispatcher = replayproof::dispatch::Dispatcher::build(
-        replayproof::dispatch::DispatchSettings::new("w"),
-        db.pool.clone(),
-        replayproof::dispatch::DispatchMetrics::new(&prometheus::Registry::new()).unwrap(),
-        replayproof::telemetry::Health::default(),
-    )
-    .unwrap();
+    let dispatcher = dispatcher_of(&db);
     wait_for("every operation sent", WAIT, || async {
         dispatcher.dispatch_once().await.unwrap();
         db.count("SELECT count(*) FROM outbox WHERE state = 'done'")
@@ -380,19 +374,6 @@ async fn a_fulfil_and_a_notify_of_one_order_are_both_sent_once() {
         assert_eq!(applied.get(key), Some(&1), "{key} sent once");
     }
     assert_eq!(applied.len(), 4);
-}
-
-/// A claim for `key`, so that operations can hang off it.
-async fn claim(db: &TestDb, key: &str) {
-    sqlx::query(
-        "INSERT INTO processed_events (event_key, route_key, source, status, payload_sha256, \
-         payload, kafka_topic, kafka_partition, kafka_offset) \
-         VALUES ($1, $1, 's', 'done', decode(repeat('00', 32), 'hex'), '{}', 't', 0, 0)",
-    )
-    .bind(key)
-    .execute(&db.pool)
-    .await
-    .unwrap();
 }
 
 /// Enqueues `obligation`'s operation for `event` in a transaction of its own, in the
@@ -511,13 +492,7 @@ async fn a_refused_key_is_recorded_as_such_never_as_a_plain_refusal() {
     );
     let keys = ["evt-mismatch".to_owned(), "evt-in-use".to_owned()];
     enqueue_http(&db, &downstream, &keys, false).await;
-    let dispatcher = replayproof::dispatch::Dispatcher::build(
-        replayproof::dispatch::DispatchSettings::new("w"),
-        db.pool.clone(),
-        replayproof::dispatch::DispatchMetrics::new(&prometheus::Registry::new()).unwrap(),
-        replayproof::telemetry::Health::default(),
-    )
-    .unwrap();
+    let dispatcher = dispatcher_of(&db);
     assert_eq!(dispatcher.dispatch_once().await.unwrap(), 2);
     let rows: Vec<(String, String, String, bool)> = sqlx::query_as(
         "SELECT o.operation_key, o.state, a.outcome, o.maybe_applied_at IS NOT NULL \

@@ -360,6 +360,30 @@ async fn respond_with(stream: &mut TcpStream, status: u16, extra: &str) -> std::
     stream.shutdown().await
 }
 
+/// A claim for `key`, so that operations can hang off it.
+pub async fn claim(db: &TestDb, key: &str) {
+    sqlx::query(
+        "INSERT INTO processed_events (event_key, route_key, source, status, payload_sha256, \
+         payload, kafka_topic, kafka_partition, kafka_offset) \
+         VALUES ($1, $1, 's', 'done', decode(repeat('00', 32), 'hex'), '{}', 't', 0, 0)",
+    )
+    .bind(key)
+    .execute(&db.pool)
+    .await
+    .unwrap();
+}
+
+/// A dispatcher of `db` with the default settings, driven by its test.
+pub fn dispatcher_of(db: &TestDb) -> replayproof::dispatch::Dispatcher {
+    replayproof::dispatch::Dispatcher::build(
+        replayproof::dispatch::DispatchSettings::new("w"),
+        db.pool.clone(),
+        replayproof::dispatch::DispatchMetrics::new(&prometheus::Registry::new()).unwrap(),
+        replayproof::telemetry::Health::default(),
+    )
+    .unwrap()
+}
+
 /// Claims `keys` through the consume transaction with the http effect, which enqueues one
 /// `deliver` operation each to `downstream` (with its reconcile URL when `reconcile`).
 pub async fn enqueue_http(db: &TestDb, downstream: &Downstream, keys: &[String], reconcile: bool) {
