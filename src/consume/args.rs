@@ -263,12 +263,13 @@ impl ConsumeArgs {
         registry: &Registry,
         file: Option<&crate::config::ConfigFile>,
     ) -> anyhow::Result<()> {
-        // Refused before anything starts: an obligation its sources are not routed by.
-        self.http.outbox_for(file, self.database.is_sharded())?;
+        let shards = self.database.shards(self.db_pool_size)?;
+        // Built before anything starts, so a setting it refuses (an obligation its sources are
+        // not routed by) stops the command at once.
+        let processor = self.processor(shards.clone(), registry, file)?;
         let process = crate::shutdown::Process::start("consume", Some(self.metrics_addr)).await?;
         let metrics = ConsumeMetrics::new(&process.registry)?;
         metrics.known_sources(self.known_sources(file)?.iter().map(String::as_str));
-        let shards = self.database.shards(self.db_pool_size)?;
         if self.migrate {
             for (_, pool) in shards.databases() {
                 crate::db::migrate(pool).await?;
@@ -293,7 +294,6 @@ impl ConsumeArgs {
                 tokio::spawn(background.run(process.shutdown.clone()));
             }
         }
-        let processor = self.processor(shards, registry, file)?;
         Consumer::build(self.settings(), processor, metrics, process.health)?
             .run_until_stopped(process.shutdown)
             .stopped()

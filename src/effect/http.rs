@@ -40,18 +40,23 @@ impl Effect for HttpOutbox {
     /// One statement for the whole batch; each request body is the event's envelope, its
     /// payload copied as it arrived.
     async fn apply_batch(&self, tx: &mut Tx<'_>, events: &[&Event]) -> Result<(), EffectError> {
-        let ops: Vec<_> = events.iter().map(|event| self.operation(event)).collect();
+        let named: Vec<Obligation> = events.iter().map(|e| self.operation_keys.of(e)).collect();
+        let ops: Vec<_> = events
+            .iter()
+            .zip(&named)
+            .map(|(event, obligation)| self.operation(event, obligation))
+            .collect();
         let enqueued = crate::outbox::enqueue_all(tx, &ops).await?;
-        for event in events {
-            let keyed = match self.operation_keys.of(event) {
+        let fulfilled: std::collections::HashSet<&str> = enqueued
+            .fulfilled
+            .iter()
+            .map(|f| f.event_key.as_str())
+            .collect();
+        for (event, obligation) in events.iter().zip(&named) {
+            let keyed = match obligation {
                 Obligation::None => continue,
                 Obligation::Missing => OperationKeyed::Fallback,
-                Obligation::Named(_)
-                    if enqueued
-                        .fulfilled
-                        .iter()
-                        .any(|f| f.event_key == event.key.as_str()) =>
-                {
+                Obligation::Named(_) if fulfilled.contains(event.key.as_str()) => {
                     OperationKeyed::Fulfilled
                 }
                 Obligation::Named(_) => OperationKeyed::Obligation,
@@ -95,7 +100,11 @@ impl HttpOutbox {
     }
 
     /// The `deliver` operation of `event`: keyed by the obligation it names, if any.
-    fn operation<'e>(&'e self, event: &'e Event) -> crate::outbox::NewOperation<'e> {
+    fn operation<'e>(
+        &'e self,
+        event: &'e Event,
+        obligation: &Obligation,
+    ) -> crate::outbox::NewOperation<'e> {
         let op = crate::outbox::NewOperation {
             reconcile_url: self.reconcile_url.clone(),
             max_attempts: self.max_attempts,
@@ -106,8 +115,8 @@ impl HttpOutbox {
                 event.envelope_bytes(),
             )
         };
-        match self.operation_keys.of(event) {
-            Obligation::Named(obligation) => op.obligation(&event.source, &obligation),
+        match obligation {
+            Obligation::Named(obligation) => op.obligation(&event.source, obligation),
             Obligation::None | Obligation::Missing => op,
         }
     }

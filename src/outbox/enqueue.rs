@@ -11,6 +11,7 @@
 
 use super::{origin, NewOperation};
 use sqlx::PgConnection;
+use std::collections::{HashMap, HashSet};
 
 /// What enqueuing did: the operations whose obligation another event already holds.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -50,12 +51,14 @@ pub async fn enqueue_all(
         return Err(sqlx::Error::InvalidArgument(refusal));
     }
     let fulfilled = claim_obligations(conn, ops).await?;
-    let held_elsewhere = |op: &NewOperation<'_>| {
-        fulfilled
-            .iter()
-            .any(|f| f.event_key == op.event_key && f.operation == op.operation)
-    };
-    let kept: Vec<&NewOperation<'_>> = ops.iter().filter(|op| !held_elsewhere(op)).collect();
+    let held_elsewhere: HashSet<(&str, &str)> = fulfilled
+        .iter()
+        .map(|f| (f.event_key.as_str(), f.operation.as_str()))
+        .collect();
+    let kept: Vec<&NewOperation<'_>> = ops
+        .iter()
+        .filter(|op| !held_elsewhere.contains(&(op.event_key, op.operation)))
+        .collect();
     insert(conn, &kept).await?;
     Ok(Enqueued { fulfilled })
 }
@@ -134,13 +137,12 @@ async fn record_fulfilled(
     if fulfilled.is_empty() {
         return Ok(());
     }
-    let route_of = |f: &Fulfilled| -> String {
-        ops.iter()
-            .find(|o| o.event_key == f.event_key)
-            .map_or(f.event_key.clone(), |o| o.route_key.to_owned())
-    };
+    let route_keys: HashMap<&str, &str> = ops.iter().map(|o| (o.event_key, o.route_key)).collect();
     let events: Vec<&str> = fulfilled.iter().map(|f| f.event_key.as_str()).collect();
-    let routes: Vec<String> = fulfilled.iter().map(route_of).collect();
+    let routes: Vec<&str> = events
+        .iter()
+        .map(|e| route_keys.get(e).copied().unwrap_or(e))
+        .collect();
     let operations: Vec<&str> = fulfilled.iter().map(|f| f.operation.as_str()).collect();
     let keys: Vec<&str> = fulfilled.iter().map(|f| f.operation_key.as_str()).collect();
     let by: Vec<&str> = fulfilled.iter().map(|f| f.by.as_str()).collect();

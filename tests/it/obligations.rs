@@ -60,12 +60,7 @@ fn events(db: &TestDb, args: &[&str]) -> (bool, String) {
         .args(["--database-url", &db.url])
         .output()
         .unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    (out.status.success(), text)
+    (out.status.success(), printed(&out))
 }
 
 async fn state_of(db: &TestDb, key: &str) -> (String, bool, Option<String>) {

@@ -16,12 +16,7 @@ fn check(file: &std::path::Path, more: &[&str]) -> (bool, String) {
         .env("CHECK_SET_SECRET", "a-secret-that-is-set")
         .output()
         .unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    (out.status.success(), text)
+    (out.status.success(), printed(&out))
 }
 
 fn file_with(text: &str) -> (tempfile::TempDir, std::path::PathBuf) {

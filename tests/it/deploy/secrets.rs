@@ -3,7 +3,7 @@
 //! connection is warned about. Each test runs the real binary and looks everywhere.
 
 use crate::harness::*;
-use std::process::{Command, Output, Stdio};
+use std::process::{Command, Stdio};
 use std::time::Duration;
 
 /// The binary with a clean environment of its own settings.
@@ -18,14 +18,6 @@ fn replayproof() -> Command {
 }
 
 /// Both streams of a finished command, as text.
-fn printed(out: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    )
-}
-
 fn assert_nowhere(secret: &str, texts: &[&str]) {
     for text in texts {
         assert!(!text.contains(secret), "{secret:?} leaked into: {text}");

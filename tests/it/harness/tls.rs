@@ -73,6 +73,15 @@ impl Pki {
     }
 }
 
+/// What a finished command printed: its standard output, then its standard error.
+pub fn printed(out: &std::process::Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
 pub fn replayproof() -> Command {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_replayproof"));
     cmd.env_remove("DATABASE_URL")
