@@ -158,7 +158,7 @@ fn main() {
         .fetch_one(&pool)
         .await
         .unwrap();
-        let cursor = replayproof::operator::events::Cursor {
+        let cursor = replayproof::operator::search::Cursor {
             claimed_at: at_time,
             key: at_key,
         };

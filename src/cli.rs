@@ -7,7 +7,7 @@ use crate::consume::args::ConsumeArgs;
 use crate::dispatch::args::DispatchArgs;
 use crate::effect::{Effect, Registry};
 use crate::ingest::args::IngestArgs;
-use crate::operator::args::{DeadLettersCommand, EventsCommand, StatusArgs};
+use crate::operator::cli::{DeadLettersCommand, EventsCommand, StatusArgs};
 use clap::{Parser, Subcommand};
 use std::ffi::OsString;
 
@@ -77,7 +77,7 @@ pub enum Command {
     Console(crate::console::args::ConsoleArgs),
     /// Read a window of the topic again, outside the live group, through the claim path: only
     /// events with no claim are applied; --dry-run counts them.
-    Replay(crate::operator::args::ReplayArgs),
+    Replay(crate::operator::cli::ReplayArgs),
     /// Check the shards' schema against the sharding rules, or locate a route key's shard.
     #[command(subcommand)]
     Shards(crate::shard::args::ShardsCommand),
@@ -153,7 +153,7 @@ impl Command {
             Self::Console(args) => Some(&mut args.kafka),
             Self::Replay(args) => Some(&mut args.consume.kafka.options),
             Self::Prune(args) => Some(&mut args.kafka.options),
-            Self::DeadLetters(DeadLettersCommand::Replay { kafka, .. }) => Some(kafka),
+            Self::DeadLetters(DeadLettersCommand::Replay(args)) => Some(&mut args.kafka),
             _ => None,
         }
     }
@@ -231,8 +231,8 @@ impl Cli {
             Command::Ingest(ingest) => ingest.run(args.file.as_ref()).await,
             Command::Dispatch(dispatch) => dispatch.run(args.file.as_ref()).await,
             Command::Events(command) => command.run(&self.effects).await,
-            Command::DeadLetters(command) => command.run().await,
-            Command::Status(args) => args.run().await,
+            Command::DeadLetters(command) => command.run(&self.effects).await,
+            Command::Status(args) => args.run(&self.effects).await,
             Command::Console(console) => console.run(&self.effects, args.file.as_ref()).await,
             Command::Replay(replay) => replay.run(&self.effects, args.file.as_ref()).await,
             Command::Prune(prune) => prune.run(args.file.as_ref()).await,

@@ -2,7 +2,9 @@
 //! session, login attempts limited per address and slowed per name (`limiter`), and a trusted
 //! proxy's header.
 
-use super::{pages, ConsoleSettings, State, SESSION_LIFETIME};
+use super::layout::document;
+use super::problem::PageError;
+use super::{ConsoleSettings, State, SESSION_LIFETIME};
 use argon2::password_hash::{PasswordHash, PasswordHasher, PasswordVerifier, SaltString};
 use argon2::Argon2;
 use axum::extract::{ConnectInfo, FromRequestParts};
@@ -227,16 +229,12 @@ impl FromRequestParts<State> for User {
                 let name = name.to_str().map_err(|_| to_login())?;
                 let user = settings.users.iter().find(|u| u.name == name);
                 let user = user.ok_or_else(|| {
-                    (
+                    PageError::new(
                         StatusCode::FORBIDDEN,
-                        pages::message(
-                            "Not a console user",
-                            &format!(
-                                "The proxy names {name:?}, who is not among [[console.users]]."
-                            ),
-                        ),
+                        "Not a console user",
+                        format!("The proxy names {name:?}, who is not among [[console.users]]."),
                     )
-                        .into_response()
+                    .into_response()
                 })?;
                 let session = format!("proxy\0{}", user.name);
                 return Ok(Self {
@@ -262,7 +260,7 @@ impl FromRequestParts<State> for User {
             .find(|u| u.name == session.u)
             .ok_or_else(to_login)?;
         // Logged out, or opened with another password_hash: over.
-        let live = super::sessions::live(&state.pool, user, &session.s).await;
+        let live = super::sessions::live(state.desk.first(), user, &session.s).await;
         match live {
             Ok(true) => {}
             Ok(false) => return Err(to_login()),
@@ -304,7 +302,7 @@ fn login_form(status: StatusCode, problem: Option<&str>) -> Response {
             }
         }
     };
-    (status, pages::document("Log in", None, body)).into_response()
+    (status, document("Log in", None, body)).into_response()
 }
 
 /// 429 with `Retry-After`: too many attempts from one address this minute.
@@ -392,7 +390,7 @@ async fn start_session(
         s: hex::encode(random_bytes::<16>()),
         e: chrono::Utc::now().timestamp() + SESSION_LIFETIME.as_secs() as i64,
     };
-    if let Err(e) = super::sessions::open(&state.pool, user, &session.s, session.e).await {
+    if let Err(e) = super::sessions::open(state.desk.first(), user, &session.s, session.e).await {
         return unavailable(&e);
     }
     let cookie = Cookie::build((
@@ -417,7 +415,7 @@ pub(crate) async fn logout(
         .get(SESSION_COOKIE)
         .and_then(|c| serde_json::from_str::<Session>(c.value()).ok());
     if let Some(session) = session {
-        if let Err(e) = super::sessions::revoke(&state.pool, &session.s).await {
+        if let Err(e) = super::sessions::revoke(state.desk.first(), &session.s).await {
             return unavailable(&e);
         }
     }
@@ -433,14 +431,11 @@ fn this_hour() -> i64 {
 /// 503: the sessions' database does not answer.
 fn unavailable(e: &sqlx::Error) -> Response {
     tracing::warn!(error = %e, "The console's sessions could not be read.");
-    (
-        StatusCode::SERVICE_UNAVAILABLE,
-        pages::message(
-            "Unavailable",
-            "The database does not answer; try again shortly.",
-        ),
+    PageError::unavailable(
+        "Unavailable",
+        "The database does not answer; try again shortly.",
     )
-        .into_response()
+    .into_response()
 }
 
 #[cfg(test)]

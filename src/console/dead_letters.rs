@@ -2,9 +2,12 @@
 //! bytes.
 
 use super::auth::{Role, User};
-use super::pages::{document, given, maybe_when, parse_when, problem, unavailable, when};
+use super::form::{given, parse_when, query_of};
+use super::layout::{document, maybe_when, when};
+use super::problem::{ForUser, PageError};
 use super::visibility::error_text;
 use super::{State, PAGE_ROWS};
+use crate::claims::dead_letters::{DeadLetterRow, RawLetter};
 use axum::extract::{Path, Query};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
@@ -39,7 +42,7 @@ impl LettersQuery {
     }
 
     pub(crate) fn query_string(&self) -> String {
-        super::pages::query_of(&[
+        query_of(&[
             ("since", &self.since),
             ("reason_like", &self.reason_like),
             ("not_replayed", &self.not_replayed),
@@ -52,50 +55,66 @@ pub(crate) async fn dead_letters(
     user: User,
     axum::extract::State(state): axum::extract::State<State>,
     Query(query): Query<LettersQuery>,
-) -> Response {
+) -> Result<Response, PageError> {
     let sees = user.sees_payloads(&state);
     // Matching reasons would tell what a hidden reason holds.
     if !sees && given(&query.reason_like).is_some() {
         let why = "Reasons, and searching them, are for operators only.";
-        return problem(StatusCode::FORBIDDEN, &user, "Hidden", why);
+        return Err(PageError::new(StatusCode::FORBIDDEN, "Hidden", why)).for_user(&user);
     }
-    let search = match query.search(PAGE_ROWS) {
-        Ok(search) => search,
-        Err(e) => return problem(StatusCode::BAD_REQUEST, &user, "Bad search", &e),
-    };
-    let letters = match crate::claims::dead_letters::search(&state.pool, &search).await {
-        Ok(letters) => letters,
-        Err(e) => return unavailable(&user, "Search failed", &e),
-    };
+    let search = query
+        .search(PAGE_ROWS)
+        .map_err(|e| PageError::bad_request("Bad search", e))
+        .for_user(&user)?;
+    let letters = state
+        .desk
+        .letters(&search)
+        .await
+        .map_err(|e| PageError::from(e).titled("Search failed"))
+        .for_user(&user)?;
     let this = query.query_string();
-    let value = |v: &Option<String>| v.clone().unwrap_or_default();
     let body = html! {
         main {
             h1 { "Dead letters" }
-            form class="search" method="get" action="/dead-letters" {
-                label { "Since " input name="since" value=(value(&query.since)) placeholder="2h or 2026-12-02T10:00:00Z"; }
-                label { "Reason like " input name="reason_like" value=(value(&query.reason_like)) placeholder="%not JSON%"; }
-                label { input type="checkbox" name="not_replayed" value="1" checked[given(&query.not_replayed).is_some()]; " never replayed" }
-                button type="submit" { "Search" }
-            }
+            (letters_form(&query))
             (letters_table(&letters, sees))
-            p class="pages" {
-                @if letters.len() as i64 == PAGE_ROWS {
-                    @if let Some(last) = letters.last() {
-                        a id="next" href=(format!("/dead-letters?{this}{}before={}", if this.is_empty() { "" } else { "&" }, last.id)) { "older »" }
-                    }
-                }
-            }
+            (next_page(&letters, &this))
             @if user.role == Role::Operator {
                 p { a id="bulk-replay" href=(format!("/dead-letters/replay?{this}")) { "Replay every letter of this search never replayed…" } " (a preview first)" }
             }
         }
     };
-    document("Dead letters", Some(&user), body).into_response()
+    Ok(document("Dead letters", Some(&user), body).into_response())
+}
+
+fn letters_form(query: &LettersQuery) -> Markup {
+    let value = |v: &Option<String>| v.clone().unwrap_or_default();
+    html! {
+        form class="search" method="get" action="/dead-letters" {
+            label { "Since " input name="since" value=(value(&query.since)) placeholder="2h or 2026-12-02T10:00:00Z"; }
+            label { "Reason like " input name="reason_like" value=(value(&query.reason_like)) placeholder="%not JSON%"; }
+            label { input type="checkbox" name="not_replayed" value="1" checked[given(&query.not_replayed).is_some()]; " never replayed" }
+            button type="submit" { "Search" }
+        }
+    }
+}
+
+/// The link to the next page, when this one is full.
+fn next_page(letters: &[DeadLetterRow], this: &str) -> Markup {
+    let joiner = if this.is_empty() { "" } else { "&" };
+    html! {
+        p class="pages" {
+            @if letters.len() as i64 == PAGE_ROWS {
+                @if let Some(last) = letters.last() {
+                    a id="next" href=(format!("/dead-letters?{this}{joiner}before={}", last.id)) { "older »" }
+                }
+            }
+        }
+    }
 }
 
 /// One page of dead letters, their reasons shown as payloads are.
-fn letters_table(letters: &[crate::claims::dead_letters::DeadLetterRow], sees: bool) -> Markup {
+fn letters_table(letters: &[DeadLetterRow], sees: bool) -> Markup {
     html! {
         @if letters.is_empty() { p id="none" { "No dead letter matches." } }
         @else {
@@ -147,23 +166,9 @@ pub(crate) async fn dead_letter(
     user: User,
     axum::extract::State(state): axum::extract::State<State>,
     Path(id): Path<i64>,
-) -> Response {
-    let letter = match crate::claims::dead_letters::find(&state.pool, id).await {
-        Ok(Some(letter)) => letter,
-        Ok(None) => {
-            return problem(
-                StatusCode::NOT_FOUND,
-                &user,
-                "Not found",
-                &format!("No dead letter has the id {id}."),
-            )
-        }
-        Err(e) => return unavailable(&user, "Unavailable", &e),
-    };
-    let raw = crate::claims::dead_letters::take(&state.pool, id)
-        .await
-        .ok()
-        .flatten();
+) -> Result<Response, PageError> {
+    let letter = state.desk.letter(id).await.for_user(&user)?;
+    let raw = state.desk.raw_letter(id).await.ok().flatten();
     let sees = user.sees_payloads(&state);
     let body = html! {
         main {
@@ -175,26 +180,7 @@ pub(crate) async fn dead_letter(
                 dt { "replayed" } dd { (maybe_when(letter.replayed_at)) }
             }
             @if let Some(raw) = &raw {
-                @if sees {
-                    @for (name, bytes) in [("key", &raw.key), ("value", &raw.value)] {
-                        h2 { "Raw " (name) }
-                        @match bytes {
-                            None => p { "none" },
-                            Some(bytes) => {
-                                details open {
-                                    summary { "text (" (bytes.len()) " bytes)" }
-                                    pre class="raw" id=(format!("raw-{name}-text")) { (as_text(bytes)) }
-                                }
-                                details {
-                                    summary { "hex" }
-                                    pre class="raw" id=(format!("raw-{name}-hex")) { (hex_dump(bytes)) }
-                                }
-                            }
-                        }
-                    }
-                } @else {
-                    p class="hidden" { "Raw bytes are shown to operators only." }
-                }
+                @if sees { (raw_bytes(raw)) } @else { p class="hidden" { "Raw bytes are shown to operators only." } }
             }
             @if user.role == Role::Operator {
                 form class="action" method="post" action=(format!("/dead-letters/{id}/replay")) {
@@ -205,5 +191,27 @@ pub(crate) async fn dead_letter(
             }
         }
     };
-    document(&format!("Dead letter {id}"), Some(&user), body).into_response()
+    Ok(document(&format!("Dead letter {id}"), Some(&user), body).into_response())
+}
+
+/// A letter's raw key and value, each as text and as hex.
+fn raw_bytes(raw: &RawLetter) -> Markup {
+    html! {
+        @for (name, bytes) in [("key", &raw.key), ("value", &raw.value)] {
+            h2 { "Raw " (name) }
+            @match bytes {
+                None => p { "none" },
+                Some(bytes) => {
+                    details open {
+                        summary { "text (" (bytes.len()) " bytes)" }
+                        pre class="raw" id=(format!("raw-{name}-text")) { (as_text(bytes)) }
+                    }
+                    details {
+                        summary { "hex" }
+                        pre class="raw" id=(format!("raw-{name}-hex")) { (hex_dump(bytes)) }
+                    }
+                }
+            }
+        }
+    }
 }

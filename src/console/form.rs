@@ -1,9 +1,11 @@
-//! An action's form, as its fields: repeated names (`keys=…&keys=…`) kept in order.
+//! An action's form, as its fields: repeated names (`keys=…&keys=…`) kept in order; and what a
+//! form's or a query's values mean (a moment, a value given or left empty).
 
 use axum::body::Bytes;
 use axum::extract::{FromRequest, Request};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
+use chrono::{DateTime, Utc};
 
 /// The fields of an `application/x-www-form-urlencoded` body.
 #[derive(Debug, Default)]
@@ -55,4 +57,31 @@ impl<S: Send + Sync> FromRequest<S> for Fields {
             .map_err(IntoResponse::into_response)?;
         Ok(Self::parse(&bytes))
     }
+}
+
+/// A moment from a form: RFC 3339, a browser's `datetime-local` (read as UTC), or a duration
+/// ago (`40m`).
+pub(crate) fn parse_when(text: &str) -> Result<DateTime<Utc>, String> {
+    let text = text.trim();
+    if let Ok(local) = chrono::NaiveDateTime::parse_from_str(text, "%Y-%m-%dT%H:%M") {
+        return Ok(local.and_utc());
+    }
+    if let Ok(local) = chrono::NaiveDateTime::parse_from_str(text, "%Y-%m-%dT%H:%M:%S") {
+        return Ok(local.and_utc());
+    }
+    crate::args::parse_moment(text)
+}
+
+/// A query's value, when given and not blank.
+pub(crate) fn given(v: &Option<String>) -> Option<&str> {
+    v.as_deref().map(str::trim).filter(|v| !v.is_empty())
+}
+
+/// A query string of the fields given, each `name=value`, URL-encoded.
+pub(crate) fn query_of(fields: &[(&str, &Option<String>)]) -> String {
+    let parts: Vec<String> = fields
+        .iter()
+        .filter_map(|(name, value)| given(value).map(|v| format!("{name}={}", super::layout::q(v))))
+        .collect();
+    parts.join("&")
 }

@@ -14,10 +14,16 @@
 mod actions;
 pub mod args;
 mod auth;
+mod bulk;
 mod dead_letters;
+mod events_page;
+mod expired;
 mod form;
+mod layout;
 mod limiter;
-mod pages;
+mod overview;
+mod problem;
+mod replay;
 mod sessions;
 mod story;
 mod visibility;
@@ -31,7 +37,6 @@ use anyhow::Context as _;
 use axum::routing::{get, post};
 use axum::Router;
 use serde::Deserialize;
-use sqlx::PgPool;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use tokio_util::sync::CancellationToken;
@@ -174,33 +179,11 @@ impl ConsoleSettings {
 pub(crate) struct State(Arc<Inner>);
 
 pub(crate) struct Inner {
-    /// The first database: every dead letter, and with one database everything.
-    pool: PgPool,
-    /// Every shard: the overview adds them up, lists merge them, an event is found on its own.
-    shards: crate::shard::Shards,
-    registry: Registry,
+    /// The operator's world: every database, the effects, the producer, the replay.
+    desk: crate::operator::Desk,
     settings: ConsoleSettings,
     auth: auth::Auth,
-    producer: Option<crate::operator::dead_letters::LetterProducer>,
-    /// Applies a replay by time, as the consumer would.
-    processor: Option<crate::consume::BatchProcessor>,
-    throughput: std::sync::Mutex<Option<pages::Sample>>,
-}
-
-impl Inner {
-    /// Every database, in order.
-    pub(crate) fn databases(&self) -> Vec<PgPool> {
-        self.shards.pools()
-    }
-
-    /// The database holding `key` (the first when none does, where it is then not found).
-    pub(crate) async fn pool_for(&self, key: &str) -> anyhow::Result<PgPool> {
-        Ok(self
-            .shards
-            .holding(key)
-            .await?
-            .unwrap_or_else(|| self.pool.clone()))
-    }
+    throughput: std::sync::Mutex<Option<overview::Sample>>,
 }
 
 impl std::ops::Deref for State {
@@ -224,31 +207,31 @@ pub fn router(
     shards: impl Into<crate::shard::Shards>,
     registry: Registry,
 ) -> anyhow::Result<Router> {
-    let shards: crate::shard::Shards = shards.into();
-    let pool = shards.first().clone();
-    let producer = match &settings.kafka {
-        Some(k) => Some(crate::operator::dead_letters::LetterProducer::new(
-            &k.brokers, &k.options, None,
-        )?),
-        None => None,
-    };
-    let processor = replay_processor(&settings, &shards, &registry)?;
+    let desk = crate::operator::Desk::build(crate::operator::DeskSettings {
+        shards: shards.into(),
+        only: None,
+        registry,
+        kafka: settings.kafka.clone(),
+        letters_to: None,
+        replay: Some(crate::operator::ReplayEffects {
+            effects: settings.effects.clone(),
+            http: settings.http.clone(),
+            retry: settings.effect_retry,
+            defer: settings.defer.clone(),
+        }),
+    })?;
     let state = State(Arc::new(Inner {
         auth: auth::Auth::new(&settings)?,
-        processor,
-        pool,
-        shards,
-        registry,
+        desk,
         settings,
-        producer,
         throughput: std::sync::Mutex::new(None),
     }));
     Ok(Router::new()
         .route("/login", get(auth::login_page).post(auth::login))
         .route("/logout", post(auth::logout))
-        .route("/static/console.css", get(pages::stylesheet))
-        .route("/", get(pages::overview))
-        .route("/events", get(pages::events))
+        .route("/static/console.css", get(layout::stylesheet))
+        .route("/", get(overview::overview))
+        .route("/events", get(events_page::events))
         .route(
             "/events/retry",
             get(actions::bulk_retry_preview).post(actions::bulk_retry),
@@ -263,31 +246,14 @@ pub fn router(
         )
         .route("/dead-letters/{id}", get(dead_letters::dead_letter))
         .route("/dead-letters/{id}/replay", post(actions::replay_letter))
-        .route("/expired", get(pages::expired))
+        .route("/expired", get(expired::expired))
         .route(
             "/replay",
-            get(actions::replay_form).post(actions::replay_topic),
+            get(replay::replay_form).post(replay::replay_topic),
         )
-        .fallback(pages::not_found)
-        .layer(axum::middleware::from_fn(pages::headers))
+        .fallback(problem::not_found)
+        .layer(axum::middleware::from_fn(layout::headers))
         .with_state(state))
-}
-
-/// What applies a replay by time, as `consume` would: None without brokers, which replay
-/// nothing.
-fn replay_processor(
-    settings: &ConsoleSettings,
-    shards: &crate::shard::Shards,
-    registry: &Registry,
-) -> anyhow::Result<Option<crate::consume::BatchProcessor>> {
-    if settings.kafka.is_none() {
-        return Ok(None);
-    }
-    let effect = registry.build(&settings.effects, settings.http.as_ref())?;
-    let processor = crate::consume::BatchProcessor::new(shards.clone(), effect)
-        .with_retry(settings.effect_retry)
-        .with_defer(settings.defer.clone());
-    Ok(Some(processor))
 }
 
 /// A console bound to its address, not yet serving.

@@ -1,6 +1,6 @@
 //! Which events a bulk `events retry --state` takes: its filter and the query.
 
-use super::events::StateName;
+use super::search::StateName;
 use super::OperatorError;
 use chrono::{DateTime, Utc};
 use sqlx::PgPool;

@@ -1,25 +1,29 @@
 //! The operator path: inspect events, operations and dead letters, move them between the states
 //! that allow it, and see the whole system on one screen.
 //!
-//! Every change is one transaction with its audit row ([`crate::audit`]). The SQL lives with the
-//! tables' owners ([`crate::claims`], [`crate::outbox`], [`crate::effect::ledger`]); here are the
-//! flows, and the `event_summaries` view they list events from.
+//! One [`Desk`] assembles the operator's world; the command line ([`cli`], a file per command)
+//! and the console hold a desk and call it. The read model owns the SQL the operator reads:
+//! the event search ([`search`], keyset pages), an event's story ([`story`], typed moments) and
+//! the status screen ([`status`]). Every change is one transaction with its audit row
+//! ([`crate::audit`]); the SQL of a change lives with the table's owner ([`crate::claims`],
+//! [`crate::outbox`], [`crate::effect::ledger`]).
 
-#[cfg(feature = "cli")]
-pub mod args;
 mod bulk_retry;
-pub mod dead_letters;
 #[cfg(feature = "cli")]
-mod erasure;
+pub mod cli;
+pub mod dead_letters;
+mod desk;
 pub mod events;
 pub mod expired;
 #[cfg(feature = "cli")]
 pub mod render;
 pub mod replay;
 mod retry;
-#[cfg(feature = "cli")]
-mod retry_args;
+pub mod search;
 pub mod status;
+pub mod story;
+
+pub use desk::{Desk, DeskSettings, ReplayEffects};
 
 use serde::Serialize;
 

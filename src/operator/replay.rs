@@ -244,21 +244,7 @@ fn reader<
 fn plan(window: &Window) -> anyhow::Result<Vec<PartitionRange>> {
     let consumer: BaseConsumer = reader(window, rdkafka::consumer::DefaultConsumerContext)?;
     let timeout = Duration::from_secs(10);
-    let metadata = consumer.fetch_metadata(Some(&window.topic), timeout)?;
-    let topic = metadata
-        .topics()
-        .first()
-        .filter(|t| t.error().is_none() && !t.partitions().is_empty())
-        .ok_or_else(|| anyhow::anyhow!("the topic {} does not exist", window.topic))?;
-    let mut partitions: Vec<i32> = topic.partitions().iter().map(|p| p.id()).collect();
-    partitions.sort_unstable();
-    if let Some(p) = window.partition {
-        anyhow::ensure!(
-            partitions.contains(&p),
-            Refusal::NoPartition(window.topic.clone(), p)
-        );
-        partitions = vec![p];
-    }
+    let partitions = partitions_of(&consumer, window, timeout)?;
     let at = |moment: DateTime<Utc>| -> anyhow::Result<BTreeMap<i32, Offset>> {
         let mut tpl = TopicPartitionList::new();
         for &p in &partitions {
@@ -287,15 +273,7 @@ fn plan(window: &Window) -> anyhow::Result<Vec<PartitionRange>> {
             None => high,
         };
         if !window.force && low > 0 && from <= low && from < high {
-            let first = first_timestamp(window, p, low)?;
-            if starts_before_retained(low, from, first, window.since) {
-                anyhow::bail!(Refusal::BeforeRetained {
-                    partition: p,
-                    low,
-                    first: first.expect("checked"),
-                    since: window.since,
-                });
-            }
+            check_retained(window, p, low, from)?;
         }
         ranges.push(PartitionRange {
             partition: p,
@@ -304,6 +282,44 @@ fn plan(window: &Window) -> anyhow::Result<Vec<PartitionRange>> {
         });
     }
     Ok(ranges)
+}
+
+/// The window's partitions, in order: every partition of the topic, or the one it names.
+fn partitions_of(
+    consumer: &BaseConsumer,
+    window: &Window,
+    timeout: Duration,
+) -> anyhow::Result<Vec<i32>> {
+    let metadata = consumer.fetch_metadata(Some(&window.topic), timeout)?;
+    let topic = metadata
+        .topics()
+        .first()
+        .filter(|t| t.error().is_none() && !t.partitions().is_empty())
+        .ok_or_else(|| anyhow::anyhow!("the topic {} does not exist", window.topic))?;
+    let mut partitions: Vec<i32> = topic.partitions().iter().map(|p| p.id()).collect();
+    partitions.sort_unstable();
+    if let Some(p) = window.partition {
+        anyhow::ensure!(
+            partitions.contains(&p),
+            Refusal::NoPartition(window.topic.clone(), p)
+        );
+        partitions = vec![p];
+    }
+    Ok(partitions)
+}
+
+/// Refuses a window of partition `p` that starts before the data the topic still holds.
+fn check_retained(window: &Window, p: i32, low: i64, from: i64) -> anyhow::Result<()> {
+    let first = first_timestamp(window, p, low)?;
+    if starts_before_retained(low, from, first, window.since) {
+        anyhow::bail!(Refusal::BeforeRetained {
+            partition: p,
+            low,
+            first: first.expect("checked"),
+            since: window.since,
+        });
+    }
+    Ok(())
 }
 
 /// The timestamp of the message at `offset`.

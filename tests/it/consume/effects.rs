@@ -7,7 +7,8 @@ use replayproof::consume::{DeferSettings, DeferredApplier};
 use replayproof::effect::newest::{self, Candidate};
 use replayproof::effect::{DeferPolicy, Deferred, Effect, EffectError, Ledger, Tx};
 use replayproof::envelope::{Envelope, Event};
-use replayproof::operator::events::{self, EventFilter, Retry};
+use replayproof::operator::events::{self, Retry};
+use replayproof::operator::search::{self, EventFilter};
 use replayproof::operator::{Act, OperatorError};
 use replayproof::testing::{envelope as event, EffectTest, TEST_TOPIC};
 use serde_json::json;
@@ -168,7 +169,7 @@ async fn an_operator_lists_retries_and_resolves_deferred_events() {
         limit: 10,
         ..EventFilter::default()
     };
-    let listed = events::list(&db.pool, &filter).await.unwrap();
+    let listed = search::list(&db.pool, &filter).await.unwrap();
     assert_eq!(listed.len(), 2);
     let registry = replayproof::effect::Registry::default();
     let act = Act::new("ops", "order imported");

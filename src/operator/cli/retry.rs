@@ -1,9 +1,11 @@
 //! `events retry`'s flags and how it runs: one event, or every event a filter takes, each
 //! retried in its own database.
 
-use super::args::{OperatorArgs, DEFAULT_RETRY_LIMIT};
-use super::events::{self, Retry, RetryFilter, StateName};
-use super::render;
+use super::super::events::{Retry, RetryFilter};
+use super::super::render;
+use super::super::search::StateName;
+use super::super::{Act, Desk};
+use super::{OperatorArgs, DEFAULT_RETRY_LIMIT};
 use crate::effect::Registry;
 use clap::Args;
 
@@ -57,10 +59,11 @@ impl RetryArgs {
             accept_duplicate_risk: self.accept_duplicate_risk,
         };
         let act = self.op.act(&self.reason);
+        let desk = self.op.desk(registry).await?;
         let Some(state) = self.state else {
             let key = self.key.as_deref().unwrap_or_default();
-            let pool = self.op.pool_for(key).await?;
-            let changes = events::retry(&pool, registry, key, &retry, &act).await?;
+            desk.pool_for(key).await?;
+            let changes = desk.retry(key, &retry, &act).await?;
             render::print(self.op.json, &changes, |c| render::changes(c));
             return Ok(());
         };
@@ -70,13 +73,19 @@ impl RetryArgs {
             since: self.since,
             limit: self.limit,
         };
-        // Every shard's events of the filter, each retried in its own database.
-        let mut keys = Vec::new();
-        for pool in self.op.databases().await? {
-            for key in events::to_retry(&pool, &filter).await? {
-                keys.push((pool.clone(), key));
-            }
-        }
+        self.bulk(&desk, &filter, &retry, &act).await
+    }
+
+    /// Every shard's events of `filter`, each retried in its own database, or listed when
+    /// this is a dry run.
+    async fn bulk(
+        &self,
+        desk: &Desk,
+        filter: &RetryFilter,
+        retry: &Retry,
+        act: &Act,
+    ) -> anyhow::Result<()> {
+        let keys = desk.to_retry(filter).await?;
         if self.dry_run {
             for (_, key) in &keys {
                 println!("{key}: would be retried");
@@ -89,7 +98,7 @@ impl RetryArgs {
         }
         let mut failures = 0;
         for (pool, key) in &keys {
-            match events::retry(pool, registry, key, &retry, &act).await {
+            match desk.retry_in(pool, key, retry, act).await {
                 Ok(changes) => render::print(self.op.json, &changes, |c| render::changes(c)),
                 Err(e) => {
                     failures += 1;

@@ -1,0 +1,179 @@
+//! `GET /`: the overview, the numbers behind the alerts, each linking to the list behind it.
+
+use super::auth::User;
+use super::layout::{document, q};
+use super::problem::{ForUser, PageError};
+use super::State;
+use crate::operator::status::{PartitionLag, Status};
+use crate::outbox::DestinationGauge;
+use axum::response::{IntoResponse, Response};
+use maud::{html, Markup};
+use std::collections::HashMap;
+use std::time::Instant;
+
+/// The last committed offsets read, to tell the group's throughput.
+pub(crate) struct Sample {
+    at: Instant,
+    committed: HashMap<i32, i64>,
+}
+
+/// `GET /`: the group's lag, claims, outbox, what needs an operator, and open breakers.
+pub(crate) async fn overview(
+    user: User,
+    axum::extract::State(state): axum::extract::State<State>,
+) -> Result<Response, PageError> {
+    let status = state
+        .desk
+        .status()
+        .await
+        .map_err(|e| PageError::from(e).titled("Overview unavailable"))
+        .for_user(&user)?;
+    let home = crate::outbox::LimitsHome::over(state.desk.databases(), 0);
+    let breakers = crate::outbox::destination_gauges(&home)
+        .await
+        .unwrap_or_default();
+    let rates = throughput(&state, &status.lag);
+    let body = html! {
+        main {
+            h1 { "Overview" }
+            (group(&status, &rates))
+            div class="grid" {
+                (claims(&status))
+                (outbox(&status))
+                (attention(&status))
+                (destinations(&breakers))
+            }
+        }
+    };
+    Ok(document("Overview", Some(&user), body).into_response())
+}
+
+/// The consumer group's lag and throughput per partition.
+fn group(status: &Status, rates: &HashMap<i32, f64>) -> Markup {
+    html! {
+        section {
+            h2 { "Consumer group" }
+            @if status.lag.is_empty() {
+                p { "No broker configured: start the console with --brokers to see the group's lag." }
+            } @else {
+                p { "Topic " code { (status.topic.clone().unwrap_or_default()) } ", group " code { (status.group.clone().unwrap_or_default()) } }
+                table id="lag" {
+                    thead { tr { th { "partition" } th { "committed" } th { "end" } th { "lag" } th { "throughput" } } }
+                    tbody { @for p in &status.lag { (lag_row(p, rates)) } }
+                }
+            }
+        }
+    }
+}
+
+fn lag_row(p: &PartitionLag, rates: &HashMap<i32, f64>) -> Markup {
+    html! {
+        tr {
+            td { (p.partition) }
+            td { (p.committed.map(|c| c.to_string()).unwrap_or_else(|| "none".into())) }
+            td { (p.high_watermark) }
+            td class=(if p.lag > 0 { "warn" } else { "" }) { (p.lag) }
+            td { (rates.get(&p.partition).map(|r| format!("{r:.1}/s")).unwrap_or_else(|| "–".into())) }
+        }
+    }
+}
+
+/// Rows of counts by state, each linking to the events in it.
+fn by_state(id: &str, counts: &[(String, i64)]) -> Markup {
+    html! {
+        table id=(id) {
+            @for (name, n) in counts {
+                tr { td { a href=(format!("/events?state={}", q(name))) { (name) } } td class="n" { (n) } }
+            }
+        }
+    }
+}
+
+fn claims(status: &Status) -> Markup {
+    html! {
+        section {
+            h2 { "Claims" }
+            @if status.claims.is_empty() {
+                p { "No claim waits for anything. Done claims are estimated from the table's statistics, once PostgreSQL has analysed it." }
+            }
+            (by_state("claims", &status.claims))
+            p { "Deferred: " a href="/events?state=deferred" { (status.deferred) }
+                @if let Some(due) = status.next_deferred_due_seconds { ", next due in " (format!("{due:.0}s")) } }
+        }
+    }
+}
+
+fn outbox(status: &Status) -> Markup {
+    html! {
+        section {
+            h2 { "Outbox" }
+            (by_state("outbox", &status.outbox))
+            p { "Oldest due operation: " (format!("{:.0}s", status.oldest_due_seconds)) " · "
+                a href="/events?state=in_progress" { "expired leases: " (status.expired_leases) } }
+        }
+    }
+}
+
+/// What waits for an operator.
+fn attention(status: &Status) -> Markup {
+    let failed = status
+        .claims
+        .iter()
+        .find(|(s, _)| s == "failed")
+        .map(|(_, n)| *n)
+        .unwrap_or(0);
+    html! {
+        section {
+            h2 { "Needs an operator" }
+            table id="attention" {
+                tr { td { a href="/dead-letters?not_replayed=1" { "dead letters not replayed" } } td class="n" { (status.dead_letters_not_replayed) } }
+                tr { td { a href="/dead-letters" { "dead letters (estimate)" } } td class="n" { "~" (status.dead_letters) } }
+                tr { td { a href="/events?state=conflict" { "key conflicts (estimate)" } } td class="n" { "~" (status.key_conflicts) } }
+                tr { td { a href="/expired" { "expired replays" } } td class="n" { (status.expired_replays) } }
+                tr { td { a href="/events?state=failed" { "failed claims" } } td class="n" { (failed) } }
+            }
+        }
+    }
+}
+
+/// The destinations whose circuit breaker is not closed.
+fn destinations(breakers: &[DestinationGauge]) -> Markup {
+    let open: Vec<_> = breakers
+        .iter()
+        .filter(|b| b.breaker.as_str() != "closed")
+        .collect();
+    html! {
+        section {
+            h2 { "Destinations" }
+            @if open.is_empty() { p { "Every circuit breaker is closed." } }
+            @else {
+                table id="breakers" {
+                    @for b in open { tr { td { (crate::secrets::redact_url(&b.origin)) } td class="warn" { (b.breaker.as_str()) } td { (b.in_flight) " in flight" } } }
+                }
+            }
+        }
+    }
+}
+
+/// Messages per second each partition's committed offset moved since the last overview.
+fn throughput(state: &State, lag: &[PartitionLag]) -> HashMap<i32, f64> {
+    let now = Instant::now();
+    let committed: HashMap<i32, i64> = lag
+        .iter()
+        .filter_map(|p| Some((p.partition, p.committed?)))
+        .collect();
+    let mut last = state.throughput.lock().expect("not poisoned");
+    let mut rates = HashMap::new();
+    if let Some(sample) = last.as_ref() {
+        let secs = now.duration_since(sample.at).as_secs_f64();
+        if secs > 0.5 {
+            for (p, c) in &committed {
+                if let Some(before) = sample.committed.get(p) {
+                    rates.insert(*p, (c - before).max(0) as f64 / secs);
+                }
+            }
+        }
+    }
+    *last = Some(Sample { at: now, committed });
+    rates
+}
