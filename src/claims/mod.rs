@@ -6,6 +6,7 @@
 //! connection or transaction their flow runs in.
 
 pub mod conflicts;
+pub mod deliveries;
 pub mod dead_letters;
 
 use crate::db::JsonText;
@@ -412,6 +413,18 @@ pub struct ClaimRow {
     pub request_id: Option<String>,
     /// The W3C traceparent of the claim: its trace id finds the whole trace.
     pub traceparent: Option<String>,
+    /// How many times the key was delivered to the consumer group: the claimed delivery and
+    /// every duplicate since ([`deliveries::count`]).
+    pub deliveries: i32,
+    /// When the key was last delivered (the claim's own time until a duplicate came).
+    pub last_seen_at: DateTime<Utc>,
+}
+
+impl ClaimRow {
+    /// The deliveries not applied: duplicates (and key conflicts) of the claimed one.
+    pub fn suppressed(&self) -> i32 {
+        (self.deliveries - 1).max(0)
+    }
 }
 
 /// One claim, if the key was ever claimed.
@@ -422,7 +435,8 @@ pub async fn find(pool: &PgPool, key: &str) -> sqlx::Result<Option<ClaimRow>> {
                   last_error, encode(payload_sha256, 'hex') AS "payload_sha256!",
                   kafka_topic || '/' || kafka_partition || '@' || kafka_offset AS "first_seen_at!",
                   received_at, claimed_at, completed_at, due_at, deadline_at, deferred_reason,
-                  payload AS "payload: JsonText", request_id, traceparent
+                  payload AS "payload: JsonText", request_id, traceparent, deliveries,
+                  coalesce(last_seen_at, claimed_at) AS "last_seen_at!"
            FROM processed_events WHERE event_key = $1"#,
         key
     )

@@ -120,6 +120,9 @@ impl Shown<'_> {
                 @if let Some(at) = settled_at { ", settled " (when(*at)) }
                 @if let Some(e) = last_error { div class="problem" { "last error: " (error_text(sees, e)) } }
             },
+            Moment::Redelivered { at, first, .. } => html! {
+                span class="deliveries" { "first delivered " (when(*first)) ", last " (when(*at)) }
+            },
             Moment::Deferred {
                 reason,
                 due,

@@ -80,6 +80,13 @@ fn cell(json: &str) -> String {
 /// Everything about one event, section by section.
 pub fn event_detail(detail: &EventDetail) -> String {
     let mut claim = row(&detail.claim);
+    let c = &detail.claim;
+    claim += &format!(
+        "delivered {} time(s), {} suppressed as duplicates; last seen {}\n",
+        c.deliveries,
+        c.suppressed(),
+        c.last_seen_at.to_rfc3339()
+    );
     if detail.claim.payload.is_none() {
         claim += "payload not kept: a settled claim keeps only payload_sha256; the effect rows \
                   and outbox operations hold what was applied\n";

@@ -38,6 +38,14 @@ pub enum Moment {
         settled_at: Option<DateTime<Utc>>,
         last_error: Option<String>,
     },
+    /// The key was delivered again: every delivery after the claimed one was suppressed.
+    Redelivered {
+        /// When it was last delivered.
+        at: DateTime<Utc>,
+        /// When the claimed delivery was.
+        first: DateTime<Utc>,
+        deliveries: i32,
+    },
     /// The effect said "not yet".
     Deferred {
         at: DateTime<Utc>,
@@ -74,6 +82,7 @@ impl Moment {
             | Self::Message { at, .. }
             | Self::Claimed { at, .. }
             | Self::Deferred { at, .. }
+            | Self::Redelivered { at, .. }
             | Self::Operation { at, .. } => *at,
             Self::Ledger(row) => row.applied_at,
             Self::Fulfilled(row) => row.recorded_at,
@@ -94,7 +103,7 @@ impl Moment {
             Self::Ledger(_) => 4,
             Self::Operation { .. } | Self::Fulfilled(_) => 5,
             Self::Attempt(_) => 6,
-            Self::Conflict { .. } => 7,
+            Self::Conflict { .. } | Self::Redelivered { .. } => 7,
             Self::DeadLetter(_) => 8,
             Self::Operator(_) => 9,
         }
@@ -123,6 +132,10 @@ impl Moment {
             Self::Message { .. } => "Kafka message".into(),
             Self::Claimed { status, .. } => format!("claimed: {status}"),
             Self::Deferred { .. } => "deferred".into(),
+            Self::Redelivered { deliveries, .. } => format!(
+                "delivered {deliveries} times, {} suppressed as duplicates",
+                deliveries - 1
+            ),
             Self::Ledger(_) => "effect: ledger row".into(),
             Self::Operation { operation, .. } => format!(
                 "operation {}: {}",
@@ -234,6 +247,13 @@ fn claim_moments(detail: &EventDetail) -> Vec<Moment> {
             last_error: claim.last_error.clone(),
         },
     ];
+    if claim.deliveries > 1 {
+        out.push(Moment::Redelivered {
+            at: claim.last_seen_at,
+            first: claim.claimed_at,
+            deliveries: claim.deliveries,
+        });
+    }
     if claim.due_at.is_some() || claim.deferred_reason.is_some() {
         out.push(Moment::Deferred {
             at: claim.claimed_at,
@@ -279,12 +299,23 @@ mod tests {
             due: None,
             deadline: None,
         };
-        let mut moments = vec![deferred, claimed, message, received];
+        let redelivered = Moment::Redelivered {
+            at: at(9),
+            first: at(5),
+            deliveries: 3,
+        };
+        let mut moments = vec![redelivered, deferred, claimed, message, received];
         in_order(&mut moments);
         let what: Vec<String> = moments.iter().map(Moment::what).collect();
         assert_eq!(
             what,
-            ["received", "Kafka message", "claimed: failed", "deferred"]
+            [
+                "received",
+                "Kafka message",
+                "claimed: failed",
+                "deferred",
+                "delivered 3 times, 2 suppressed as duplicates"
+            ]
         );
         assert!(moments[2].bad(), "a failed claim is to be looked at");
         assert!(!moments[0].bad() && !moments[3].bad());

@@ -150,14 +150,17 @@ async fn two_thousand_signed_deliveries_with_redeliveries_have_one_effect_each()
     plan.extend((0..DELIVERIES - DISTINCT).map(|_| rng.usize(..DISTINCT)));
     rng.shuffle(&mut plan);
     let plan = Arc::new(plan);
+    let retried = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let senders: Vec<_> = (0..8)
         .map(|client| {
             let (plan, http, base) = (plan.clone(), http.clone(), base.clone());
+            let retried = retried.clone();
             tokio::spawn(async move {
                 for n in plan.iter().skip(client).step_by(8) {
                     // A sender retries until it gets a 2xx.
                     let mut status = deliver(&http, &base, *n).await;
                     while status != 200 {
+                        retried.store(true, std::sync::atomic::Ordering::Relaxed);
                         assert!(
                             status == 503 || status == 0,
                             "delivery {n} answered {status}"
@@ -175,6 +178,8 @@ async fn two_thousand_signed_deliveries_with_redeliveries_have_one_effect_each()
 
     let expected: HashSet<String> = (0..DISTINCT).map(key).collect();
     assert_exactly_once(&db, &expected, Duration::from_secs(120)).await;
+    let retried = retried.load(std::sync::atomic::Ordering::Relaxed);
+    assert_every_delivery_counted(&db, &plan, retried).await;
     nix::sys::signal::kill(
         nix::unistd::Pid::from_raw(ingest.id().unwrap() as i32),
         nix::sys::signal::Signal::SIGTERM,
@@ -186,6 +191,49 @@ async fn two_thousand_signed_deliveries_with_redeliveries_have_one_effect_each()
         .unwrap();
     assert!(status.success(), "ingest exited with {status:?}");
     assert!(consumer.terminate(Duration::from_secs(30)).await.success());
+}
+
+/// Each claim counts every delivery of its key: as many as were sent when none was retried
+/// (a retried delivery may have reached the topic too, so then at least as many), and
+/// `events show --json` says so.
+async fn assert_every_delivery_counted(db: &TestDb, plan: &[usize], retried: bool) {
+    let mut sent: std::collections::HashMap<String, i32> = Default::default();
+    for n in plan {
+        *sent.entry(key(*n)).or_default() += 1;
+    }
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let rows: Vec<(String, i32)> =
+            sqlx::query_as("SELECT event_key, deliveries FROM processed_events")
+                .fetch_all(&db.pool)
+                .await
+                .unwrap();
+        let counted: std::collections::HashMap<String, i32> = rows.into_iter().collect();
+        let short: Vec<_> = sent
+            .iter()
+            .filter(|(k, n)| counted.get(*k).copied().unwrap_or(0) < **n)
+            .collect();
+        if short.is_empty() {
+            if !retried {
+                assert_eq!(counted, sent, "every delivery counted once");
+            }
+            break;
+        }
+        // The duplicates of the last batches may still be on their way.
+        assert!(tokio::time::Instant::now() < deadline, "not counted: {short:?}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let (twice, _) = sent.iter().find(|(_, n)| **n == 2).expect("a key sent twice");
+    let out = replayproof()
+        .args(["events", "show", twice, "--json", "--database-url", &db.url])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let shown: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    if !retried {
+        assert_eq!(shown["claim"]["deliveries"], 2, "{shown}");
+    }
+    assert!(shown["claim"]["last_seen_at"].is_string(), "{shown}");
 }
 
 #[cfg(feature = "failpoints")]

@@ -89,8 +89,14 @@ impl BatchProcessor {
             .filter(|(_, e)| !claimed.contains(e.key.as_str()))
             .chain(plan.copies.iter());
         let mut conflicts = Vec::new();
+        // Every delivery of a claimed key, counted on the claim that won it.
+        let mut seen = Vec::new();
         for (offset, event) in losers {
-            let outcome = compared(event, winners.get(event.key.as_str()).copied());
+            let winner = winners.get(event.key.as_str()).copied();
+            if let Some((route, _)) = winner {
+                seen.push((event.key.as_str(), route, *offset));
+            }
+            let outcome = compared(event, winner);
             report.tally(&event.source, outcome.0);
             if outcome.0 == Outcome::Conflict {
                 conflicts.push((*offset, event, outcome.1));
@@ -99,6 +105,7 @@ impl BatchProcessor {
         if !conflicts.is_empty() {
             conflicts::record(tx, plan.origin, &conflicts).await?;
         }
+        claims::deliveries::count(tx, plan.origin, &seen).await?;
         Ok(())
     }
 }

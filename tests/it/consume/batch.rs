@@ -243,6 +243,60 @@ async fn racing_batches_with_overlapping_keys_have_one_effect_and_no_deadlock() 
     assert_eq!(deadlocks, 0, "the claims deadlocked");
 }
 
+/// Every key's `deliveries`, by key.
+async fn deliveries(db: &TestDb) -> std::collections::BTreeMap<String, i32> {
+    sqlx::query_as("SELECT event_key, deliveries FROM processed_events")
+        .fetch_all(&db.pool)
+        .await
+        .unwrap()
+        .into_iter()
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_delivery_of_a_claimed_key_is_counted_once_and_racing_counts_never_deadlock() {
+    let db = TestDb::new().await;
+    let p = processor(&db, Arc::new(Ledger));
+    let keys: Vec<String> = (0..2000).map(|i| format!("key-{i:04}")).collect();
+    let batch = |offset: i64, keys: &[String]| -> Vec<RawMessage> {
+        let at = |i: usize| offset + i as i64;
+        let each = keys.iter().enumerate();
+        each.map(|(i, k)| message(at(i), k, json!(1))).collect()
+    };
+    let first = batch(0, &keys);
+    p.process("t", 0, &first).await.unwrap();
+    // The group restarted before committing: the same messages again are no new delivery.
+    p.process("t", 0, &first).await.unwrap();
+    assert!(deliveries(&db).await.values().all(|n| *n == 1));
+
+    // Redelivered by the sender: later messages on the partition, one key twice in its batch.
+    let mut again = batch(2000, &keys[..10]);
+    again.push(message(2010, &keys[0], json!(1)));
+    p.process("t", 0, &again).await.unwrap();
+    p.process("t", 0, &again).await.unwrap();
+    let counted = deliveries(&db).await;
+    assert_eq!(counted[&keys[0]], 3);
+    assert!(keys[1..10].iter().all(|k| counted[k] == 2), "{counted:?}");
+    assert!(keys[10..].iter().all(|k| counted[k] == 1));
+
+    // Two batches of the same duplicates, in opposite orders, at once.
+    let forward = batch(0, &keys);
+    let backward: Vec<_> = batch(0, &keys).into_iter().rev().collect();
+    let (pa, pb) = (p.clone(), p.clone());
+    let a = tokio::spawn(async move { pa.process("t", 1, &forward).await });
+    let b = tokio::spawn(async move { pb.process("t", 2, &backward).await });
+    let (a, b) = (a.await.unwrap().unwrap(), b.await.unwrap().unwrap());
+    assert_eq!((a.duplicates, b.duplicates), (keys.len(), keys.len()));
+    let counted = deliveries(&db).await;
+    assert_eq!(counted[&keys[0]], 5);
+    assert!(keys[10..].iter().all(|k| counted[k] == 3), "{counted:?}");
+    let deadlocks: i64 = db
+        .count("SELECT deadlocks FROM pg_stat_database WHERE datname = current_database()")
+        .await;
+    assert_eq!(deadlocks, 0, "counting deliveries deadlocked");
+    assert_eq!(db.count("SELECT count(*) FROM ledger").await, 2000);
+}
+
 #[tokio::test]
 async fn database_error_is_an_error_not_a_duplicate() {
     let db = TestDb::new().await;
