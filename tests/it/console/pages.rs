@@ -573,6 +573,9 @@ async fn an_event_s_story_has_its_message_claim_attempts_conflicts_and_dead_lett
         traceparent: None,
     };
     process(&db, Arc::new(Ledger), &[bad]).await;
+    // The first payload delivered again: a duplicate, the key's third delivery.
+    let again = json!({"amount": 100, "currency": "eur"});
+    process(&db, Arc::new(Ledger), &[message(8, "stripe:evt_1", again)]).await;
     // A recorded attempt, as a dispatcher writes it.
     sqlx::query(
         "INSERT INTO outbox_attempts (outbox_id, route_key, fencing_token, worker, kind, idempotency_key, payload_sha256, \
@@ -607,6 +610,8 @@ async fn an_event_s_story_has_its_message_claim_attempts_conflicts_and_dead_lett
         "dead letter",
         "webhooks/0@7",
         "webhooks/0@6",
+        "delivered 3 times, 2 suppressed as duplicates",
+        "first delivered ",
     ] {
         assert!(
             body.contains(expected),
