@@ -184,14 +184,3 @@ pub async fn of_event(pool: &PgPool, key: &str) -> sqlx::Result<Vec<ConflictRow>
     .fetch_all(pool)
     .await
 }
-
-/// How many (key, payload) conflicts are recorded, estimated from the table's statistics so
-/// the table is never counted whole.
-pub async fn count(pool: &PgPool) -> sqlx::Result<i64> {
-    let n = sqlx::query_scalar!(
-        r#"SELECT greatest(reltuples, 0)::int8 FROM pg_class WHERE oid = to_regclass('key_conflicts')"#
-    )
-    .fetch_optional(pool)
-    .await?;
-    Ok(n.flatten().unwrap_or(0))
-}

@@ -6,8 +6,8 @@
 //! connection or transaction their flow runs in.
 
 pub mod conflicts;
-pub mod deliveries;
 pub mod dead_letters;
+pub mod deliveries;
 
 use crate::db::JsonText;
 use crate::effect::DeferPolicy;

@@ -4,6 +4,7 @@ use super::auth::User;
 use super::layout::{document, q};
 use super::problem::{ForUser, PageError};
 use super::State;
+use crate::operator::counts::Count;
 use crate::operator::status::{PartitionLag, Status};
 use crate::outbox::DestinationGauge;
 use axum::response::{IntoResponse, Response};
@@ -79,7 +80,7 @@ fn lag_row(p: &PartitionLag, rates: &HashMap<i32, f64>) -> Markup {
 }
 
 /// Rows of counts by state, each linking to the events in it.
-fn by_state(id: &str, counts: &[(String, i64)]) -> Markup {
+fn by_state(id: &str, counts: &[(String, Count)]) -> Markup {
     html! {
         table id=(id) {
             @for (name, n) in counts {
@@ -94,7 +95,7 @@ fn claims(status: &Status) -> Markup {
         section {
             h2 { "Claims" }
             @if status.claims.is_empty() {
-                p { "No claim waits for anything. Done claims are estimated from the table's statistics, once PostgreSQL has analysed it." }
+                p { "No claim yet." }
             }
             (by_state("claims", &status.claims))
             p { "Deferred: " a href="/events?state=deferred" { (status.deferred) }
@@ -121,14 +122,14 @@ fn attention(status: &Status) -> Markup {
         .iter()
         .find(|(s, _)| s == "failed")
         .map(|(_, n)| *n)
-        .unwrap_or(0);
+        .unwrap_or_default();
     html! {
         section {
             h2 { "Needs an operator" }
             table id="attention" {
                 tr { td { a href="/dead-letters?not_replayed=1" { "dead letters not replayed" } } td class="n" { (status.dead_letters_not_replayed) } }
-                tr { td { a href="/dead-letters" { "dead letters (estimate)" } } td class="n" { "~" (status.dead_letters) } }
-                tr { td { a href="/events?state=conflict" { "key conflicts (estimate)" } } td class="n" { "~" (status.key_conflicts) } }
+                tr { td { a href="/dead-letters" { "dead letters" } } td class="n" id="dead-letter-count" { (status.dead_letters) } }
+                tr { td { a href="/events?state=conflict" { "key conflicts" } } td class="n" id="key-conflict-count" { (status.key_conflicts) } }
                 tr { td { a href="/expired" { "expired replays" } } td class="n" { (status.expired_replays) } }
                 tr { td { a href="/events?state=failed" { "failed claims" } } td class="n" { (failed) } }
             }

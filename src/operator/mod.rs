@@ -11,6 +11,7 @@
 mod bulk_retry;
 #[cfg(feature = "cli")]
 pub mod cli;
+pub mod counts;
 pub mod dead_letters;
 mod desk;
 pub mod events;

@@ -1,6 +1,7 @@
 //! How the operator commands print: tables for people (through `comfy-table`), JSON for
 //! machines. Every table is drawn here.
 
+use super::counts::Count;
 use super::events::EventDetail;
 use super::status::Status;
 use super::Change;
@@ -138,7 +139,7 @@ pub fn status(s: &Status) -> String {
         out += &format!("Kafka: topic {topic}, group {group}, total lag {total}\n");
         out += &lag_table(s);
     }
-    out += &format!("Claims: {}\n", estimated_done(&s.claims));
+    out += &format!("Claims: {}\n", by_state(&s.claims));
     if let Some(next) = s.next_deferred_due_seconds {
         out += &format!(
             "Deferred: {}; oldest {:.0} s; next due {}\n",
@@ -150,13 +151,13 @@ pub fn status(s: &Status) -> String {
             }
         );
     }
-    out += &format!("Outbox: {}\n", estimated_done(&s.outbox));
+    out += &format!("Outbox: {}\n", by_state(&s.outbox));
     out += &format!(
         "Oldest due operation: {:.0} s; expired leases: {}\n",
         s.oldest_due_seconds, s.expired_leases
     );
     out += &format!(
-        "Dead letters: ~{} ({} not replayed); key conflicts: ~{}\n",
+        "Dead letters: {} ({} not replayed); key conflicts: {}\n",
         s.dead_letters, s.dead_letters_not_replayed, s.key_conflicts
     );
     out += &format!(
@@ -184,18 +185,12 @@ fn lag_table(s: &Status) -> String {
     format!("{table}\n")
 }
 
-/// Counts by state, the `done` one marked as an estimate (`~`).
-fn estimated_done(rows: &[(String, i64)]) -> String {
+/// Counts by state, an estimate marked `~`.
+fn by_state(rows: &[(String, Count)]) -> String {
     if rows.is_empty() {
         return "none".into();
     }
-    let parts: Vec<String> = rows
-        .iter()
-        .map(|(k, n)| match k.as_str() {
-            "done" => format!("{k} ~{n}"),
-            _ => format!("{k} {n}"),
-        })
-        .collect();
+    let parts: Vec<String> = rows.iter().map(|(k, n)| format!("{k} {n}")).collect();
     parts.join(", ")
 }
 

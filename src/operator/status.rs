@@ -1,9 +1,12 @@
 //! `replayproof status`: one screen for an operator. Lag per partition of the group, claims by
 //! status, deferred events (the oldest, the next due), the outbox by state, the oldest due
 //! operation, dead letters, key conflicts and expired replays. The big tables are never counted
-//! whole: done claims and operations, dead letters and key conflicts are estimated from the
-//! tables' statistics (`~` in the text).
+//! whole: done claims and operations, dead letters and key conflicts are counted exactly below
+//! [`EXACT_BELOW`] rows and estimated from the tables' statistics past it (`~` in the text), or
+//! said not analysed yet ([`super::counts`]).
 
+pub use super::counts::EXACT_BELOW;
+use super::counts::{Count, Counted};
 use anyhow::Context as _;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::{Offset, TopicPartitionList};
@@ -26,19 +29,19 @@ pub struct Status {
     pub topic: Option<String>,
     pub group: Option<String>,
     pub lag: Vec<PartitionLag>,
-    pub claims: Vec<(String, i64)>,
+    pub claims: Vec<(String, Count)>,
     /// Claims whose effect deferred, waiting to be applied.
     pub deferred: i64,
     /// Seconds since the oldest deferred claim was first deferred.
     pub oldest_deferred_seconds: f64,
     /// Seconds until the next deferred claim is due (negative: overdue).
     pub next_deferred_due_seconds: Option<f64>,
-    pub outbox: Vec<(String, i64)>,
+    pub outbox: Vec<(String, Count)>,
     pub oldest_due_seconds: f64,
     pub expired_leases: i64,
-    pub dead_letters: i64,
+    pub dead_letters: Count,
     pub dead_letters_not_replayed: i64,
-    pub key_conflicts: i64,
+    pub key_conflicts: Count,
     /// Expired replays waiting for an operator (arrived after their key could be pruned).
     pub expired_replays: i64,
     /// Seconds since the oldest of them was caught.
@@ -74,14 +77,14 @@ impl Status {
     /// Adds another database's numbers: counts add up, the oldest ages and the soonest due
     /// time win.
     fn add(&mut self, other: Status) {
-        fn add_counts(mine: &mut Vec<(String, i64)>, theirs: Vec<(String, i64)>) {
+        fn add_counts(mine: &mut Vec<(String, Count)>, theirs: Vec<(String, Count)>) {
             for (name, n) in theirs {
                 match mine.iter_mut().find(|(m, _)| *m == name) {
-                    Some((_, count)) => *count += n,
+                    Some((_, count)) => *count = *count + n,
                     None => mine.push((name, n)),
                 }
             }
-            mine.sort();
+            mine.sort_by(|a, b| a.0.cmp(&b.0));
         }
         add_counts(&mut self.claims, other.claims);
         add_counts(&mut self.outbox, other.outbox);
@@ -98,9 +101,9 @@ impl Status {
         };
         self.oldest_due_seconds = self.oldest_due_seconds.max(other.oldest_due_seconds);
         self.expired_leases += other.expired_leases;
-        self.dead_letters += other.dead_letters;
+        self.dead_letters = self.dead_letters + other.dead_letters;
         self.dead_letters_not_replayed += other.dead_letters_not_replayed;
-        self.key_conflicts += other.key_conflicts;
+        self.key_conflicts = self.key_conflicts + other.key_conflicts;
         self.expired_replays += other.expired_replays;
         self.oldest_expired_replay_seconds = self
             .oldest_expired_replay_seconds
@@ -111,28 +114,50 @@ impl Status {
 /// One database's numbers.
 async fn of_database(pool: &PgPool) -> anyhow::Result<Status> {
     let gauges = crate::outbox::gauges(pool).await?;
-    let (dead_letters, not_replayed) = crate::claims::dead_letters::counts(pool).await?;
+    let (_, not_replayed) = crate::claims::dead_letters::counts(pool).await?;
     let (deferred, oldest_deferred, next_due) =
         crate::claims::deferred_overview(pool, None).await?;
-    let outbox = gauges.by_state.into_iter();
+    let outbox = gauges.by_state.into_iter().map(|(s, n)| (s.to_string(), n));
     let (expired_replays, oldest_expired_replay_seconds) =
         crate::retention::expired::open_overview(pool).await?;
+    let claims = crate::claims::counts(pool).await?;
     let status = Status {
-        claims: crate::claims::counts(pool).await?,
+        claims: with_done(pool, claims, Counted::DoneClaims).await?,
         deferred,
         oldest_deferred_seconds: oldest_deferred,
         next_deferred_due_seconds: next_due,
-        outbox: outbox.map(|(s, n)| (s.to_string(), n)).collect(),
+        outbox: with_done(pool, outbox.collect(), Counted::DoneOperations).await?,
         oldest_due_seconds: gauges.oldest_due_seconds,
         expired_leases: gauges.expired_leases,
-        dead_letters,
+        dead_letters: Counted::DeadLetters.in_database(pool, 0).await?,
         dead_letters_not_replayed: not_replayed,
-        key_conflicts: crate::claims::conflicts::count(pool).await?,
+        key_conflicts: Counted::KeyConflicts.in_database(pool, 0).await?,
         expired_replays,
         oldest_expired_replay_seconds,
         ..Status::default()
     };
     Ok(status)
+}
+
+/// Counts by state: those not done as counted through their index, and the done ones counted
+/// (or, past [`EXACT_BELOW`], estimated) as `done`.
+async fn with_done(
+    pool: &PgPool,
+    by_state: Vec<(String, i64)>,
+    done: Counted,
+) -> sqlx::Result<Vec<(String, Count)>> {
+    let unsettled: Vec<(String, i64)> = by_state.into_iter().filter(|(s, _)| s != "done").collect();
+    let others: i64 = unsettled.iter().map(|(_, n)| n).sum();
+    let mut counts: Vec<(String, Count)> = unsettled
+        .into_iter()
+        .map(|(s, n)| (s, Count::Exact(n)))
+        .collect();
+    let done = done.in_database(pool, others).await?;
+    if done.n() > 0 {
+        counts.push(("done".into(), done));
+    }
+    counts.sort_by(|a, b| a.0.cmp(&b.0));
+    Ok(counts)
 }
 
 fn lag(target: &KafkaTarget) -> anyhow::Result<Vec<PartitionLag>> {

@@ -220,15 +220,25 @@ async fn assert_every_delivery_counted(db: &TestDb, plan: &[usize], retried: boo
             break;
         }
         // The duplicates of the last batches may still be on their way.
-        assert!(tokio::time::Instant::now() < deadline, "not counted: {short:?}");
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "not counted: {short:?}"
+        );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    let (twice, _) = sent.iter().find(|(_, n)| **n == 2).expect("a key sent twice");
+    let (twice, _) = sent
+        .iter()
+        .find(|(_, n)| **n == 2)
+        .expect("a key sent twice");
     let out = replayproof()
         .args(["events", "show", twice, "--json", "--database-url", &db.url])
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let shown: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     if !retried {
         assert_eq!(shown["claim"]["deliveries"], 2, "{shown}");
