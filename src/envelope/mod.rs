@@ -465,10 +465,15 @@ impl Event {
     /// traces are exported, with a span of its own in that trace, which its `traceparent`
     /// then names ([`crate::trace::event_span`]).
     pub fn in_trace(mut self, traceparent: Option<&str>) -> Self {
-        self.traceparent = traceparent
+        let traceparent = traceparent
             .and_then(crate::trace::valid_traceparent)
             .map(str::to_owned);
-        self.span = crate::trace::event_span(&mut self);
+        (self.span, self.traceparent) = crate::trace::event_span(
+            &self.source,
+            self.key.as_str(),
+            self.request_id.as_deref(),
+            traceparent,
+        );
         self
     }
 
