@@ -22,6 +22,7 @@ pub mod config_check;
 pub mod console;
 pub mod consume;
 pub mod db;
+pub mod destinations;
 #[cfg(feature = "devkit")]
 pub mod devkit;
 pub mod dispatch;

@@ -344,7 +344,7 @@ fn parsed_problem(layered: &Layered, file: Option<&ConfigFile>) -> Option<anyhow
 fn own_problem(command: &str, file: Option<&ConfigFile>, env: &dyn Env) -> Option<anyhow::Error> {
     if command == "dispatch" {
         let section = file.map(|f| f.section("dispatch")).unwrap_or_default();
-        return crate::dispatch::Destinations::from_table(section.get("destinations"))
+        return crate::destinations::Destinations::from_table(section.get("destinations"))
             .and(crate::dispatch::Credentials::from_table(
                 section.get("credentials"),
             ))

@@ -197,8 +197,8 @@ pub(crate) async fn overview(
                 )
             }
         };
-    let home = crate::outbox::LimitsHome::over(&state.databases(), 0);
-    let breakers = crate::outbox::destination_gauges(&home)
+    let home = crate::destinations::LimitsHome::over(&state.databases(), 0);
+    let breakers = crate::destinations::destination_gauges(&home)
         .await
         .unwrap_or_default();
     let rates = throughput(&state, &status.lag);

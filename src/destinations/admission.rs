@@ -1,6 +1,8 @@
-//! The one rule every dispatcher follows to admit requests to a destination: its limits
-//! (concurrency, rate), its circuit breaker and a 429's pause, read from the destination's
-//! shared row ([`super::lease_within_limits`]).
+//! The two rules every dispatcher follows for a destination, both pure: what it admits now, by
+//! its limits (concurrency, rate), its circuit breaker and a 429's pause ([`admit`]), and what
+//! an answer does to its breaker and pause ([`transition`]). Both read and give the
+//! destination's shared row; [`super::lease_within_limits`] and [`super::record_health`] hold
+//! its lock around them.
 
 use chrono::{DateTime, Utc};
 use std::time::Duration;
@@ -156,6 +158,117 @@ pub fn admit(
     admission
 }
 
+/// What an answer says of its destination's health.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Verdict {
+    /// It answered (2xx, 4xx, a redirect): the breaker closes.
+    Answering,
+    /// A retryable failure: 5xx, a refused connection, no answer.
+    Failing,
+    /// A 429: nothing starts to it before this long has passed.
+    SlowDown(Duration),
+    /// Says nothing of the destination (the request could not be built).
+    Unknown,
+}
+
+/// What happened to the breaker when an answer was recorded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BreakerChange {
+    /// As it was.
+    Unchanged,
+    /// It opened: the destination gets nothing until its probe.
+    Opened,
+    /// It closed: the destination answers again.
+    Closed,
+}
+
+impl BreakerChange {
+    /// What moving the breaker from `before` to `after` did.
+    pub fn between(before: Breaker, after: Breaker) -> Self {
+        match after {
+            Breaker::Open if before != Breaker::Open => Self::Opened,
+            Breaker::Closed if before != Breaker::Closed => Self::Closed,
+            _ => Self::Unchanged,
+        }
+    }
+}
+
+/// An origin's health as its row keeps it: what the answers so far made of its breaker and
+/// its pause.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Health {
+    /// The breaker's position.
+    pub breaker: Breaker,
+    /// Retryable failures in a row; any other answer resets it.
+    pub consecutive_failures: i32,
+    /// When the breaker last opened.
+    pub opened_at: Option<DateTime<Utc>>,
+    /// When an open breaker lets its probe through.
+    pub open_until: Option<DateTime<Utc>>,
+    /// When a half-open breaker's probe is taken for lost.
+    pub probe_until: Option<DateTime<Utc>>,
+    /// A 429's wait: nothing starts before then.
+    pub paused_until: Option<DateTime<Utc>>,
+}
+
+/// What an answer's `verdict` at `now` makes of an origin's `health` under `limits`: the
+/// breaker's one rule. None when the answer changes nothing worth writing.
+///
+/// - An answer (2xx, 4xx, a redirect) closes the breaker and resets the failures.
+/// - A retryable failure counts; with a breaker configured, it opens the breaker for
+///   `breaker_open` when it is the failed probe of a half-open breaker or the
+///   `breaker_failures`th in a row. An open breaker stays as it opened.
+/// - A 429 pauses the origin until its wait has passed, never shortening a longer pause.
+/// - Any answer but an unknown one ends a probe: the next is decided by the breaker.
+pub fn transition(
+    health: &Health,
+    limits: &Limits,
+    verdict: Verdict,
+    now: DateTime<Utc>,
+) -> Option<Health> {
+    match verdict {
+        Verdict::Unknown => None,
+        Verdict::Answering => (health.breaker != Breaker::Closed
+            || health.consecutive_failures != 0)
+            .then(|| Health {
+                breaker: Breaker::Closed,
+                consecutive_failures: 0,
+                open_until: None,
+                probe_until: None,
+                ..health.clone()
+            }),
+        Verdict::Failing => Some(failed(health, limits, now)),
+        Verdict::SlowDown(wait) => Some(Health {
+            paused_until: health.paused_until.max(Some(now + chrono_duration(wait))),
+            probe_until: None,
+            ..health.clone()
+        }),
+    }
+}
+
+/// `health` after one more retryable failure at `now`.
+fn failed(health: &Health, limits: &Limits, now: DateTime<Utc>) -> Health {
+    let consecutive_failures = health.consecutive_failures.saturating_add(1);
+    let trips = limits.breaker_failures.is_some_and(|n| {
+        health.breaker == Breaker::HalfOpen || i64::from(consecutive_failures) >= i64::from(n)
+    });
+    let mut after = Health {
+        consecutive_failures,
+        probe_until: None,
+        ..health.clone()
+    };
+    if trips && health.breaker != Breaker::Open {
+        after.breaker = Breaker::Open;
+        after.opened_at = Some(now);
+        after.open_until = Some(now + chrono_duration(limits.breaker_open));
+    }
+    after
+}
+
+fn chrono_duration(d: Duration) -> chrono::Duration {
+    chrono::Duration::from_std(d).unwrap_or(chrono::Duration::MAX)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -239,5 +352,112 @@ mod tests {
         };
         assert_eq!(admit(&paused, &limits, at(4_999), 0, 32).count, 0);
         assert_eq!(admit(&paused, &limits, at(5_000), 0, 32).count, 32);
+    }
+
+    fn healthy() -> Health {
+        Health {
+            breaker: Breaker::Closed,
+            consecutive_failures: 0,
+            opened_at: None,
+            open_until: None,
+            probe_until: None,
+            paused_until: None,
+        }
+    }
+
+    fn breaking_after(n: u32) -> Limits {
+        Limits {
+            breaker_failures: Some(n),
+            breaker_open: Duration::from_secs(30),
+            ..Limits::default()
+        }
+    }
+
+    #[test]
+    fn failures_in_a_row_open_the_breaker_once_for_its_open_time() {
+        let limits = breaking_after(3);
+        let mut health = healthy();
+        for _ in 0..2 {
+            health = transition(&health, &limits, Verdict::Failing, at(0)).unwrap();
+            assert_eq!(health.breaker, Breaker::Closed);
+        }
+        let opened = transition(&health, &limits, Verdict::Failing, at(10)).unwrap();
+        assert_eq!(opened.breaker, Breaker::Open);
+        assert_eq!(opened.consecutive_failures, 3);
+        assert_eq!(opened.opened_at, Some(at(10)));
+        assert_eq!(opened.open_until, Some(at(30_010)));
+        assert_eq!(
+            BreakerChange::between(health.breaker, opened.breaker),
+            BreakerChange::Opened
+        );
+        let again = transition(&opened, &limits, Verdict::Failing, at(20)).unwrap();
+        assert_eq!(
+            (again.breaker, again.opened_at, again.open_until),
+            (Breaker::Open, Some(at(10)), Some(at(30_010))),
+            "an open breaker stays as it opened"
+        );
+        assert_eq!(
+            BreakerChange::between(opened.breaker, again.breaker),
+            BreakerChange::Unchanged
+        );
+    }
+
+    #[test]
+    fn without_a_breaker_failures_only_count() {
+        let mut health = healthy();
+        for _ in 0..100 {
+            health = transition(&health, &Limits::default(), Verdict::Failing, at(0)).unwrap();
+        }
+        assert_eq!(
+            (health.breaker, health.consecutive_failures),
+            (Breaker::Closed, 100)
+        );
+    }
+
+    #[test]
+    fn a_failed_probe_reopens_and_an_answer_closes() {
+        let limits = breaking_after(5);
+        let probing = Health {
+            breaker: Breaker::HalfOpen,
+            consecutive_failures: 5,
+            opened_at: Some(at(0)),
+            probe_until: Some(at(60_000)),
+            ..healthy()
+        };
+        let reopened = transition(&probing, &limits, Verdict::Failing, at(40_000)).unwrap();
+        assert_eq!(reopened.breaker, Breaker::Open);
+        assert_eq!(reopened.open_until, Some(at(70_000)));
+        assert_eq!(reopened.probe_until, None);
+        let closed = transition(&probing, &limits, Verdict::Answering, at(40_000)).unwrap();
+        assert_eq!(
+            closed,
+            Health {
+                opened_at: Some(at(0)),
+                ..healthy()
+            }
+        );
+        assert_eq!(
+            BreakerChange::between(probing.breaker, closed.breaker),
+            BreakerChange::Closed
+        );
+        assert_eq!(
+            transition(&healthy(), &limits, Verdict::Answering, at(0)),
+            None,
+            "a healthy origin's answer writes nothing"
+        );
+        assert_eq!(transition(&probing, &limits, Verdict::Unknown, at(0)), None);
+    }
+
+    #[test]
+    fn a_429_pauses_without_shortening_a_longer_pause_or_moving_the_breaker() {
+        let limits = breaking_after(1);
+        let slow = |secs| Verdict::SlowDown(Duration::from_secs(secs));
+        let paused = transition(&healthy(), &limits, slow(5), at(0)).unwrap();
+        assert_eq!(paused.paused_until, Some(at(5_000)));
+        assert_eq!(paused.breaker, Breaker::Closed);
+        let kept = transition(&paused, &limits, slow(1), at(1_000)).unwrap();
+        assert_eq!(kept.paused_until, Some(at(5_000)), "the longer pause holds");
+        let longer = transition(&paused, &limits, slow(10), at(1_000)).unwrap();
+        assert_eq!(longer.paused_until, Some(at(11_000)));
     }
 }
