@@ -17,8 +17,6 @@ pub mod cli;
 #[cfg(feature = "cli")]
 pub mod config;
 #[cfg(feature = "cli")]
-pub mod config_check;
-#[cfg(feature = "cli")]
 pub mod console;
 pub mod consume;
 pub mod db;
