@@ -114,11 +114,6 @@ pub fn or_old_secs(new: Duration, old: Option<u64>) -> Duration {
     old.map_or(new, Duration::from_secs)
 }
 
-/// The buckets a deployment is split into unless it says otherwise (`[database] buckets`):
-/// fixed for the life of the data, and a power of two so that any power-of-two number of
-/// shards up to it splits them evenly ([`crate::shard::Layout`]).
-pub const DEFAULT_BUCKETS: u32 = 1024;
-
 /// Where PostgreSQL is, which schema holds replayproof's tables, and the time limits every
 /// session runs under.
 #[derive(Debug, Clone, Args)]
@@ -132,7 +127,7 @@ pub struct DatabaseArgs {
     pub database_url: Vec<DatabaseUrl>,
 
     /// How many buckets route keys hash into: a power of two, fixed for the life of the data.
-    #[arg(long, env = "REPLAYPROOF_BUCKETS", default_value_t = DEFAULT_BUCKETS)]
+    #[arg(long, env = "REPLAYPROOF_BUCKETS", default_value_t = db::DEFAULT_BUCKETS)]
     pub buckets: u32,
 
     /// The database URL is a Citus coordinator whose distributed tables have this many shards
@@ -232,7 +227,7 @@ impl DatabaseArgs {
     pub fn single(url: DatabaseUrl) -> Self {
         Self {
             database_url: vec![url],
-            buckets: DEFAULT_BUCKETS,
+            buckets: db::DEFAULT_BUCKETS,
             citus_shards: None,
             shard: None,
             session: SessionArgs::default(),

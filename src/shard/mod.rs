@@ -13,6 +13,7 @@ pub mod args;
 pub mod citus;
 pub mod holdings;
 pub mod lint;
+#[cfg(feature = "cli")]
 mod open;
 pub mod reshard;
 
@@ -20,7 +21,7 @@ use sqlx::PgPool;
 use std::ops::Range;
 use std::sync::Arc;
 
-pub use crate::args::DEFAULT_BUCKETS;
+pub use crate::db::DEFAULT_BUCKETS;
 
 /// PostgreSQL's `hashtext` of a `text` value in a deterministic collation (such as `"C"`): Bob
 /// Jenkins' lookup3 hash as PostgreSQL's `hash_bytes` computes it (`src/common/hashfn.c`), read
