@@ -78,7 +78,7 @@ impl Workload {
             let key = format!("{prefix}-{size}-{i:08}");
             let envelope = Envelope {
                 route: None,
-                key: key.clone(),
+                key: key.as_str().try_into().unwrap(),
                 source: "bench".into(),
                 event_type: Some("bench.event".into()),
                 received_at: None,

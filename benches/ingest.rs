@@ -673,7 +673,7 @@ fn produce_loop_role() {
                                 i += 1;
                                 let envelope = replayproof::envelope::Envelope {
                                     route: None,
-                                    key: format!("stripe:{id}"),
+                                    key: format!("stripe:{id}").try_into().unwrap(),
                                     source: "stripe".into(),
                                     event_type: Some("invoice.paid".into()),
                                     received_at: Some(chrono::Utc::now()),
@@ -691,7 +691,7 @@ fn produce_loop_role() {
                                 let sent = producer
                                     .send(
                                         FutureRecord::to(&topic)
-                                            .key(&envelope.key)
+                                            .key(envelope.key.as_str())
                                             .payload(&value),
                                         Duration::from_secs(10),
                                     )

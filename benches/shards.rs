@@ -76,7 +76,7 @@ fn workload(run: usize, events: usize) -> Vec<Vec<RawMessage>> {
         let key = format!("run{run}-evt-{i:08}");
         let envelope = Envelope {
             route: None,
-            key: key.clone(),
+            key: key.as_str().try_into().unwrap(),
             source: "bench".into(),
             event_type: Some("bench.event".into()),
             received_at: None,

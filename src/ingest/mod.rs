@@ -463,14 +463,13 @@ fn envelope_of(
     let route = source
         .route_from
         .as_ref()
-        .and_then(|from| signature::route_of(from, headers, &identity.payload));
-    if let Some(route) = &route {
-        EventKey::try_from(route.clone())
-            .map_err(|e| Outcome::BadRequest(format!("the route field makes no valid key: {e}")))?;
-    }
+        .and_then(|from| signature::route_of(from, headers, &identity.payload))
+        .map(EventKey::try_from)
+        .transpose()
+        .map_err(|e| Outcome::BadRequest(format!("the route field makes no valid key: {e}")))?;
     let envelope = Envelope {
         route,
-        key: key.into(),
+        key,
         source: source.name.clone(),
         event_type: identity.event_type,
         received_at: Some(chrono::Utc::now()),
@@ -525,7 +524,7 @@ async fn produce(state: &AppState, envelope: Envelope, incoming: Option<String>)
         return Outcome::TooLarge;
     }
     let mut record = FutureRecord::to(&state.settings.topic)
-        .key(&envelope.key)
+        .key(envelope.key.as_str())
         .payload(&value);
     if let Some(traceparent) = crate::trace::outgoing(incoming.as_deref()) {
         record = record.headers(rdkafka::message::OwnedHeaders::new().insert(
@@ -555,7 +554,7 @@ async fn produce(state: &AppState, envelope: Envelope, incoming: Option<String>)
             crate::failpoint!("ingest::after_ack");
             tracing::debug!(source = %envelope.source, key = %envelope.key, request_id = envelope.request_id.as_deref().unwrap_or_default(), partition = delivered.partition, offset = delivered.offset, "Accepted a webhook.");
             Outcome::Accepted {
-                key: envelope.key,
+                key: envelope.key.into(),
                 request_id: envelope.request_id,
                 partition: delivered.partition,
                 offset: delivered.offset,
