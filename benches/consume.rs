@@ -34,6 +34,9 @@
 //!
 //! `cargo bench --bench consume`
 
+// A benchmark's run reads as one script, start to finish: long ones are allowed here.
+#![allow(clippy::too_many_lines)]
+
 use rdkafka::consumer::{BaseConsumer, Consumer, StreamConsumer};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::Message;

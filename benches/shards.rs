@@ -20,6 +20,9 @@
 //!
 //! `cargo bench --bench shards`
 
+// A benchmark's run reads as one script, start to finish: long ones are allowed here.
+#![allow(clippy::too_many_lines)]
+
 use replayproof::consume::{BatchProcessor, RawMessage, Retrying};
 use replayproof::devkit::embedded::EmbeddedPostgres;
 use replayproof::effect::Ledger;

@@ -355,6 +355,7 @@ pub fn render_clap_error(error: &clap::Error) -> String {
 }
 
 #[cfg(test)]
+#[allow(clippy::too_many_lines)]
 mod tests {
     use super::*;
     use std::ffi::OsString;
