@@ -16,6 +16,9 @@
 //!
 //! `cargo bench --bench console`
 
+// A benchmark's run reads as one script, start to finish: long ones are allowed here.
+#![allow(clippy::too_many_lines)]
+
 use replayproof::console::{self, ConsoleFile, ConsoleSettings, HashParams, Role, UserConfig};
 use replayproof::devkit::embedded::EmbeddedPostgres;
 use replayproof::effect::Registry;

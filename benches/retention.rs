@@ -113,7 +113,7 @@ fn batch(lane: i32, n: u64, timed: bool) -> Vec<RawMessage> {
             let id = format!("evt_{lane}_{n}_{i}");
             let envelope = Envelope {
                 route: None,
-                key: format!("stripe:{id}"),
+                key: format!("stripe:{id}").try_into().unwrap(),
                 source: "stripe".into(),
                 event_type: Some("invoice.paid".into()),
                 received_at: Some(now),

@@ -211,6 +211,7 @@ fn main() -> std::process::ExitCode {
 /// (`replayproof::testing`): a database of its own for each test, on `DATABASE_URL`'s server
 /// or a throwaway cluster.
 #[cfg(all(test, feature = "devkit"))]
+#[allow(clippy::too_many_lines)]
 mod tests {
     use super::*;
     use replayproof::testing::{envelope, EffectTest, TestDatabase};

@@ -19,8 +19,9 @@
 #     drives a real browser through WebDriver.
 #   - cargo-audit (pinned, installed when missing) when a copy of the RustSec advisory database
 #     is on disk (REPLAYPROOF_ADVISORY_DB, or ../shared/advisory-db): it cannot be fetched here.
-# Then: formatting, the query data, clippy with warnings denied, a library build without the
-# default features, and `cargo test` with the failpoints compiled in.
+# Then: formatting, the query data, clippy with warnings denied, the structure check
+# (scripts/structure.py), a library build without the default features, and `cargo test`
+# with the failpoints compiled in.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -301,8 +302,10 @@ log "cargo fmt --check"
 cargo fmt --all -- --check
 log "The committed query data (.sqlx) matches the queries and migrations"
 check_query_data
-log "cargo clippy (warnings denied)"
+log "cargo clippy (warnings denied, no function over 60 lines)"
 cargo clippy --all-targets --all-features -- -D warnings
+log "The structure: no file in src/ over 600 lines outside its tests, no import circle"
+python3 scripts/structure.py
 log "The API documentation (cargo doc, warnings denied)"
 RUSTDOCFLAGS="-D warnings" cargo doc --no-deps --all-features
 log "The library alone, without the command line or the development kit"

@@ -32,6 +32,52 @@ pub async fn record(conn: &mut PgConnection, action: Action<'_>) -> sqlx::Result
     Ok(())
 }
 
+/// Who asks for a change, and why; both go to the audit row.
+#[derive(Debug, Clone)]
+pub struct Act {
+    pub actor: String,
+    pub reason: String,
+}
+
+impl Act {
+    pub fn new(actor: &str, reason: &str) -> Self {
+        Self {
+            actor: actor.into(),
+            reason: reason.into(),
+        }
+    }
+
+    /// The audit row of a change `action` made to `target`.
+    pub(crate) fn audit<'a>(&'a self, action: &'a str, change: &'a Change) -> Action<'a> {
+        Action {
+            actor: &self.actor,
+            action,
+            target: &change.target,
+            reason: &self.reason,
+            before: &change.before,
+            after: &change.after,
+        }
+    }
+}
+
+/// One row an operator change moved: what it was, its state before and after.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct Change {
+    pub target: String,
+    pub before: String,
+    pub after: String,
+}
+
+impl Change {
+    pub(crate) fn new(target: &str, before: impl ToString, after: impl ToString) -> Self {
+        Self {
+            target: target.into(),
+            before: before.to_string(),
+            after: after.to_string(),
+        }
+    }
+}
+
 /// One recorded operator change, as an event's story shows it.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct ActionRow {

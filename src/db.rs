@@ -8,6 +8,11 @@ use std::fmt;
 use std::str::FromStr;
 use std::time::Duration;
 
+/// The buckets a deployment is split into unless it says otherwise (`[database] buckets`):
+/// fixed for the life of the data, and a power of two so that any power-of-two number of
+/// shards up to it splits them evenly ([`crate::shard::Layout`]).
+pub const DEFAULT_BUCKETS: u32 = 1024;
+
 /// A JSON column (a payload) read as the text PostgreSQL holds rather than as a value, so its
 /// numbers stay exact whatever `serde_json` features the application is built with; it
 /// serialises as that same JSON. Queries name it with `payload AS "payload: JsonText"`.

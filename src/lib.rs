@@ -17,11 +17,10 @@ pub mod cli;
 #[cfg(feature = "cli")]
 pub mod config;
 #[cfg(feature = "cli")]
-pub mod config_check;
-#[cfg(feature = "cli")]
 pub mod console;
 pub mod consume;
 pub mod db;
+pub mod destinations;
 #[cfg(feature = "devkit")]
 pub mod devkit;
 pub mod dispatch;

@@ -29,7 +29,7 @@ use crate::consume::{
 };
 use crate::devkit::embedded::EmbeddedPostgres;
 use crate::effect::Effect;
-use crate::envelope::Envelope;
+use crate::envelope::{Envelope, EventKey};
 use anyhow::Context as _;
 use sqlx::PgPool;
 use std::sync::Arc;
@@ -93,11 +93,15 @@ impl TestDatabase {
 }
 
 /// An envelope as a source writes it, its payload the JSON text of `payload`.
+///
+/// # Panics
+///
+/// When `key` is no valid event key ([`EventKey`]): a producer cannot write one.
 pub fn envelope(key: &str, source: &str, event_type: &str, payload: serde_json::Value) -> Envelope {
     let payload = serde_json::value::to_raw_value(&payload).expect("a JSON value serialises");
     Envelope {
         route: None,
-        key: key.into(),
+        key: EventKey::try_from(key).expect("a valid event key"),
         source: source.into(),
         event_type: Some(event_type.into()),
         received_at: None,
@@ -153,7 +157,7 @@ impl EffectTest {
             .map(|e| {
                 let message = RawMessage {
                     offset: self.next_offset,
-                    key: Some(e.key.clone().into_bytes()),
+                    key: Some(e.key.as_str().as_bytes().to_vec()),
                     value: Some(e.to_bytes()),
                     traceparent: None,
                 };

@@ -1,5 +1,5 @@
-//! Which flag each of the file's keys sets: the section a command's flag is read from, every
-//! such flag of every command, and the refusal of a key that none reads.
+//! Which flag each of the file's keys sets: every flag of every command a section sets, as the
+//! command line declares them ([`FileKeys`]), and the refusal of a key that none reads.
 
 use super::{ConfigFile, SECTIONS};
 use anyhow::bail;
@@ -8,58 +8,18 @@ use std::collections::BTreeMap;
 
 /// `[kafka]` keys that are replayproof's own flags; every other key is a librdkafka property.
 pub(crate) const KAFKA_FLAGS: &[&str] = &["brokers", "topic", "group"];
-/// Flags no section sets: the file itself, and what is a property list rather than a setting.
-const NEVER_FROM_FILE: &[&str] = &["config", "kafka-option", "help", "version", "log-format"];
+/// The section of the file a flag is read from, and its key there.
+pub type FileKey = (&'static str, String);
 
-/// Which section a flag of a command is read from, with its key there.
-fn section_of(command_path: &[String], long: &str) -> Option<(&'static str, String)> {
-    let key = long.replace('-', "_");
-    if NEVER_FROM_FILE.contains(&long) {
-        return None;
-    }
-    if long.ends_with("-retention") || matches!(long, "allow-below-floor" | "prune-batch") {
-        return Some(("retention", key));
-    }
-    match long {
-        "database-url" => return Some(("database", "url".into())),
-        "header" => return Some(("dispatch", "headers".into())),
-        "defer-source" => return Some(("consume", "defer_sources".into())),
-        "schema"
-        | "statement-timeout"
-        | "statement-timeout-ms"
-        | "lock-timeout"
-        | "lock-timeout-ms"
-        | "idle-in-transaction-timeout"
-        | "idle-in-transaction-timeout-ms"
-        | "buckets"
-        | "citus-shards" => return Some(("database", key)),
-        // A replayed dead letter goes back to its own topic unless --topic says otherwise.
-        "topic" if command_path.first().is_some_and(|c| c == "dead-letters") => return None,
-        "brokers" | "topic" | "group" => return Some(("kafka", key)),
-        _ => {}
-    }
-    match command_path.first().map(String::as_str) {
-        // A replay applies as `consume` does, from the same settings; its window is its own.
-        Some("replay") => match long {
-            "since" | "until" | "partition" | "dry-run" | "force" | "actor" | "reason" | "json" => {
-                None
-            }
-            _ => Some(("consume", key)),
-        },
-        // A replay by time applies as `consume` does, from the same settings.
-        Some("console") => match long {
-            "listen" => Some(("console", key)),
-            "effect" | "target-url" | "reconcile-url" | "max-attempts" | "effect-attempts"
-            | "operation-key" => Some(("consume", key)),
-            _ if long.starts_with("defer-") => Some(("consume", key)),
-            _ => None,
-        },
-        Some(command @ ("consume" | "dispatch" | "ingest")) => {
-            let section = SECTIONS.iter().find(|s| **s == command)?;
-            Some((section, key))
-        }
-        _ => None,
-    }
+/// What the file may hold for one command line, as the command line declares it (the `cli`
+/// module, which knows every command): the section and key each command's flag is read from,
+/// and the keys no flag reads, tables their owners read themselves (`[ingest] sources`).
+pub struct FileKeys {
+    /// The section and key the flag `--long` of the command at `command_path` is read from;
+    /// None for a flag no section sets.
+    pub section_of: fn(command_path: &[String], long: &str) -> Option<FileKey>,
+    /// Keys no flag reads, as (section, key), each declared by the module that reads it.
+    pub tables: Vec<(&'static str, &'static str)>,
 }
 
 /// A flag a file's key can set: the command it belongs to, the flag, and its section and key.
@@ -72,13 +32,13 @@ pub(crate) struct FileFlag<'a> {
 
 /// Every flag of every command that a section sets: the command's path, the flag, and the
 /// section and key it is read from.
-pub(crate) fn file_flags(root: &Command) -> Vec<FileFlag<'_>> {
+pub(crate) fn file_flags<'a>(root: &'a Command, keys: &FileKeys) -> Vec<FileFlag<'a>> {
     let mut flags = Vec::new();
     let mut stack: Vec<(Vec<String>, &Command)> = vec![(Vec::new(), root)];
     while let Some((path, cmd)) = stack.pop() {
         for arg in cmd.get_arguments() {
             let Some(long) = arg.get_long() else { continue };
-            if let Some((section, key)) = section_of(&path, long) {
+            if let Some((section, key)) = (keys.section_of)(&path, long) {
                 let path = path.clone();
                 flags.push(FileFlag {
                     path,
@@ -98,37 +58,29 @@ pub(crate) fn file_flags(root: &Command) -> Vec<FileFlag<'_>> {
 }
 
 /// Every key the file's sections may hold, with the commands that read it.
-fn known_keys(root: &Command) -> BTreeMap<(&'static str, String), Vec<String>> {
+fn known_keys(root: &Command, keys: &FileKeys) -> BTreeMap<(&'static str, String), Vec<String>> {
     let mut known: BTreeMap<(&'static str, String), Vec<String>> = BTreeMap::new();
     for FileFlag {
         path, section, key, ..
-    } in file_flags(root)
+    } in file_flags(root, keys)
     {
         known
             .entry((section, key))
             .or_default()
             .push(path.join(" "));
     }
-    let console = crate::console::FILE_KEYS.iter().map(|k| ("console", *k));
-    for (section, table) in [
-        ("ingest", "sources"),
-        ("dispatch", "destinations"),
-        ("dispatch", "credentials"),
-    ]
-    .into_iter()
-    .chain(console)
-    {
+    for (section, table) in &keys.tables {
         known
-            .entry((section, table.into()))
+            .entry((section, (*table).into()))
             .or_default()
-            .push(section.into());
+            .push((*section).into());
     }
     known
 }
 
 /// Refuses a key that no command reads, so a typo is found at once.
-pub(crate) fn check_keys(root: &Command, file: &ConfigFile) -> anyhow::Result<()> {
-    let known = known_keys(root);
+pub(crate) fn check_keys(root: &Command, keys: &FileKeys, file: &ConfigFile) -> anyhow::Result<()> {
+    let known = known_keys(root, keys);
     for section in SECTIONS {
         for key in file.section(section).keys() {
             let ours = known.contains_key(&(*section, key.clone()));

@@ -3,7 +3,7 @@
 //! accepted it, so clap reads every setting once: from the flag, else its variable, else the
 //! file, else the built-in default. The file's keys are checked against the commands' flags.
 
-use super::keys::{check_keys, file_flags, FileFlag};
+use super::keys::{check_keys, file_flags, FileFlag, FileKeys};
 use super::{kafka_env_properties, scalar, ConfigFile, Env, CONFIG_ENV};
 use clap::parser::ValueSource;
 use clap::{Arg, ArgAction, ArgMatches, Command};
@@ -118,12 +118,17 @@ impl Layered {
 
 /// Reads `argv` as the process runs it: the file (`--config` or [`CONFIG_ENV`]) loaded and its
 /// keys checked, each of its values the default of its flag, and the command line parsed once.
-pub fn layered(root: Command, argv: Vec<OsString>, env: &dyn Env) -> Result<Layered, LayerError> {
+pub fn layered(
+    root: Command,
+    keys: &FileKeys,
+    argv: Vec<OsString>,
+    env: &dyn Env,
+) -> Result<Layered, LayerError> {
     let file = match config_path(&argv, env) {
         Some(p) => Some(ConfigFile::load(&p, env)?),
         None => None,
     };
-    let layered = layered_over(root, file, argv, env)?;
+    let layered = layered_over(root, keys, file, argv, env)?;
     match layered.refused.first() {
         Some(refused) => Err(LayerError::Config(anyhow::anyhow!("{}", refused.problem))),
         None => Ok(layered),
@@ -134,11 +139,12 @@ pub fn layered(root: Command, argv: Vec<OsString>, env: &dyn Env) -> Result<Laye
 /// named in [`Layered::refused`] rather than failing the parse.
 pub(crate) fn layered_over(
     root: Command,
+    keys: &FileKeys,
     file: Option<ConfigFile>,
     argv: Vec<OsString>,
     env: &dyn Env,
 ) -> Result<Layered, LayerError> {
-    let mut layer = FileLayer::new(root, file.as_ref())?;
+    let mut layer = FileLayer::new(root, keys, file.as_ref())?;
     let matches = layer.command.try_get_matches_from(argv)?;
     let mut path = Vec::new();
     let mut at = &matches;
@@ -183,7 +189,7 @@ struct FileLayer {
 }
 
 impl FileLayer {
-    fn new(root: Command, file: Option<&ConfigFile>) -> anyhow::Result<Self> {
+    fn new(root: Command, keys: &FileKeys, file: Option<&ConfigFile>) -> anyhow::Result<Self> {
         let mut layer = Self {
             command: root.clone(),
             from_file: BTreeMap::new(),
@@ -192,8 +198,8 @@ impl FileLayer {
         let Some(file) = file else {
             return Ok(layer);
         };
-        check_keys(&root, file)?;
-        for flag in file_flags(&root) {
+        check_keys(&root, keys, file)?;
+        for flag in file_flags(&root, keys) {
             let Some(value) = file.section(flag.section).get(&flag.key).cloned() else {
                 continue;
             };

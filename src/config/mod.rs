@@ -100,54 +100,21 @@ impl ConfigFile {
         for (name, value) in table {
             let value =
                 expand(value, env).with_context(|| format!("{} [{name}]", path.display()))?;
-            if let Some(section) = legacy_section(&name) {
+            match legacy_section(&name) {
                 // Before sections, the file held ingest's settings at its top level.
-                let table = sections.entry(section.into()).or_default();
-                anyhow::ensure!(
-                    table.insert(name.clone(), value).is_none(),
-                    "{}: `{name}` is given twice, at the top and in [{section}]",
-                    path.display()
-                );
-                continue;
-            }
-            let toml::Value::Table(table) = value else {
-                bail!(
-                    "{}: `{name}` is not a section; the sections are {}",
-                    path.display(),
-                    SECTIONS.join(", ")
-                );
-            };
-            anyhow::ensure!(
-                SECTIONS.contains(&name.as_str()),
-                "{}: unknown section [{name}]; the sections are {}",
-                path.display(),
-                SECTIONS.join(", ")
-            );
-            let table = if name == "kafka" {
-                flatten(table)
-            } else {
-                table
-            };
-            let merged = sections.entry(name.clone()).or_default();
-            for (key, value) in table {
-                anyhow::ensure!(
-                    merged.insert(key.clone(), value).is_none(),
-                    "{}: `{key}` is given twice, at the top and in [{name}]",
-                    path.display()
-                );
+                Some(section) => {
+                    let table = sections.entry(section.into()).or_default();
+                    anyhow::ensure!(
+                        table.insert(name.clone(), value).is_none(),
+                        "{}: `{name}` is given twice, at the top and in [{section}]",
+                        path.display()
+                    );
+                }
+                None => merge_section(&mut sections, path, name, value)?,
             }
         }
         if let Some(database) = sections.get_mut("database") {
-            // `shards = [...]` is the list `--database-url` repeats; `url` its one-shard form.
-            if let Some(shards) = database.remove("shards") {
-                anyhow::ensure!(
-                    !database.contains_key("url"),
-                    "{}: [database] gives both url and shards; shards lists every database, \
-                     the first included",
-                    path.display()
-                );
-                database.insert("url".into(), shards);
-            }
+            database_shards(database, path)?;
         }
         Ok(Self {
             path: path.to_owned(),
@@ -168,6 +135,57 @@ impl ConfigFile {
             .filter_map(|(k, v)| Some((k, scalar(&v)?)))
             .collect()
     }
+}
+
+/// Adds the section `name` of the file at `path` to `sections`, refusing what is not a known
+/// section and a key also given at the top level.
+fn merge_section(
+    sections: &mut BTreeMap<String, toml::Table>,
+    path: &Path,
+    name: String,
+    value: toml::Value,
+) -> anyhow::Result<()> {
+    let toml::Value::Table(table) = value else {
+        bail!(
+            "{}: `{name}` is not a section; the sections are {}",
+            path.display(),
+            SECTIONS.join(", ")
+        );
+    };
+    anyhow::ensure!(
+        SECTIONS.contains(&name.as_str()),
+        "{}: unknown section [{name}]; the sections are {}",
+        path.display(),
+        SECTIONS.join(", ")
+    );
+    let table = if name == "kafka" {
+        flatten(table)
+    } else {
+        table
+    };
+    let merged = sections.entry(name.clone()).or_default();
+    for (key, value) in table {
+        anyhow::ensure!(
+            merged.insert(key.clone(), value).is_none(),
+            "{}: `{key}` is given twice, at the top and in [{name}]",
+            path.display()
+        );
+    }
+    Ok(())
+}
+
+/// `[database] shards = [...]` is the list `--database-url` repeats; `url` its one-shard form.
+fn database_shards(database: &mut toml::Table, path: &Path) -> anyhow::Result<()> {
+    if let Some(shards) = database.remove("shards") {
+        anyhow::ensure!(
+            !database.contains_key("url"),
+            "{}: [database] gives both url and shards; shards lists every database, the first \
+             included",
+            path.display()
+        );
+        database.insert("url".into(), shards);
+    }
+    Ok(())
 }
 
 /// The section a pre-sections top-level key of ingest's file belongs to.
@@ -301,6 +319,7 @@ mod layer;
 #[cfg(test)]
 pub(crate) use keys::check_keys;
 pub(crate) use keys::{file_flags, KAFKA_FLAGS};
+pub use keys::{FileKey, FileKeys};
 pub(crate) use layer::layered_over;
 pub use layer::{config_path, layered, LayerError, Layered, Source};
 
@@ -336,6 +355,7 @@ pub fn render_clap_error(error: &clap::Error) -> String {
 }
 
 #[cfg(test)]
+#[allow(clippy::too_many_lines)]
 mod tests {
     use super::*;
     use std::ffi::OsString;
@@ -415,7 +435,13 @@ mod tests {
     fn resolved(argv: &[&str], text: &str, id: &str) -> String {
         use clap::CommandFactory as _;
         let (_dir, full) = with_file(argv, text);
-        let layered = layered(crate::cli::Args::command(), full, &ProcessEnv).unwrap();
+        let layered = layered(
+            crate::cli::Args::command(),
+            &crate::cli::file_keys(),
+            full,
+            &ProcessEnv,
+        )
+        .unwrap();
         let raw = layered.leaf().get_raw(id).expect("the flag has a value");
         raw.map(|v| v.to_string_lossy().into_owned())
             .collect::<Vec<_>>()
@@ -599,7 +625,9 @@ mod tests {
         let root = crate::cli::Args::command();
         let file =
             ConfigFile::parse(Path::new("c.toml"), "[consume]\nbatch = 5\n", &env(&[])).unwrap();
-        let err = check_keys(&root, &file).unwrap_err().to_string();
+        let err = check_keys(&root, &crate::cli::file_keys(), &file)
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("[consume] has no setting `batch`"), "{err}");
         assert!(err.contains("batch_size"), "{err}");
         let fine = ConfigFile::parse(
@@ -608,7 +636,7 @@ mod tests {
             &env(&[]),
         )
         .unwrap();
-        check_keys(&root, &fine).unwrap();
+        check_keys(&root, &crate::cli::file_keys(), &fine).unwrap();
     }
 
     #[test]

@@ -5,8 +5,7 @@ use super::layout::{document, q};
 use super::problem::{ForUser, PageError};
 use super::State;
 use crate::operator::counts::Count;
-use crate::operator::status::{PartitionLag, Status};
-use crate::outbox::DestinationGauge;
+use crate::operator::status::{OpenBreaker, PartitionLag, Status};
 use axum::response::{IntoResponse, Response};
 use maud::{html, Markup};
 use std::collections::HashMap;
@@ -29,10 +28,6 @@ pub(crate) async fn overview(
         .await
         .map_err(|e| PageError::from(e).titled("Overview unavailable"))
         .for_user(&user)?;
-    let home = crate::outbox::LimitsHome::over(state.desk.databases(), 0);
-    let breakers = crate::outbox::destination_gauges(&home)
-        .await
-        .unwrap_or_default();
     let rates = throughput(&state, &status.lag);
     let body = html! {
         main {
@@ -42,7 +37,7 @@ pub(crate) async fn overview(
                 (claims(&status))
                 (outbox(&status))
                 (attention(&status))
-                (destinations(&breakers))
+                (destinations(&status.open_breakers))
             }
         }
     };
@@ -138,18 +133,14 @@ fn attention(status: &Status) -> Markup {
 }
 
 /// The destinations whose circuit breaker is not closed.
-fn destinations(breakers: &[DestinationGauge]) -> Markup {
-    let open: Vec<_> = breakers
-        .iter()
-        .filter(|b| b.breaker.as_str() != "closed")
-        .collect();
+fn destinations(open: &[OpenBreaker]) -> Markup {
     html! {
         section {
             h2 { "Destinations" }
             @if open.is_empty() { p { "Every circuit breaker is closed." } }
             @else {
                 table id="breakers" {
-                    @for b in open { tr { td { (crate::secrets::redact_url(&b.origin)) } td class="warn" { (b.breaker.as_str()) } td { (b.in_flight) " in flight" } } }
+                    @for b in open { tr { td { (b.origin) } td class="warn" { (b.breaker) } td { (b.in_flight) " in flight" } } }
                 }
             }
         }

@@ -3,9 +3,10 @@
 use super::batch::{Outcome, UNKNOWN_SOURCE};
 use super::deferred::Applied;
 use super::BatchReport;
+use crate::retention::metrics::PruneMetrics;
 use prometheus::{
-    Gauge, GaugeVec, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec,
-    Opts, Registry,
+    Gauge, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
+    Registry,
 };
 
 /// The consumer's metrics. Labels are bounded: an outcome from a fixed list, a configured
@@ -41,19 +42,6 @@ pub struct ConsumeMetrics {
     pub deferred: DeferredMetrics,
     /// The background pruner's metrics.
     pub prune: PruneMetrics,
-}
-
-/// The background pruner's metrics (`consume --prune-interval`).
-#[derive(Clone)]
-pub struct PruneMetrics {
-    /// Rows deleted (or payloads erased) by prune, by table.
-    pub rows: IntCounterVec,
-    /// Prune rounds, by outcome: done, refused, error.
-    pub rounds: IntCounterVec,
-    /// The age of each source's oldest claim.
-    pub oldest_claim_age: GaugeVec,
-    /// Each source's retention, for the alert that compares the two.
-    pub retention: GaugeVec,
 }
 
 /// The deferred applier's metrics.
@@ -112,38 +100,6 @@ impl Maker<'_> {
         self.keep(Histogram::with_opts(
             HistogramOpts::new(name, help).buckets(buckets),
         ))
-    }
-}
-
-impl PruneMetrics {
-    fn new(m: &Maker<'_>) -> prometheus::Result<Self> {
-        let per_source =
-            |name: &str, help: &str| m.keep(GaugeVec::new(Opts::new(name, help), &["source"]));
-        Ok(Self {
-            rows: m.by(
-                "replayproof_pruned_rows_total",
-                "Rows pruned (or payloads erased) past their retention, by table.",
-                "table",
-            )?,
-            rounds: m.by(
-                "replayproof_prune_rounds_total",
-                "Background prune rounds, by outcome (done, refused, error).",
-                "outcome",
-            )?,
-            oldest_claim_age: per_source(
-                "replayproof_oldest_claim_age_seconds",
-                "Age of the oldest claim of each source.",
-            )?,
-            retention: per_source(
-                "replayproof_retention_seconds",
-                "How long each source's claims are kept.",
-            )?,
-        })
-        .inspect(|made: &Self| {
-            for outcome in crate::retention::background::ROUND_OUTCOMES {
-                made.rounds.with_label_values(&[outcome]);
-            }
-        })
     }
 }
 
@@ -238,7 +194,7 @@ impl ConsumeMetrics {
                 "code",
             )?,
             deferred: DeferredMetrics::new(&m)?,
-            prune: PruneMetrics::new(&m)?,
+            prune: PruneMetrics::new(registry)?,
         })
     }
 

@@ -36,7 +36,7 @@ pub use batch::{
 };
 pub use deferred::{Applied, DeferredApplier, Round};
 pub(crate) use lane::panic_message;
-pub use metrics::{ConsumeMetrics, DeferredMetrics, PruneMetrics};
+pub use metrics::{ConsumeMetrics, DeferredMetrics};
 pub use settings::*;
 pub use settle::{DeferSettings, DEFAULT_DEFER_POLL};
 

@@ -66,7 +66,7 @@ async fn post(
         .operations
         .lock()
         .expect("downstream lock")
-        .insert(key.to_owned(), envelope.key)
+        .insert(key.to_owned(), envelope.key.into())
         .is_none();
     if first && d.new_operations.fetch_add(1, Ordering::Relaxed) % 7 == 3 {
         d.slow_answers.fetch_add(1, Ordering::Relaxed);

@@ -3,7 +3,8 @@
 //! no answer.
 
 use super::Dispatcher;
-use crate::outbox::{self, Leased, OutboxState, Outcome, Settlement, Verdict};
+use crate::destinations::Verdict;
+use crate::outbox::{self, Leased, OutboxState, Outcome, Settlement};
 use std::time::{Duration, Instant};
 
 impl Dispatcher {

@@ -8,6 +8,11 @@ use std::net::SocketAddr;
 /// Where a dispatcher serves `/metrics` and `/healthz` (`--metrics-addr`).
 pub const DEFAULT_METRICS_ADDR: &str = "127.0.0.1:9465";
 
+/// The keys of the file read by the dispatcher rather than by a flag, as (section, key):
+/// `[dispatch.destinations]` and `[dispatch.credentials]`.
+pub const FILE_TABLES: &[(&str, &str)] =
+    &[("dispatch", "destinations"), ("dispatch", "credentials")];
+
 #[derive(Debug, Clone, Args)]
 pub struct DispatchArgs {
     #[command(flatten)]

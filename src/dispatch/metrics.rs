@@ -1,7 +1,8 @@
 //! The dispatcher's metrics.
 
 use super::Destinations;
-use crate::outbox::{self, Breaker, OutboxState};
+use crate::destinations::{self, Breaker};
+use crate::outbox::{self, OutboxState};
 use prometheus::{Histogram, HistogramOpts, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry};
 use sqlx::PgPool;
 use std::collections::BTreeMap;
@@ -114,7 +115,9 @@ impl DispatchMetrics {
         let mut in_flight: BTreeMap<&str, i64> = BTreeMap::new();
         let gauges = match pools {
             [] => Vec::new(),
-            _ => outbox::destination_gauges(&outbox::LimitsHome::over(pools, 0)).await?,
+            _ => {
+                destinations::destination_gauges(&destinations::LimitsHome::over(pools, 0)).await?
+            }
         };
         for g in &gauges {
             let label = destinations.label(&g.origin);

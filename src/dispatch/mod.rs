@@ -9,7 +9,7 @@
 mod answer;
 #[cfg(feature = "cli")]
 pub mod args;
-pub mod destinations;
+mod credentials;
 mod metrics;
 pub mod outbound;
 mod reconcile;
@@ -18,13 +18,13 @@ mod window;
 pub use answer::MAX_RETRY_AFTER;
 use answer::{location, may_start_request, settled};
 
-pub use destinations::{Credential, Credentials, Destination, Destinations};
+pub use crate::destinations::{Destination, Destinations};
+pub use credentials::{Credential, Credentials};
 pub use metrics::DispatchMetrics;
 pub use outbound::Outbound;
 
-use crate::outbox::{
-    self, Attempt, AttemptKind, BreakerChange, Leased, OutboxState, Outcome, Settlement, Verdict,
-};
+use crate::destinations::{self, BreakerChange, Verdict};
+use crate::outbox::{self, Attempt, AttemptKind, Leased, OutboxState, Outcome, Settlement};
 pub use crate::shutdown::Running;
 use crate::telemetry::Health;
 use sqlx::PgPool;
@@ -114,7 +114,7 @@ pub struct Dispatcher {
     gauges: Vec<PgPool>,
     /// Where the destinations' limits are kept and counted: its own database alone; with
     /// shards, the first shard's rows over every database's leases.
-    limits: outbox::LimitsHome,
+    limits: destinations::LimitsHome,
     /// The names of its health checks: its loop's heartbeat and its database's.
     checks: (&'static str, &'static str),
     metrics: DispatchMetrics,
@@ -143,7 +143,7 @@ impl Dispatcher {
         Ok(Self {
             settings,
             gauges: vec![pool.clone()],
-            limits: outbox::LimitsHome::single(&pool),
+            limits: destinations::LimitsHome::single(&pool),
             pool,
             checks: (LOOP, DATABASE),
             metrics,
@@ -159,7 +159,7 @@ impl Dispatcher {
             0 => databases.to_vec(),
             _ => Vec::new(),
         };
-        self.limits = outbox::LimitsHome::over(databases, shard);
+        self.limits = destinations::LimitsHome::over(databases, shard);
         if databases.len() > 1 {
             // Named once per process and shard, for the process's life.
             let name =
@@ -242,7 +242,7 @@ impl Dispatcher {
     }
 
     /// Leases one batch and delivers it; returns how many rows it leased. Each origin with due
-    /// operations gets what its limits admit ([`outbox::lease_within_limits`]), in a fresh
+    /// operations gets what its limits admit ([`destinations::lease_within_limits`]), in a fresh
     /// random order each turn so that no origin waits behind another.
     pub async fn dispatch_once(&self) -> sqlx::Result<usize> {
         // Measured before the lease is asked for, so the local deadline is never later than
@@ -262,7 +262,7 @@ impl Dispatcher {
             let worker = &self.settings.worker;
             let lease = self.settings.lease;
             let home = &self.limits;
-            match outbox::lease_within_limits(
+            match destinations::lease_within_limits(
                 &self.pool, home, &origin, limits, worker, room, lease,
             )
             .await
@@ -371,7 +371,7 @@ impl Dispatcher {
             .header(&destination.idempotency_header, &row.operation_key);
         for (name, value) in &row.headers.0 {
             let lower = name.to_ascii_lowercase();
-            if outbound::RESERVED.contains(&lower.as_str())
+            if outbox::RESERVED_HEADERS.contains(&lower.as_str())
                 || lower == destination.idempotency_header.as_str()
                 || outbox::SECRET_HEADERS.contains(&lower.as_str())
             {
@@ -403,7 +403,8 @@ impl Dispatcher {
         let destination = self.settings.destinations.of(&row.origin);
         let first = &self.limits.first;
         // Never long: the operation's own record waits behind it, and the lease runs.
-        let recording = outbox::record_health(first, &row.origin, &destination.limits, verdict);
+        let recording =
+            destinations::record_health(first, &row.origin, &destination.limits, verdict);
         let recorded = tokio::time::timeout(JUDGE_LIMIT, recording).await;
         match recorded.unwrap_or(Err(sqlx::Error::PoolTimedOut)) {
             Ok(BreakerChange::Opened) => {

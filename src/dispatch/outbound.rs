@@ -2,6 +2,7 @@
 //! (such as `Authorization`), and an optional Standard Webhooks signature, so a downstream can
 //! authenticate deliveries with the official verifier libraries.
 
+use crate::outbox::RESERVED_HEADERS;
 use anyhow::Context as _;
 use base64::Engine as _;
 use hmac::{Hmac, Mac};
@@ -74,19 +75,6 @@ pub struct Header {
     pub value: HeaderValue,
 }
 
-/// Headers replayproof sets itself on every request: no configured or stored header may.
-pub const RESERVED: &[&str] = &[
-    "content-type",
-    "content-length",
-    "host",
-    "idempotency-key",
-    "traceparent",
-    "tracestate",
-    "webhook-id",
-    "webhook-timestamp",
-    "webhook-signature",
-];
-
 impl Header {
     /// A header whose value may be secret: it is registered as one ([`crate::secrets`]) before
     /// anything is checked, so that no error, log or `config check` line prints it; errors
@@ -95,7 +83,7 @@ impl Header {
         crate::secrets::register(value);
         let name = HeaderName::try_from(name.trim())
             .map_err(|_| format!("{:?} is not a header name", name.trim()))?;
-        if RESERVED.contains(&name.as_str()) {
+        if RESERVED_HEADERS.contains(&name.as_str()) {
             return Err(format!(
                 "the {name} header is set by replayproof on every request"
             ));

@@ -51,7 +51,7 @@
 use crate::envelope::Event;
 use anyhow::Context as _;
 use sqlx::PgConnection;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 /// One event's claim to be the newest state of an object.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -120,7 +120,27 @@ pub async fn newest(
     tx: &mut PgConnection,
     candidates: &[Candidate<'_>],
 ) -> sqlx::Result<Vec<bool>> {
-    // The highest version per object among the candidates (the first of equals).
+    let offered = best_per_object(candidates);
+    let won = record_versions(tx, candidates, &offered).await?;
+    let won: HashSet<(&str, &str, &str)> = won
+        .iter()
+        .map(|(k, i, r)| (k.as_str(), i.as_str(), r.as_str()))
+        .collect();
+    let winners: HashSet<usize> = offered
+        .into_iter()
+        .filter(|&i| {
+            let c = &candidates[i];
+            won.contains(&(c.kind, c.object_id, c.route))
+        })
+        .collect();
+    Ok((0..candidates.len())
+        .map(|i| winners.contains(&i))
+        .collect())
+}
+
+/// The candidate with the highest version of each object (the first of equals), in the order
+/// objects are locked in.
+fn best_per_object(candidates: &[Candidate<'_>]) -> Vec<usize> {
     let mut best: HashMap<(&str, &str, &str), usize> = HashMap::new();
     for (i, c) in candidates.iter().enumerate() {
         best.entry((c.kind, c.object_id, c.route))
@@ -139,12 +159,22 @@ pub async fn newest(
             candidates[i].route,
         )
     });
+    offered
+}
+
+/// Records the `offered` candidates' versions where each is newer than its object's, in one
+/// statement; the objects (kind, id, route key) whose version it recorded.
+async fn record_versions(
+    tx: &mut PgConnection,
+    candidates: &[Candidate<'_>],
+    offered: &[usize],
+) -> sqlx::Result<Vec<(String, String, String)>> {
     let kinds: Vec<&str> = offered.iter().map(|&i| candidates[i].kind).collect();
     let ids: Vec<&str> = offered.iter().map(|&i| candidates[i].object_id).collect();
     let versions: Vec<i64> = offered.iter().map(|&i| candidates[i].version).collect();
     let keys: Vec<&str> = offered.iter().map(|&i| candidates[i].event_key).collect();
     let routes: Vec<&str> = offered.iter().map(|&i| candidates[i].route).collect();
-    let won: Vec<(String, String, String)> = sqlx::query_as(
+    sqlx::query_as(
         r#"INSERT INTO object_versions AS o (kind, object_id, version, event_key, route_key)
            SELECT k, i, v, e, rk
            FROM unnest($1::text[], $2::text[], $3::int8[], $4::text[], $5::text[])
@@ -161,21 +191,7 @@ pub async fn newest(
     .bind(&keys)
     .bind(&routes)
     .fetch_all(tx)
-    .await?;
-    let won: std::collections::HashSet<(&str, &str, &str)> = won
-        .iter()
-        .map(|(k, i, r)| (k.as_str(), i.as_str(), r.as_str()))
-        .collect();
-    let winners: std::collections::HashSet<usize> = offered
-        .into_iter()
-        .filter(|&i| {
-            let c = &candidates[i];
-            won.contains(&(c.kind, c.object_id, c.route))
-        })
-        .collect();
-    Ok((0..candidates.len())
-        .map(|i| winners.contains(&i))
-        .collect())
+    .await
 }
 
 #[cfg(test)]

@@ -12,60 +12,12 @@ use chrono::{DateTime, Datelike as _, Utc};
 use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
 use sha2::{Digest, Sha256};
-use std::fmt;
 
 mod canonical;
+mod key;
 use canonical::write_canonical_text;
 pub(crate) use canonical::{Members, Text};
-
-/// The longest key accepted, in bytes. Keys longer than this are a producer bug, not data.
-pub const MAX_KEY_BYTES: usize = 512;
-
-/// A dedupe key: never empty, never longer than [`MAX_KEY_BYTES`] bytes.
-#[derive(Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
-#[serde(transparent)]
-pub struct EventKey(String);
-
-impl EventKey {
-    /// The key as text.
-    pub fn as_str(&self) -> &str {
-        &self.0
-    }
-}
-
-impl TryFrom<String> for EventKey {
-    type Error = Malformed;
-
-    /// A key travels as a Kafka key, a primary key, and an HTTP header (`Idempotency-Key`,
-    /// `webhook-id`): a control character (a line break, a NUL) cannot be sent as a header, so
-    /// such a key is refused here rather than failing every delivery later.
-    fn try_from(key: String) -> Result<Self, Malformed> {
-        match key.len() {
-            0 => Err(Malformed::EmptyKey),
-            n if n > MAX_KEY_BYTES => Err(Malformed::KeyTooLong(n)),
-            _ if key.chars().any(char::is_control) => Err(Malformed::KeyControlCharacter),
-            _ => Ok(Self(key)),
-        }
-    }
-}
-
-impl From<EventKey> for String {
-    fn from(key: EventKey) -> Self {
-        key.0
-    }
-}
-
-impl fmt::Display for EventKey {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-impl fmt::Debug for EventKey {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        fmt::Debug::fmt(&self.0, f)
-    }
-}
+pub use key::{EventKey, MAX_KEY_BYTES};
 
 /// Why a message is not a valid envelope. Each becomes the `reason` of a dead letter.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -228,8 +180,9 @@ fn decimal_exponent(text: &str) -> i64 {
 /// The envelope as written on the topic, for producers.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Envelope {
-    /// The dedupe key: the event's identity at its source, never the moment it arrived.
-    pub key: String,
+    /// The dedupe key: the event's identity at its source, never the moment it arrived;
+    /// checked when the envelope is made, so a producer cannot write an invalid one.
+    pub key: EventKey,
     /// The source's name (`stripe`, `github`, a name of the operator's choosing).
     pub source: String,
     /// The event's type at its source (`invoice.paid`), if it has one.
@@ -266,7 +219,7 @@ pub struct Envelope {
     /// the claim lives on the shard of this key ([`crate::shard`]), together with the other
     /// events of the tenant. Absent, the route key is the event key.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub route: Option<String>,
+    pub route: Option<EventKey>,
 }
 
 impl Envelope {
@@ -279,12 +232,11 @@ impl Envelope {
         bytes
     }
 
-    /// Whether a consumer will take this envelope: a valid key ([`EventKey`]) and nothing
-    /// PostgreSQL would refuse ([`check_storable`]).
+    /// Whether a consumer will take this envelope: nothing PostgreSQL would refuse
+    /// ([`check_storable`]); its keys are valid by their type.
     pub fn check_storable(&self) -> Result<(), Malformed> {
-        EventKey::try_from(self.key.clone())?;
         check_storable(
-            &self.key,
+            self.key.as_str(),
             &self.source,
             self.event_type.as_deref(),
             self.received_at,
@@ -465,10 +417,15 @@ impl Event {
     /// traces are exported, with a span of its own in that trace, which its `traceparent`
     /// then names ([`crate::trace::event_span`]).
     pub fn in_trace(mut self, traceparent: Option<&str>) -> Self {
-        self.traceparent = traceparent
+        let traceparent = traceparent
             .and_then(crate::trace::valid_traceparent)
             .map(str::to_owned);
-        self.span = crate::trace::event_span(&mut self);
+        (self.span, self.traceparent) = crate::trace::event_span(
+            &self.source,
+            self.key.as_str(),
+            self.request_id.as_deref(),
+            traceparent,
+        );
         self
     }
 

@@ -18,6 +18,9 @@ use base64::Engine as _;
 use serde::Deserialize;
 use std::collections::HashMap;
 
+/// The keys of the file read here rather than by a flag, as (section, key).
+pub const FILE_TABLES: &[(&str, &str)] = &[("ingest", "sources")];
+
 /// The sources as the file writes them. Ingest's other settings (`listen`, `max_body_bytes`,
 /// `produce_timeout_ms`, the brokers and the topic) are flags, layered from the file with the
 /// others ([`crate::config`]); only the sources are read here.

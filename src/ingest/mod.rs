@@ -36,7 +36,7 @@ use rdkafka::error::RDKafkaErrorCode;
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
 use rdkafka::util::Timeout;
 use serde_json::json;
-use signature::{Rejection, Verified};
+use signature::{Identity, Rejection, Verified};
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -387,8 +387,27 @@ async fn verify(
 ) -> Result<(Envelope, Option<String>), Outcome> {
     let (parts, body) = request.into_parts();
     let request_id = request_id(&parts.headers);
-    let reading = read_body(body, &parts.headers, state.settings.max_body_bytes);
-    // Once the listener closed, a body still arriving has a short while left: a stop is bounded.
+    let body = read_in_time(state, body, &parts.headers).await?;
+    let identity = authenticate(source, &parts.headers, &body, &request_id)?;
+    if identity.occurred_at.is_none() && source.scheme.carries_event_time() {
+        state
+            .metrics
+            .untimed
+            .with_label_values(&[&source.name])
+            .inc();
+    }
+    let envelope = envelope_of(source, &parts.headers, identity, request_id)?;
+    Ok((envelope, traceparent_of(&parts.headers)))
+}
+
+/// The body, read under its timeout and limit; once the listener closed, a body still
+/// arriving has a short while left, so that a stop is bounded.
+async fn read_in_time(
+    state: &AppState,
+    body: Body,
+    headers: &http::HeaderMap,
+) -> Result<axum::body::Bytes, Outcome> {
+    let reading = read_body(body, headers, state.settings.max_body_bytes);
     let closing = async {
         state.closing.cancelled().await;
         tokio::time::sleep(state.settings.closing_body_timeout()).await;
@@ -400,46 +419,57 @@ async fn verify(
     let Some(body) = read else {
         return Err(Outcome::TimedOut);
     };
-    let Some(body) = body else {
-        return Err(Outcome::TooLarge);
-    };
+    body.ok_or(Outcome::TooLarge)
+}
+
+/// The event the signed request carries, once its signature is verified by the source's
+/// scheme; a challenge is answered, a refusal logged without its detail reaching the sender.
+fn authenticate(
+    source: &Source,
+    headers: &http::HeaderMap,
+    body: &[u8],
+    request_id: &str,
+) -> Result<Identity, Outcome> {
     let req = signature::Request {
-        headers: &parts.headers,
-        body: &body,
+        headers,
+        body,
         now: chrono::Utc::now().timestamp(),
     };
-    let identity = match source
+    match source
         .scheme
         .verify(&source.secrets, source.tolerance_secs, &req)
     {
-        Ok(Verified::Event(identity)) => identity,
-        Ok(Verified::Challenge(c)) => return Err(Outcome::Challenge(c)),
+        Ok(Verified::Event(identity)) => Ok(identity),
+        Ok(Verified::Challenge(c)) => Err(Outcome::Challenge(c)),
         Err(Rejection::Unauthorized(why)) => {
             tracing::info!(source = %source.name, request_id, why, "Refused a webhook: unauthorized.");
-            return Err(Outcome::Unauthorized);
+            Err(Outcome::Unauthorized)
         }
-        Err(Rejection::BadRequest(why)) => return Err(Outcome::BadRequest(why)),
-    };
+        Err(Rejection::BadRequest(why)) => Err(Outcome::BadRequest(why)),
+    }
+}
+
+/// The envelope of a verified event: its key derived from the source and the event's id, its
+/// route from the field the source routes by, both checked as keys, and every value checked
+/// storable, so that a refusal is a 400 now rather than a dead letter later.
+fn envelope_of(
+    source: &Source,
+    headers: &http::HeaderMap,
+    identity: Identity,
+    request_id: String,
+) -> Result<Envelope, Outcome> {
     let key = EventKey::try_from(format!("{}:{}", source.name, identity.id))
         .map_err(|e| Outcome::BadRequest(format!("the event id makes no valid key: {e}")))?;
     let route = source
         .route_from
         .as_ref()
-        .and_then(|from| signature::route_of(from, &parts.headers, &identity.payload));
-    if let Some(route) = &route {
-        EventKey::try_from(route.clone())
-            .map_err(|e| Outcome::BadRequest(format!("the route field makes no valid key: {e}")))?;
-    }
-    if identity.occurred_at.is_none() && source.scheme.carries_event_time() {
-        state
-            .metrics
-            .untimed
-            .with_label_values(&[&source.name])
-            .inc();
-    }
+        .and_then(|from| signature::route_of(from, headers, &identity.payload))
+        .map(EventKey::try_from)
+        .transpose()
+        .map_err(|e| Outcome::BadRequest(format!("the route field makes no valid key: {e}")))?;
     let envelope = Envelope {
         route,
-        key: key.into(),
+        key,
         source: source.name.clone(),
         event_type: identity.event_type,
         received_at: Some(chrono::Utc::now()),
@@ -457,13 +487,16 @@ async fn verify(
     envelope
         .check_storable()
         .map_err(|unstorable| Outcome::BadRequest(unstorable.to_string()))?;
-    let traceparent = parts
-        .headers
+    Ok(envelope)
+}
+
+/// The sender's W3C `traceparent`, when it is valid.
+fn traceparent_of(headers: &http::HeaderMap) -> Option<String> {
+    headers
         .get(crate::trace::TRACEPARENT)
         .and_then(|v| v.to_str().ok())
         .and_then(crate::trace::valid_traceparent)
-        .map(str::to_owned);
-    Ok((envelope, traceparent))
+        .map(str::to_owned)
 }
 
 /// Reads the body, refusing (None) as soon as it is over `limit`: a declared length over the
@@ -491,7 +524,7 @@ async fn produce(state: &AppState, envelope: Envelope, incoming: Option<String>)
         return Outcome::TooLarge;
     }
     let mut record = FutureRecord::to(&state.settings.topic)
-        .key(&envelope.key)
+        .key(envelope.key.as_str())
         .payload(&value);
     if let Some(traceparent) = crate::trace::outgoing(incoming.as_deref()) {
         record = record.headers(rdkafka::message::OwnedHeaders::new().insert(
@@ -521,7 +554,7 @@ async fn produce(state: &AppState, envelope: Envelope, incoming: Option<String>)
             crate::failpoint!("ingest::after_ack");
             tracing::debug!(source = %envelope.source, key = %envelope.key, request_id = envelope.request_id.as_deref().unwrap_or_default(), partition = delivered.partition, offset = delivered.offset, "Accepted a webhook.");
             Outcome::Accepted {
-                key: envelope.key,
+                key: envelope.key.into(),
                 request_id: envelope.request_id,
                 partition: delivered.partition,
                 offset: delivered.offset,

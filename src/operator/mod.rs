@@ -26,7 +26,7 @@ pub mod story;
 
 pub use desk::{Desk, DeskSettings, ReplayEffects};
 
-use serde::Serialize;
+pub use crate::audit::{Act, Change};
 
 /// Why an operator's request was refused or failed. Each refusal changes nothing.
 #[derive(Debug, thiserror::Error)]
@@ -75,50 +75,4 @@ pub enum OperatorError {
     Database(#[from] sqlx::Error),
     #[error(transparent)]
     Unexpected(#[from] anyhow::Error),
-}
-
-/// Who asks for a change, and why; both go to the audit row.
-#[derive(Debug, Clone)]
-pub struct Act {
-    pub actor: String,
-    pub reason: String,
-}
-
-impl Act {
-    pub fn new(actor: &str, reason: &str) -> Self {
-        Self {
-            actor: actor.into(),
-            reason: reason.into(),
-        }
-    }
-
-    /// The audit row of a change `action` made to `target`.
-    fn audit<'a>(&'a self, action: &'a str, change: &'a Change) -> crate::audit::Action<'a> {
-        crate::audit::Action {
-            actor: &self.actor,
-            action,
-            target: &change.target,
-            reason: &self.reason,
-            before: &change.before,
-            after: &change.after,
-        }
-    }
-}
-
-/// One row an operator change moved: what it was, its state before and after.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub struct Change {
-    pub target: String,
-    pub before: String,
-    pub after: String,
-}
-
-impl Change {
-    fn new(target: &str, before: impl ToString, after: impl ToString) -> Self {
-        Self {
-            target: target.into(),
-            before: before.to_string(),
-            after: after.to_string(),
-        }
-    }
 }

@@ -164,7 +164,24 @@ pub fn status(s: &Status) -> String {
         "Expired replays: {} waiting for an operator; oldest {:.0} s\n",
         s.expired_replays, s.oldest_expired_replay_seconds
     );
+    out += &breakers(s);
     out
+}
+
+/// The destinations whose breaker is not closed, one line each.
+fn breakers(s: &Status) -> String {
+    if s.open_breakers.is_empty() {
+        return "Destinations: every circuit breaker is closed\n".into();
+    }
+    s.open_breakers
+        .iter()
+        .map(|b| {
+            format!(
+                "Destination {}: breaker {}, {} in flight\n",
+                b.origin, b.breaker, b.in_flight
+            )
+        })
+        .collect()
 }
 
 /// The lag per partition, numbers right-aligned whatever their width.

@@ -46,6 +46,19 @@ pub struct Status {
     pub expired_replays: i64,
     /// Seconds since the oldest of them was caught.
     pub oldest_expired_replay_seconds: f64,
+    /// The destinations whose breaker is not closed.
+    pub open_breakers: Vec<OpenBreaker>,
+}
+
+/// A destination whose circuit breaker is not closed.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct OpenBreaker {
+    /// The destination's origin, any credential in it redacted.
+    pub origin: String,
+    /// `open` or `half_open`.
+    pub breaker: String,
+    /// Its requests in flight, from every dispatcher.
+    pub in_flight: i64,
 }
 
 /// Where to read the group's lag from.
@@ -65,6 +78,7 @@ pub async fn gather(pools: &[PgPool], kafka: Option<KafkaTarget>) -> anyhow::Res
     for pool in pools {
         status.add(of_database(pool).await?);
     }
+    status.open_breakers = open_breakers(pools).await?;
     if let Some(target) = kafka {
         status.topic = Some(target.topic.clone());
         status.group = Some(target.group.clone());
@@ -109,6 +123,22 @@ impl Status {
             .oldest_expired_replay_seconds
             .max(other.oldest_expired_replay_seconds);
     }
+}
+
+/// The destinations whose breaker is not closed: the breakers are kept on the first database,
+/// the requests in flight counted on every one.
+async fn open_breakers(pools: &[PgPool]) -> sqlx::Result<Vec<OpenBreaker>> {
+    let home = crate::destinations::LimitsHome::over(pools, 0);
+    let gauges = crate::destinations::destination_gauges(&home).await?;
+    Ok(gauges
+        .into_iter()
+        .filter(|g| g.breaker.as_str() != "closed")
+        .map(|g| OpenBreaker {
+            origin: crate::secrets::redact_url(&g.origin),
+            breaker: g.breaker.as_str().into(),
+            in_flight: g.in_flight,
+        })
+        .collect())
 }
 
 /// One database's numbers.

@@ -7,16 +7,15 @@
 
 #![warn(missing_docs)]
 
-mod admission;
 mod by_hand;
-mod destinations;
+mod by_origin;
 mod enqueue;
 mod gauges;
 pub mod state;
 mod window;
 
 pub use by_hand::*;
-pub use destinations::*;
+pub use by_origin::{count_in_flight, due_origins, in_flight_by_origin, lease_due};
 pub use enqueue::{enqueue, enqueue_all, Enqueued, Fulfilled};
 pub use gauges::{gauges, Gauges};
 pub use state::{AttemptKind, OutboxState, Outcome};
@@ -72,6 +71,18 @@ pub const JSON: &str = "application/json";
 pub const FORM: &str = "application/x-www-form-urlencoded";
 /// Headers that carry credentials: an operation names a credential instead of storing them.
 pub const SECRET_HEADERS: &[&str] = &["authorization", "proxy-authorization", "cookie"];
+/// Headers the dispatcher sets itself on every request: no configured or stored header may.
+pub const RESERVED_HEADERS: &[&str] = &[
+    "content-type",
+    "content-length",
+    "host",
+    "idempotency-key",
+    "traceparent",
+    "tracestate",
+    "webhook-id",
+    "webhook-timestamp",
+    "webhook-signature",
+];
 /// Attempts before an operation is `dead`, unless it says otherwise.
 pub const DEFAULT_MAX_ATTEMPTS: i32 = 10;
 
@@ -197,7 +208,7 @@ impl<'a> NewOperation<'a> {
                     "{key}: the {name} header would store a secret in the outbox; name a \
                      credential of [dispatch.credentials] instead"
                 ))
-            } else if crate::dispatch::outbound::RESERVED.contains(&lower.as_str()) {
+            } else if RESERVED_HEADERS.contains(&lower.as_str()) {
                 Some(format!("{key}: the {name} header is set by replayproof"))
             } else {
                 None
@@ -298,7 +309,7 @@ impl Leased {
 /// Rows another worker is leasing are skipped, not waited for. Every lease counts as an
 /// attempt, so a row whose worker dies or hangs on it each time goes `dead` once its attempts
 /// are spent, instead of taking down worker after worker. The dispatcher leases per
-/// destination instead ([`lease_within_limits`]).
+/// destination instead ([`crate::destinations::lease_within_limits`]).
 pub async fn lease(
     pool: &PgPool,
     worker: &str,

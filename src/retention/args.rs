@@ -218,7 +218,7 @@ pub struct PruneArgs {
     pub kafka: KafkaArgs,
 
     /// The topic the claims' events are read from.
-    #[arg(long, env = "REPLAYPROOF_TOPIC", default_value = crate::consume::DEFAULT_TOPIC)]
+    #[arg(long, env = "REPLAYPROOF_TOPIC", default_value = crate::kafka::DEFAULT_TOPIC)]
     pub topic: String,
 
     #[command(flatten)]
@@ -259,7 +259,12 @@ impl PruneArgs {
             if several && !self.json {
                 println!("shard {shard}:");
             }
-            crate::operator::render::print(self.json, &round.pruned.rows, |_| text(&round));
+            if self.json {
+                let json = serde_json::to_string_pretty(&round.pruned.rows)?;
+                println!("{json}");
+            } else {
+                print!("{}", text(&round));
+            }
         }
         Ok(())
     }

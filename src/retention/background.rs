@@ -2,8 +2,8 @@
 //! each source's oldest claim in the metrics. A refused round (a retention below a floor, say)
 //! is logged and counted, and tried again next interval; it never stops the consumer.
 
+use super::metrics::PruneMetrics;
 use super::round::{Pruner, RoundError};
-use crate::consume::PruneMetrics;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 

@@ -7,7 +7,7 @@
 //! still on its way, an expired replay not yet resolved), whose payload is still needed. The
 //! topic keeps the event's bytes until its own retention: erasure cannot reach them.
 
-use crate::operator::Act;
+use crate::audit::Act;
 use serde::Serialize;
 use sqlx::{PgConnection, PgPool};
 

@@ -12,6 +12,7 @@
 pub mod erase;
 mod erase_search;
 pub mod expired;
+pub mod metrics;
 pub mod prune;
 pub mod round;
 

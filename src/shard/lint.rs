@@ -44,18 +44,28 @@ pub async fn check(pool: &PgPool, extra: &[String]) -> anyhow::Result<Vec<Findin
 
 /// The findings on one table.
 async fn check_table(pool: &PgPool, table: &str) -> anyhow::Result<Vec<Finding>> {
-    let finding = |problem: String| Finding {
-        table: table.to_owned(),
-        problem,
+    let problems = match unshardable(pool, table).await? {
+        Some(problem) => vec![problem],
+        None => key_problems(pool, table).await?,
     };
+    Ok(problems
+        .into_iter()
+        .map(|problem| Finding {
+            table: table.to_owned(),
+            problem,
+        })
+        .collect())
+}
+
+/// Why the table cannot be sharded at all: there is no such table, or it has no `route_key`.
+async fn unshardable(pool: &PgPool, table: &str) -> sqlx::Result<Option<String>> {
     let exists: bool = sqlx::query_scalar("SELECT to_regclass($1) IS NOT NULL")
         .bind(table)
         .fetch_one(pool)
         .await?;
     if !exists {
-        return Ok(vec![finding("no such table".into())]);
+        return Ok(Some("no such table".into()));
     }
-    let mut findings = Vec::new();
     let has_route: bool = sqlx::query_scalar(
         "SELECT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass($1) \
          AND attname = 'route_key' AND NOT attisdropped)",
@@ -63,48 +73,36 @@ async fn check_table(pool: &PgPool, table: &str) -> anyhow::Result<Vec<Finding>>
     .bind(table)
     .fetch_one(pool)
     .await?;
-    if !has_route {
-        findings.push(finding(
-            "has no route_key column: add `route_key TEXT COLLATE \"C\" NOT NULL`, written \
-             from Event::route_key in the effect"
-                .into(),
+    Ok((!has_route).then(|| {
+        "has no route_key column: add `route_key TEXT COLLATE \"C\" NOT NULL`, written \
+         from Event::route_key in the effect"
+            .into()
+    }))
+}
+
+/// What keeps a table with a `route_key` from holding its keys shard by shard: unique indexes
+/// and foreign keys without it, and key columns not compared byte by byte.
+async fn key_problems(pool: &PgPool, table: &str) -> sqlx::Result<Vec<String>> {
+    let mut problems = Vec::new();
+    for index in unique_without_route(pool, table).await? {
+        problems.push(format!(
+            "the unique index {index} does not include route_key: Citus refuses it, and on \
+             separate databases it could not hold across shards"
         ));
-        return Ok(findings);
     }
-    findings.extend(
-        unique_without_route(pool, table)
-            .await?
-            .into_iter()
-            .map(|index| {
-                finding(format!(
-                    "the unique index {index} does not include route_key: Citus refuses it, and \
-                     on separate databases it could not hold across shards"
-                ))
-            }),
-    );
-    findings.extend(
-        foreign_keys_without_route(pool, table)
-            .await?
-            .into_iter()
-            .map(|key| {
-                finding(format!(
-                    "the foreign key {key} does not match on route_key: both ends must be \
-                     co-located by it"
-                ))
-            }),
-    );
-    findings.extend(
-        not_c_collated(pool, table)
-            .await?
-            .into_iter()
-            .map(|(column, collation)| {
-                finding(format!(
-                    "the key column {column} compares by collation {collation}: declare it \
-                     COLLATE \"C\" so that keys are compared and hashed byte by byte"
-                ))
-            }),
-    );
-    Ok(findings)
+    for key in foreign_keys_without_route(pool, table).await? {
+        problems.push(format!(
+            "the foreign key {key} does not match on route_key: both ends must be co-located \
+             by it"
+        ));
+    }
+    for (column, collation) in not_c_collated(pool, table).await? {
+        problems.push(format!(
+            "the key column {column} compares by collation {collation}: declare it COLLATE \
+             \"C\" so that keys are compared and hashed byte by byte"
+        ));
+    }
+    Ok(problems)
 }
 
 /// The table's unique indexes (its primary key included) that leave out `route_key`.

@@ -13,16 +13,15 @@ pub mod args;
 pub mod citus;
 pub mod holdings;
 pub mod lint;
+#[cfg(feature = "cli")]
+mod open;
 pub mod reshard;
 
 use sqlx::PgPool;
 use std::ops::Range;
 use std::sync::Arc;
 
-/// The buckets a deployment is split into unless it says otherwise (`[database] buckets`):
-/// fixed for the life of the data, and a power of two so that any power-of-two number of
-/// shards up to it splits them evenly.
-pub const DEFAULT_BUCKETS: u32 = 1024;
+pub use crate::db::DEFAULT_BUCKETS;
 
 /// PostgreSQL's `hashtext` of a `text` value in a deterministic collation (such as `"C"`): Bob
 /// Jenkins' lookup3 hash as PostgreSQL's `hash_bytes` computes it (`src/common/hashfn.c`), read

@@ -91,28 +91,30 @@ fn continued(span: tracing::Span, traceparent: Option<&str>) -> tracing::Span {
     span
 }
 
-/// The consumer's span of one event, a child of the trace its message carries, when traces are
-/// exported; the event's `traceparent` becomes the span's, so that its outbox operations
-/// continue from it.
-pub fn event_span(event: &mut crate::envelope::Event) -> Option<tracing::Span> {
+/// The consumer's span of one event (from `source`, keyed `key`), a child of the trace its
+/// message carries (`traceparent`), when traces are exported. Returned with the span's own
+/// `traceparent`, which the event carries on so that its outbox operations continue from it;
+/// `traceparent` itself when the span has none to give.
+pub fn event_span(
+    source: &str,
+    key: &str,
+    request_id: Option<&str>,
+    traceparent: Option<String>,
+) -> (Option<tracing::Span>, Option<String>) {
     if !exporting() {
-        return None;
+        return (None, traceparent);
     }
     let span = tracing::info_span!(
         "event",
-        otel.name = format!("claim and apply {}", event.source),
+        otel.name = format!("claim and apply {source}"),
         otel.kind = "consumer",
-        key = event.key.as_str(),
-        request_id = event.request_id.as_deref(),
+        key,
+        request_id,
     );
-    let span = continued(span, event.traceparent.as_deref());
+    let span = continued(span, traceparent.as_deref());
     #[cfg(feature = "otel")]
-    {
-        if let Some(traceparent) = otel::traceparent_of(&span) {
-            event.traceparent = Some(traceparent);
-        }
-    }
-    Some(span)
+    let traceparent = otel::traceparent_of(&span).or(traceparent);
+    (Some(span), traceparent)
 }
 
 /// Links the current span (a batch's) to each message's trace, when traces are exported.

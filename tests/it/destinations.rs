@@ -5,12 +5,13 @@
 use crate::harness::dispatcher::claim;
 use crate::harness::recorder::{Answer, Recorder};
 use crate::harness::*;
+use replayproof::destinations::Limits;
 use replayproof::dispatch::outbound::Header;
 use replayproof::dispatch::{
     Credential, Credentials, Destination, Destinations, DispatchMetrics, DispatchSettings,
     Dispatcher,
 };
-use replayproof::outbox::{self, Limits, NewOperation};
+use replayproof::outbox::{self, NewOperation};
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;

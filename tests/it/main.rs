@@ -1,6 +1,9 @@
 //! replayproof's integration tests, in one binary, grouped by the capability they prove; the
 //! helpers they share are in `harness`.
 
+// A test reads as its whole story, set-up and assertions together: long ones are allowed here.
+#![allow(clippy::too_many_lines)]
+
 mod harness;
 
 /// Applying events once: batches, the consumer group, effects and deferral, real processes

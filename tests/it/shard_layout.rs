@@ -222,7 +222,7 @@ impl Effect for LedgerOutboxAndDoc {
 fn old_event(offset: i64, key: &str) -> RawMessage {
     let value = Envelope {
         route: None,
-        key: key.into(),
+        key: key.try_into().unwrap(),
         source: "test".into(),
         event_type: Some("test.event".into()),
         received_at: None,

@@ -13,6 +13,7 @@
 //! batch is split in halves until the refused messages are found; each becomes a dead letter
 //! with PostgreSQL's message and the rest commits, so one bad message never stalls a partition.
 
+mod error;
 mod expired;
 mod failures;
 mod guarded;
@@ -20,22 +21,25 @@ mod outcome;
 mod plan;
 mod refused;
 mod replays;
+mod report;
 mod retrying;
 
+pub use error::BatchError;
 pub use outcome::Outcome;
+pub use report::{BatchReport, DeadLettered, APPLIED_LOG, UNKNOWN_SOURCE};
 pub use retrying::{EffectRetry, Retrying, MAX_EFFECT_ATTEMPTS, MAX_EFFECT_BACKOFF};
 
 use super::settle::DeferSettings;
-use crate::claims::dead_letters;
-use crate::claims::{self, conflicts, Origin};
-use crate::effect::{Effect, EffectError};
+use crate::claims::{self, conflicts, dead_letters, Origin};
+use crate::effect::Effect;
 use crate::envelope::Event;
 use crate::shard::Shards;
-use failures::Again;
+use error::RunError;
 use plan::Plan;
+use report::{Applied, Pass};
 use retrying::{Held, GUARDED_PASSES};
 use sqlx::{PgPool, Postgres, Transaction};
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -50,124 +54,6 @@ pub struct RawMessage {
     pub value: Option<Vec<u8>>,
     /// Its `traceparent` header: the trace of the ingress request that wrote it.
     pub traceparent: Option<String>,
-}
-
-/// The log target of the line logged for each applied event, after its batch committed. Off
-/// unless asked for (`RUST_LOG=replayproof::applied=debug`); `dev` turns it on.
-pub const APPLIED_LOG: &str = "replayproof::applied";
-
-/// What a committed batch did, event by event.
-#[derive(Debug, Default, Clone, PartialEq, Eq)]
-pub struct BatchReport {
-    /// Events claimed here whose effect committed.
-    pub applied: usize,
-    /// Replays: the key was claimed before with the same payload, or repeated in this batch.
-    pub duplicates: usize,
-    /// The key was claimed before with a different payload; recorded in `key_conflicts`.
-    pub conflicts: usize,
-    /// Messages that are not envelopes, or whose values PostgreSQL refused; recorded in
-    /// `dead_letters`.
-    pub dead_letters: Vec<DeadLettered>,
-    /// Claimed events whose effect failed every attempt; recorded as `failed` claims.
-    pub failed: usize,
-    /// Claimed events whose effect said "not yet"; recorded as `deferred` claims, applied again
-    /// when due.
-    pub deferred: usize,
-    /// Effect attempts that failed, including those retried successfully (deferrals are not
-    /// failures).
-    pub effect_errors: usize,
-    /// Events whose key is unknown and that are older than their source's prune horizon:
-    /// recorded in `expired_replays`, not applied.
-    pub expired: usize,
-    /// The same events by source, for the events counter's labels; a dead letter, which may
-    /// not be an envelope at all, counts under the source `unknown`. The counts are in the
-    /// order of [`Outcome::ALL`].
-    pub by_source: BTreeMap<String, [usize; Outcome::ALL.len()]>,
-    /// Operations of the applied events by source and how they were keyed, when their source
-    /// names an obligation.
-    pub keyed: BTreeMap<(String, crate::envelope::OperationKeyed), usize>,
-}
-
-/// The source label of what has no source.
-pub const UNKNOWN_SOURCE: &str = "unknown";
-
-impl BatchReport {
-    /// Adds the report of a later part of the same batch.
-    fn merge(&mut self, other: BatchReport) {
-        self.applied += other.applied;
-        self.duplicates += other.duplicates;
-        self.conflicts += other.conflicts;
-        self.dead_letters.extend(other.dead_letters);
-        self.failed += other.failed;
-        self.deferred += other.deferred;
-        self.effect_errors += other.effect_errors;
-        self.expired += other.expired;
-        for (keyed, n) in other.keyed {
-            *self.keyed.entry(keyed).or_default() += n;
-        }
-        for (source, counts) in other.by_source {
-            let mine = self.by_source.entry(source).or_default();
-            for (n, more) in mine.iter_mut().zip(counts) {
-                *n += more;
-            }
-        }
-    }
-
-    /// Counts one event of `source`, in its total and by source.
-    fn tally(&mut self, source: &str, outcome: Outcome) {
-        let total = match outcome {
-            Outcome::Applied => Some(&mut self.applied),
-            Outcome::Duplicate => Some(&mut self.duplicates),
-            Outcome::Conflict => Some(&mut self.conflicts),
-            // Listed one by one in `dead_letters`.
-            Outcome::DeadLetter => None,
-            Outcome::Failed => Some(&mut self.failed),
-            Outcome::Deferred => Some(&mut self.deferred),
-            Outcome::ExpiredReplay => Some(&mut self.expired),
-        };
-        if let Some(total) = total {
-            *total += 1;
-        }
-        let counts = match self.by_source.get_mut(source) {
-            Some(counts) => counts,
-            None => self.by_source.entry(source.to_owned()).or_default(),
-        };
-        counts[outcome as usize] += 1;
-    }
-}
-
-/// A message of the batch that became a dead letter.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct DeadLettered {
-    /// The message's offset.
-    pub offset: i64,
-    /// Why it is not an event that can be applied.
-    pub reason: String,
-}
-
-impl From<&dead_letters::DeadLetter<'_>> for DeadLettered {
-    fn from(letter: &dead_letters::DeadLetter<'_>) -> Self {
-        Self {
-            offset: letter.offset,
-            reason: letter.reason.clone(),
-        }
-    }
-}
-
-/// Why a batch did not commit. Nothing of it committed, or (for an error from COMMIT itself) the
-/// outcome is unknown; either way the offset must not move, and a retry is harmless.
-#[derive(Debug, thiserror::Error)]
-pub enum BatchError {
-    /// A database error: nothing committed, or the outcome of COMMIT is unknown.
-    #[error("database error: {0}")]
-    Database(#[from] sqlx::Error),
-    /// An effect failed for a reason that says nothing about its event.
-    #[error("an effect failed transiently: {0:#}")]
-    Transient(anyhow::Error),
-    /// One of the batch's transactions ran past its time limit and was abandoned (rolled
-    /// back). Applied in smaller parts, each transaction has less to do.
-    #[error("a transaction of the batch took longer than {} s; abandoned, it rolled back", .0.as_secs())]
-    TimedOut(Duration),
 }
 
 /// Attempts made so far at each event of a pass, by offset; absent means none.
@@ -197,79 +83,6 @@ pub struct BatchProcessor {
     pub retry: EffectRetry,
     /// How long deferred events wait, and when they are given up.
     pub defer: DeferSettings,
-}
-
-/// What one pass over (part of) a batch committed, the events whose effect failed and are to be
-/// tried again in a later transaction, and (while [`APPLIED_LOG`] is enabled) the events applied.
-#[derive(Default)]
-struct Pass {
-    report: BatchReport,
-    again: Vec<Again>,
-    applied: Vec<Applied>,
-    /// With several shards, the part's dead letters: written to the first shard once every
-    /// part committed, so that every dead letter is in one place.
-    dead_later: Vec<DeadLettered>,
-}
-
-/// An applied event, for the [`APPLIED_LOG`] line logged once its transaction committed.
-struct Applied {
-    key: String,
-    event_type: Option<String>,
-}
-
-impl Pass {
-    fn reporting(report: BatchReport) -> Self {
-        Self {
-            report,
-            ..Self::default()
-        }
-    }
-
-    fn merge(&mut self, other: Pass) {
-        self.report.merge(other.report);
-        self.again.extend(other.again);
-        self.applied.extend(other.applied);
-        self.dead_later.extend(other.dead_later);
-    }
-
-    /// Logs each applied event, once its transaction committed.
-    fn log_applied(&self, partition: i32) {
-        for Applied { key, event_type } in &self.applied {
-            let event_type = event_type.as_deref().unwrap_or("-");
-            tracing::debug!(target: APPLIED_LOG, partition, key, event_type, "Applied an event.");
-        }
-    }
-}
-
-/// Why one run of a batch did not commit.
-enum RunError {
-    /// An effect failed transiently: roll back and retry the batch later.
-    Transient(EffectError),
-    /// An effect failed outside a savepoint: roll back and run the batch again with savepoints.
-    Unguarded,
-    Database(sqlx::Error),
-    /// The transaction ran past its limit: abandoned, it rolls back.
-    TimedOut(Duration),
-}
-
-impl From<RunError> for BatchError {
-    fn from(e: RunError) -> Self {
-        match e {
-            RunError::Database(e) => Self::Database(e),
-            RunError::Transient(e) => Self::Transient(e.into()),
-            RunError::TimedOut(limit) => Self::TimedOut(limit),
-            // `run_and_commit` always reruns these guarded; never seen here.
-            RunError::Unguarded => {
-                Self::Transient(anyhow::anyhow!("an effect failed outside a savepoint"))
-            }
-        }
-    }
-}
-
-impl From<sqlx::Error> for RunError {
-    fn from(e: sqlx::Error) -> Self {
-        Self::Database(e)
-    }
 }
 
 impl BatchProcessor {

@@ -102,8 +102,8 @@ mod tests {
             .find(|t| layout.shard(t) != layout.shard("evt-1"))
             .unwrap();
         let plain = crate::envelope::Envelope {
-            route: Some(tenant.clone()),
-            key: "evt-1".into(),
+            route: Some(tenant.as_str().try_into().unwrap()),
+            key: "evt-1".try_into().unwrap(),
             source: "test".into(),
             event_type: None,
             received_at: None,

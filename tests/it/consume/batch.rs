@@ -690,9 +690,20 @@ async fn a_key_no_header_can_carry_is_dead_lettered_and_the_batch_goes_on() {
     let db = TestDb::new().await;
     let p = processor(&db, Arc::new(Ledger));
     let crlf = "evt-1\r\nX-Injected: 1";
+    // Written by another producer: an `Envelope` cannot hold such a key.
+    let foreign = RawMessage {
+        offset: 1,
+        key: Some(crlf.as_bytes().to_vec()),
+        value: Some(
+            json!({"key": crlf, "source": "test", "payload": 2})
+                .to_string()
+                .into_bytes(),
+        ),
+        traceparent: None,
+    };
     let batch = [
         message(0, "before", json!(1)),
-        message(1, crlf, json!(2)),
+        foreign,
         message(2, "after", json!(3)),
     ];
     let report = p.process("t", 0, &batch).await.unwrap();

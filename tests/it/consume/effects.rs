@@ -481,7 +481,7 @@ async fn one_objects_events_racing_on_two_partitions_end_in_the_newest_state() {
                     let e = subscription_event(n, &id, &format!("s{n}"));
                     replayproof::consume::RawMessage {
                         offset: offset as i64,
-                        key: Some(e.key.clone().into_bytes()),
+                        key: Some(e.key.as_str().as_bytes().to_vec()),
                         value: Some(e.to_bytes()),
                         traceparent: None,
                     }

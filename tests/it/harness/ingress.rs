@@ -10,8 +10,8 @@ pub fn envelope(key: &str, payload: serde_json::Value) -> Vec<u8> {
 /// [`envelope`], routed by `route` (a tenant's route key) when given.
 pub fn routed_envelope(key: &str, route: Option<&str>, payload: serde_json::Value) -> Vec<u8> {
     Envelope {
-        route: route.map(str::to_owned),
-        key: key.into(),
+        route: route.map(|r| r.try_into().expect("a valid route key")),
+        key: key.try_into().expect("a valid event key"),
         source: "test".into(),
         event_type: Some("test.event".into()),
         received_at: None,

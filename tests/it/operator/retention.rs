@@ -21,7 +21,7 @@ fn stripe_event(id: &str, days_ago: i64) -> Vec<u8> {
     let occurred = chrono::Utc::now() - chrono::Duration::days(days_ago);
     Envelope {
         route: None,
-        key: format!("stripe:{id}"),
+        key: format!("stripe:{id}").try_into().unwrap(),
         source: "stripe".into(),
         event_type: Some("invoice.paid".into()),
         received_at: None,

@@ -1,5 +1,12 @@
 //! The command line: which command runs which role. Each role owns its flags (`args.rs` in its
 //! module); this file only routes, and lets an application register its own effects.
+//! `config_check` is `replayproof config check`, which parses every command of this command
+//! line as it would start.
+
+mod config_check;
+mod file_keys;
+
+pub(crate) use file_keys::file_keys;
 
 use crate::args::KafkaOptions;
 use crate::config::{ConfigFile, Env, LayerError};
@@ -40,7 +47,7 @@ pub struct Args {
 /// the file and then of `REPLAYPROOF_KAFKA_*` put before the command's own `--kafka-option`s.
 pub fn parse(argv: Vec<OsString>, env: &dyn Env) -> Result<Args, LayerError> {
     use clap::{CommandFactory as _, FromArgMatches as _};
-    let layered = crate::config::layered(Args::command(), argv, env)?;
+    let layered = crate::config::layered(Args::command(), &file_keys(), argv, env)?;
     let mut args = Args::from_arg_matches(&layered.matches)?;
     if let Some(options) = args.command.kafka_options() {
         options.kafka_options.splice(0..0, layered.properties);
@@ -240,10 +247,9 @@ impl Cli {
                 use clap::CommandFactory as _;
                 let env = &crate::config::ProcessEnv;
                 let file = args.file.as_ref();
-                let mut report = crate::config_check::check(&Args::command(), file, env)?;
+                let mut report = config_check::check(&Args::command(), file, env)?;
                 if !no_connect {
-                    report.problems +=
-                        crate::config_check::connect(file, env, &mut report.text).await;
+                    report.problems += config_check::connect(file, env, &mut report.text).await;
                 }
                 print!("{}", crate::secrets::scrub(&report.text));
                 anyhow::ensure!(

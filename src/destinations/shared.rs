@@ -1,6 +1,7 @@
-//! Limits per destination, held in PostgreSQL so that every dispatcher process keeps one set:
-//! the `outbox_destinations` table, one row per origin, on the first database only
-//! ([`LimitsHome`]), whatever the number of shards.
+//! All SQL for `outbox_destinations`: limits per destination, held in PostgreSQL so that every
+//! dispatcher process keeps one set, one row per origin, on the first database only
+//! ([`LimitsHome`]), whatever the number of shards. The operations themselves are the outbox's
+//! ([`crate::outbox::lease_due`], [`crate::outbox::count_in_flight`]).
 //!
 //! A dispatcher leases an origin's due operations while it holds the origin's row lock: it
 //! counts the origin's requests in flight (its unexpired leases, whichever process holds them,
@@ -11,8 +12,9 @@
 //! second counts them. Every answer's verdict goes to the same row, so a breaker opens after
 //! the configured failures in a row, counted once across every database.
 
-pub use super::admission::*;
-use super::{bury_expired_last_attempts, lease_rows, Leased, OutboxState};
+use super::admission::{admit, transition, Breaker, BreakerChange, DestinationState, Health};
+use super::{Limits, Verdict};
+use crate::outbox::{self, lease_due, Leased};
 use chrono::{DateTime, Utc};
 use sqlx::{PgConnection, PgPool};
 use std::time::Duration;
@@ -60,31 +62,6 @@ pub struct Admitted {
     pub wait: Duration,
     /// It is the half-open breaker's probe.
     pub probe: bool,
-}
-
-/// The origins with due operations, or with leases that expired: one index probe each.
-pub async fn due_origins(pool: &PgPool) -> sqlx::Result<Vec<String>> {
-    bury_expired_last_attempts(pool).await?;
-    sqlx::query_scalar!(
-        r#"WITH RECURSIVE origins AS (
-               SELECT min(origin) AS origin FROM outbox
-               WHERE state IN ('pending', 'retryable', 'uncertain') AND held_at IS NULL
-               UNION ALL
-               SELECT (SELECT min(origin) FROM outbox
-                       WHERE state IN ('pending', 'retryable', 'uncertain') AND held_at IS NULL
-                         AND origin > o.origin)
-               FROM origins o WHERE o.origin IS NOT NULL)
-           SELECT origin AS "origin!" FROM origins o
-           WHERE origin IS NOT NULL
-             AND EXISTS (SELECT 1 FROM outbox d WHERE d.origin = o.origin
-                         AND d.state IN ('pending', 'retryable', 'uncertain')
-                         AND d.next_attempt_at <= now() AND d.held_at IS NULL)
-           UNION
-           SELECT DISTINCT coalesce(origin, destination) FROM outbox
-           WHERE state = 'in_progress' AND lease_expires_at <= now()"#
-    )
-    .fetch_all(pool)
-    .await
 }
 
 /// Leases up to `room` of `origin`'s due operations in `pool`, as many as its `limits` admit
@@ -186,47 +163,11 @@ async fn lock_destination(
 /// row: each count a statement of its own, whose snapshot sees the leases a dispatcher
 /// committed before it let go of the row.
 async fn in_flight(held: &mut PgConnection, home: &LimitsHome, origin: &str) -> sqlx::Result<i64> {
-    let mut n = count_in_flight(held, origin).await?;
+    let mut n = outbox::count_in_flight(held, origin).await?;
     for other in home.every.iter().skip(1) {
-        n += count_in_flight(&mut *other.acquire().await?, origin).await?;
+        n += outbox::count_in_flight(&mut *other.acquire().await?, origin).await?;
     }
     Ok(n)
-}
-
-async fn count_in_flight(conn: &mut PgConnection, origin: &str) -> sqlx::Result<i64> {
-    sqlx::query_scalar!(
-        r#"SELECT count(*) AS "n!" FROM outbox
-           WHERE origin = $1 AND state = 'in_progress' AND lease_expires_at > now()"#,
-        origin
-    )
-    .fetch_one(conn)
-    .await
-}
-
-/// Leases up to `count` of `origin`'s due operations of this database.
-async fn lease_due(
-    conn: &mut PgConnection,
-    origin: &str,
-    count: usize,
-    worker: &str,
-    lease: Duration,
-) -> sqlx::Result<Vec<Leased>> {
-    let due = sqlx::query!(
-        r#"SELECT id, state AS "state: OutboxState" FROM outbox
-           WHERE origin = $1
-             AND ((state IN ('pending', 'retryable', 'uncertain') AND next_attempt_at <= now())
-                  OR (state = 'in_progress' AND lease_expires_at <= now()))
-             AND held_at IS NULL
-           ORDER BY next_attempt_at
-           LIMIT $2
-           FOR UPDATE SKIP LOCKED"#,
-        origin,
-        count as i64,
-    )
-    .fetch_all(&mut *conn)
-    .await?;
-    let due: Vec<(i64, OutboxState)> = due.into_iter().map(|r| (r.id, r.state)).collect();
-    lease_rows(conn, &due, worker, lease).await
 }
 
 /// Moves the rate's schedule on past the starts just given, and half-opens the breaker when
@@ -253,102 +194,80 @@ async fn record_lease(
     Ok(())
 }
 
-/// What an answer says of its destination's health.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub enum Verdict {
-    /// It answered (2xx, 4xx, a redirect): the breaker closes.
-    Answering,
-    /// A retryable failure: 5xx, a refused connection, no answer.
-    Failing,
-    /// A 429: nothing starts to it before this long has passed.
-    SlowDown(Duration),
-    /// Says nothing of the destination (the request could not be built).
-    Unknown,
-}
-
-/// What happened to the breaker when an answer was recorded.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum BreakerChange {
-    /// As it was.
-    Unchanged,
-    /// It opened: the destination gets nothing until its probe.
-    Opened,
-    /// It closed: the destination answers again.
-    Closed,
-}
-
-/// Records what an answer says of `origin`'s health: its breaker and its pause.
+/// Records what an answer says of `origin`'s health: its breaker and its pause, as
+/// [`transition`] decides from the row.
+///
+/// Several dispatchers may record answers for one origin at once, and a dispatcher leasing for
+/// it holds its row meanwhile ([`lease_within_limits`]). The row is read `FOR UPDATE` in the
+/// transaction that writes it back, so each answer's read, transition and write are one step:
+/// the next recorder waits for the lock and starts from what the first wrote, as it did when
+/// the rule was one `UPDATE` computing each column from the old row. No failure is lost from the
+/// count, and of concurrent failures that reach the threshold only one opens the breaker.
 pub async fn record_health(
     pool: &PgPool,
     origin: &str,
     limits: &Limits,
     verdict: Verdict,
 ) -> sqlx::Result<BreakerChange> {
-    let before_after = match verdict {
-        Verdict::Unknown => return Ok(BreakerChange::Unchanged),
-        Verdict::Answering => sqlx::query!(
-            r#"UPDATE outbox_destinations d
-               SET breaker = 'closed', consecutive_failures = 0, open_until = NULL,
-                   probe_until = NULL, updated_at = now()
-               FROM (SELECT breaker FROM outbox_destinations WHERE origin = $1 FOR UPDATE) old
-               WHERE d.origin = $1 AND (d.breaker <> 'closed' OR d.consecutive_failures <> 0)
-               RETURNING old.breaker AS "before: Breaker", d.breaker AS "after: Breaker""#,
-            origin
-        )
-        .fetch_optional(pool)
-        .await?
-        .map(|r| (r.before, r.after)),
-        Verdict::Failing => {
-            let threshold = limits.breaker_failures.map(|n| n as i32);
-            sqlx::query!(
-                r#"UPDATE outbox_destinations d
-                   SET consecutive_failures = d.consecutive_failures + 1, updated_at = now(),
-                       breaker = CASE WHEN d.breaker = 'open' THEN 'open'
-                                      WHEN $2::int4 IS NOT NULL
-                                           AND (d.breaker = 'half_open'
-                                                OR d.consecutive_failures + 1 >= $2)
-                                      THEN 'open' ELSE d.breaker END,
-                       open_until = CASE WHEN d.breaker = 'open' THEN d.open_until
-                                         WHEN $2::int4 IS NOT NULL
-                                              AND (d.breaker = 'half_open'
-                                                   OR d.consecutive_failures + 1 >= $2)
-                                         THEN now() + make_interval(secs => $3)
-                                         ELSE d.open_until END,
-                       opened_at = CASE WHEN d.breaker <> 'open' AND $2::int4 IS NOT NULL
-                                             AND (d.breaker = 'half_open'
-                                                  OR d.consecutive_failures + 1 >= $2)
-                                        THEN now() ELSE d.opened_at END,
-                       probe_until = NULL
-                   FROM (SELECT breaker FROM outbox_destinations WHERE origin = $1 FOR UPDATE) old
-                   WHERE d.origin = $1
-                   RETURNING old.breaker AS "before: Breaker", d.breaker AS "after: Breaker""#,
-                origin,
-                threshold,
-                limits.breaker_open.as_secs_f64(),
-            )
-            .fetch_optional(pool)
-            .await?
-            .map(|r| (r.before, r.after))
-        }
-        Verdict::SlowDown(wait) => sqlx::query!(
-            r#"UPDATE outbox_destinations d
-               SET paused_until = greatest(d.paused_until, now() + make_interval(secs => $2)),
-                   probe_until = NULL, updated_at = now()
-               FROM (SELECT breaker FROM outbox_destinations WHERE origin = $1 FOR UPDATE) old
-               WHERE d.origin = $1
-               RETURNING old.breaker AS "before: Breaker", d.breaker AS "after: Breaker""#,
-            origin,
-            wait.as_secs_f64(),
-        )
-        .fetch_optional(pool)
-        .await?
-        .map(|r| (r.before, r.after)),
+    if verdict == Verdict::Unknown {
+        return Ok(BreakerChange::Unchanged);
+    }
+    let mut tx = pool.begin().await?;
+    let Some((before, now)) = lock_health(&mut tx, origin).await? else {
+        return Ok(BreakerChange::Unchanged);
     };
-    Ok(match before_after {
-        Some((before, Breaker::Open)) if before != Breaker::Open => BreakerChange::Opened,
-        Some((before, Breaker::Closed)) if before != Breaker::Closed => BreakerChange::Closed,
-        _ => BreakerChange::Unchanged,
-    })
+    let Some(after) = transition(&before, limits, verdict, now) else {
+        tx.commit().await?;
+        return Ok(BreakerChange::Unchanged);
+    };
+    write_health(&mut tx, origin, &after).await?;
+    tx.commit().await?;
+    Ok(BreakerChange::between(before.breaker, after.breaker))
+}
+
+/// `origin`'s health, locked until `tx` ends, and the database's now; None without a row.
+async fn lock_health(
+    tx: &mut PgConnection,
+    origin: &str,
+) -> sqlx::Result<Option<(Health, DateTime<Utc>)>> {
+    let row = sqlx::query!(
+        r#"SELECT breaker AS "breaker: Breaker", consecutive_failures, opened_at, open_until,
+                  probe_until, paused_until, now() AS "now!"
+           FROM outbox_destinations WHERE origin = $1 FOR UPDATE"#,
+        origin
+    )
+    .fetch_optional(tx)
+    .await?;
+    Ok(row.map(|r| {
+        let health = Health {
+            breaker: r.breaker,
+            consecutive_failures: r.consecutive_failures,
+            opened_at: r.opened_at,
+            open_until: r.open_until,
+            probe_until: r.probe_until,
+            paused_until: r.paused_until,
+        };
+        (health, r.now)
+    }))
+}
+
+/// Writes `health` to `origin`'s row, locked by `tx`.
+async fn write_health(tx: &mut PgConnection, origin: &str, health: &Health) -> sqlx::Result<()> {
+    sqlx::query!(
+        "UPDATE outbox_destinations SET breaker = $2, consecutive_failures = $3, opened_at = $4, \
+         open_until = $5, probe_until = $6, paused_until = $7, updated_at = now() \
+         WHERE origin = $1",
+        origin,
+        health.breaker.as_str(),
+        health.consecutive_failures,
+        health.opened_at,
+        health.open_until,
+        health.probe_until,
+        health.paused_until,
+    )
+    .execute(tx)
+    .await?;
+    Ok(())
 }
 
 /// One origin as the gauges show it.
@@ -367,24 +286,15 @@ pub struct DestinationGauge {
 pub async fn destination_gauges(home: &LimitsHome) -> sqlx::Result<Vec<DestinationGauge>> {
     let mut gauges = sqlx::query_as!(
         DestinationGauge,
-        r#"SELECT d.origin, d.breaker AS "breaker: Breaker",
-                  (SELECT count(*) FROM outbox o WHERE o.origin = d.origin
-                   AND o.state = 'in_progress' AND o.lease_expires_at > now()) AS "in_flight!"
-           FROM outbox_destinations d ORDER BY d.origin"#
+        r#"SELECT origin, breaker AS "breaker: Breaker", 0::int8 AS "in_flight!"
+           FROM outbox_destinations ORDER BY origin"#
     )
     .fetch_all(&home.first)
     .await?;
-    for other in home.every.iter().skip(1) {
-        let counts = sqlx::query!(
-            r#"SELECT origin AS "origin!", count(*) AS "n!" FROM outbox
-               WHERE state = 'in_progress' AND lease_expires_at > now() AND origin IS NOT NULL
-               GROUP BY origin"#
-        )
-        .fetch_all(other)
-        .await?;
-        for c in counts {
-            if let Some(g) = gauges.iter_mut().find(|g| g.origin == c.origin) {
-                g.in_flight += c.n;
+    for pool in &home.every {
+        for (origin, n) in outbox::in_flight_by_origin(pool).await? {
+            if let Some(g) = gauges.iter_mut().find(|g| g.origin == origin) {
+                g.in_flight += n;
             }
         }
     }

@@ -36,7 +36,7 @@ pub fn effective(
 ) -> anyhow::Result<BTreeMap<&'static str, Vec<Setting>>> {
     let mut out: BTreeMap<&'static str, Vec<Setting>> = BTreeMap::new();
     let mut seen = std::collections::BTreeSet::new();
-    let flags = file_flags(root);
+    let flags = file_flags(root, &super::file_keys());
     for command in CHECKED_COMMANDS {
         let layered = every_flag_optional(root, command, file, env)?;
         for flag in flags.iter().filter(|f| f.path == [*command]) {
@@ -80,7 +80,7 @@ fn every_flag_optional(
         .clone()
         .mut_subcommand(command, |c| c.mut_args(|a| a.required(false)));
     let argv: Vec<OsString> = vec!["replayproof".into(), command.into()];
-    match layered_over(optional, file.cloned(), argv, env) {
+    match layered_over(optional, &super::file_keys(), file.cloned(), argv, env) {
         Ok(layered) => Ok(layered),
         Err(LayerError::Config(e)) => Err(e),
         Err(LayerError::Clap(e)) => anyhow::bail!("{}", render_clap_error(&e)),
@@ -276,7 +276,7 @@ impl Report {
                 continue;
             }
             let argv: Vec<OsString> = vec!["replayproof".into(), (*command).into()];
-            let parsed = layered_over(root.clone(), file.cloned(), argv, env);
+            let parsed = layered_over(root.clone(), &super::file_keys(), file.cloned(), argv, env);
             match parsed {
                 Ok(layered) => match layered.refused.first() {
                     Some(refused) => {
@@ -344,7 +344,7 @@ fn parsed_problem(layered: &Layered, file: Option<&ConfigFile>) -> Option<anyhow
 fn own_problem(command: &str, file: Option<&ConfigFile>, env: &dyn Env) -> Option<anyhow::Error> {
     if command == "dispatch" {
         let section = file.map(|f| f.section("dispatch")).unwrap_or_default();
-        return crate::dispatch::Destinations::from_table(section.get("destinations"))
+        return crate::destinations::Destinations::from_table(section.get("destinations"))
             .and(crate::dispatch::Credentials::from_table(
                 section.get("credentials"),
             ))
@@ -471,7 +471,7 @@ mod tests {
     #[test]
     fn every_setting_of_the_file_is_read_by_a_checked_command() {
         let root = crate::cli::Args::command();
-        let flags = file_flags(&root);
+        let flags = file_flags(&root, &crate::cli::file_keys());
         let checked = |section: &str, key: &str| {
             flags.iter().any(|f| {
                 f.path.len() == 1
@@ -510,6 +510,6 @@ mod tests {
         assert!(reserved.is_some_and(|p| p.contains("set by replayproof")));
         let root = crate::cli::Args::command();
         let file = ConfigFile::parse(std::path::Path::new("c.toml"), fine, &env).unwrap();
-        assert!(crate::config::check_keys(&root, &file).is_ok());
+        assert!(crate::config::check_keys(&root, &crate::cli::file_keys(), &file).is_ok());
     }
 }
