@@ -8,6 +8,7 @@
 //! With the `cli` feature (on by default), [`Cli`] runs the whole command line with an
 //! application's own effects registered by name.
 
+pub mod activity;
 #[cfg(feature = "cli")]
 pub mod args;
 pub mod audit;
@@ -34,6 +35,7 @@ pub mod retention;
 pub mod secrets;
 pub mod shard;
 pub mod shutdown;
+pub mod sources;
 pub mod telemetry;
 #[cfg(feature = "devkit")]
 pub mod testing;

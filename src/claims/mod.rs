@@ -258,14 +258,22 @@ pub async fn defer(
     Ok(())
 }
 
-/// The keys of `topic`'s deferred claims that are due, soonest first.
-pub async fn due(pool: &PgPool, topic: &str, limit: i64) -> sqlx::Result<Vec<String>> {
+/// The keys of `topic`'s deferred claims that are due, soonest first, but for those of the
+/// `paused` sources.
+pub async fn due(
+    pool: &PgPool,
+    topic: &str,
+    limit: i64,
+    paused: &[String],
+) -> sqlx::Result<Vec<String>> {
     sqlx::query_scalar!(
         r#"SELECT event_key FROM processed_events
            WHERE status = 'deferred' AND kafka_topic = $1 AND due_at <= now()
+             AND NOT (source = ANY($3))
            ORDER BY due_at LIMIT $2"#,
         topic,
-        limit
+        limit,
+        paused
     )
     .fetch_all(pool)
     .await

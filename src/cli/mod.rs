@@ -14,7 +14,9 @@ use crate::consume::args::ConsumeArgs;
 use crate::dispatch::args::DispatchArgs;
 use crate::effect::{Effect, Registry};
 use crate::ingest::args::IngestArgs;
-use crate::operator::cli::{DeadLettersCommand, EventsCommand, StatusArgs};
+use crate::operator::cli::{
+    DeadLettersCommand, DestinationsCommand, EventsCommand, SourcesCommand, StatusArgs,
+};
 use clap::{Parser, Subcommand};
 use std::ffi::OsString;
 
@@ -77,6 +79,12 @@ pub enum Command {
     /// Inspect and replay messages that were not valid envelopes.
     #[command(subcommand, name = "dead-letters")]
     DeadLetters(DeadLettersCommand),
+    /// Pause and resume destinations, and list them with their breakers and backlogs.
+    #[command(subcommand)]
+    Destinations(DestinationsCommand),
+    /// Pause and resume sources: a paused source's events are held until it is resumed.
+    #[command(subcommand)]
+    Sources(SourcesCommand),
     /// One screen for an operator: lag, claims, the outbox and dead letters.
     Status(StatusArgs),
     /// The operator's console in a browser: every event's story, the overview, and retry,
@@ -135,6 +143,8 @@ impl Command {
             Self::Dispatch(_) => "dispatch",
             Self::Events(_) => "events",
             Self::DeadLetters(_) => "dead-letters",
+            Self::Destinations(_) => "destinations",
+            Self::Sources(_) => "sources",
             Self::Status(_) => "status",
             Self::Console(_) => "console",
             Self::Replay(_) => "replay",
@@ -239,6 +249,8 @@ impl Cli {
             Command::Dispatch(dispatch) => dispatch.run(args.file.as_ref()).await,
             Command::Events(command) => command.run(&self.effects).await,
             Command::DeadLetters(command) => command.run(&self.effects).await,
+            Command::Destinations(command) => command.run(&self.effects).await,
+            Command::Sources(command) => command.run(&self.effects).await,
             Command::Status(args) => args.run(&self.effects).await,
             Command::Console(console) => console.run(&self.effects, args.file.as_ref()).await,
             Command::Replay(replay) => replay.run(&self.effects, args.file.as_ref()).await,

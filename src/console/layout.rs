@@ -69,12 +69,23 @@ pub(crate) async fn headers(
 
 /// A whole page: the navigation, who is logged in, and `body`.
 pub(crate) fn document(title: &str, user: Option<&User>, body: Markup) -> Markup {
+    page(title, user, None, body)
+}
+
+/// [`document`], reloaded by the browser every `every` seconds (a `<meta http-equiv="refresh">`:
+/// no script).
+pub(crate) fn refreshing(title: &str, user: &User, every: u32, body: Markup) -> Markup {
+    page(title, Some(user), Some(every), body)
+}
+
+fn page(title: &str, user: Option<&User>, refresh: Option<u32>, body: Markup) -> Markup {
     html! {
         (DOCTYPE)
         html lang="en" {
             head {
                 meta charset="utf-8";
                 meta name="viewport" content="width=device-width, initial-scale=1";
+                @if let Some(every) = refresh { meta http-equiv="refresh" content=(every); }
                 title { (title) " · replayproof" }
                 link rel="stylesheet" href="/static/console.css";
             }

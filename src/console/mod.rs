@@ -15,6 +15,7 @@ mod actions;
 pub mod args;
 mod auth;
 mod bulk;
+mod charts;
 mod dead_letters;
 mod events_page;
 mod expired;
@@ -22,6 +23,7 @@ mod form;
 mod layout;
 mod limiter;
 mod overview;
+mod pauses;
 mod problem;
 mod replay;
 mod sessions;
@@ -247,6 +249,10 @@ pub fn router(
         .route("/dead-letters/{id}", get(dead_letters::dead_letter))
         .route("/dead-letters/{id}/replay", post(actions::replay_letter))
         .route("/expired", get(expired::expired))
+        .route("/destinations/pause", post(pauses::pause_destination))
+        .route("/destinations/resume", post(pauses::resume_destination))
+        .route("/sources/pause", post(pauses::pause_source))
+        .route("/sources/resume", post(pauses::resume_source))
         .route(
             "/replay",
             get(replay::replay_form).post(replay::replay_topic),

@@ -1,7 +1,9 @@
-//! `GET /`: the overview, the numbers behind the alerts, each linking to the list behind it.
+//! `GET /`: the overview, the numbers behind the alerts, each linking to the list behind it,
+//! and the paused destinations and sources with their actions ([`super::pauses`]).
 
 use super::auth::User;
-use super::layout::{document, q};
+use super::charts;
+use super::layout::{document, q, refreshing};
 use super::problem::{ForUser, PageError};
 use super::State;
 use crate::operator::counts::Count;
@@ -17,31 +19,78 @@ pub(crate) struct Sample {
     committed: HashMap<i32, i64>,
 }
 
-/// `GET /`: the group's lag, claims, outbox, what needs an operator, and open breakers.
+/// `?refresh=off` stops the overview's reloading by itself.
+#[derive(Debug, serde::Deserialize)]
+pub(crate) struct Refresh {
+    refresh: Option<String>,
+}
+
+/// How often the overview reloads by itself, unless paused.
+const REFRESH_EVERY: u32 = 30;
+
+/// What the overview shows, read in one go.
+struct Seen {
+    status: Status,
+    destinations: Vec<crate::destinations::DestinationRow>,
+    sources: Vec<crate::sources::SourcePause>,
+    minutes: Vec<crate::activity::Minute>,
+}
+
+async fn seen(state: &State) -> Result<Seen, PageError> {
+    let titled =
+        |e: crate::operator::OperatorError| PageError::from(e).titled("Overview unavailable");
+    let now = chrono::Utc::now();
+    Ok(Seen {
+        status: state
+            .desk
+            .status()
+            .await
+            .map_err(|e| PageError::from(e).titled("Overview unavailable"))?,
+        destinations: state.desk.destinations().await.map_err(titled)?,
+        sources: state.desk.paused_sources().await.map_err(titled)?,
+        minutes: state
+            .desk
+            .activity(charts::start(now))
+            .await
+            .map_err(titled)?,
+    })
+}
+
+/// `GET /`: the group's lag, claims, outbox, what needs an operator, open breakers, the last
+/// hour's charts and the pauses; reloaded every 30 s unless `?refresh=off`.
 pub(crate) async fn overview(
     user: User,
     axum::extract::State(state): axum::extract::State<State>,
+    axum::extract::Query(refresh): axum::extract::Query<Refresh>,
 ) -> Result<Response, PageError> {
-    let status = state
-        .desk
-        .status()
-        .await
-        .map_err(|e| PageError::from(e).titled("Overview unavailable"))
-        .for_user(&user)?;
+    let seen = seen(&state).await.for_user(&user)?;
+    let status = &seen.status;
     let rates = throughput(&state, &status.lag);
+    let paused = refresh.refresh.as_deref() == Some("off");
     let body = html! {
         main {
             h1 { "Overview" }
-            (group(&status, &rates))
+            p class="refresh" {
+                @if paused { "Not refreshing. " a href="/" { "Refresh every " (REFRESH_EVERY) " s" } }
+                @else { "Refreshes every " (REFRESH_EVERY) " s. " a href="/?refresh=off" { "Pause refreshing" } }
+            }
+            (group(status, &rates))
             div class="grid" {
-                (claims(&status))
-                (outbox(&status))
-                (attention(&status))
+                (claims(status))
+                (outbox(status))
+                (attention(status))
                 (destinations(&status.open_breakers))
             }
+            (charts::last_hour(&seen.minutes, chrono::Utc::now()))
+            (super::pauses::destinations(&user, &seen.destinations))
+            (super::pauses::sources(&user, &seen.sources))
         }
     };
-    Ok(document("Overview", Some(&user), body).into_response())
+    let page = match paused {
+        true => document("Overview", Some(&user), body),
+        false => refreshing("Overview", &user, REFRESH_EVERY, body),
+    };
+    Ok(page.into_response())
 }
 
 /// The consumer group's lag and throughput per partition.

@@ -66,6 +66,7 @@ impl From<OperatorError> for PageError {
             OperatorError::NoSuchEvent(_)
             | OperatorError::NoSuchDeadLetter(_)
             | OperatorError::NoExpiredReplay(_) => StatusCode::NOT_FOUND,
+            OperatorError::NotAnOrigin(_) | OperatorError::NotASource(_) => StatusCode::BAD_REQUEST,
             OperatorError::Database(_) => StatusCode::SERVICE_UNAVAILABLE,
             OperatorError::Unexpected(_) => StatusCode::INTERNAL_SERVER_ERROR,
             _ => StatusCode::CONFLICT,

@@ -16,6 +16,7 @@ use super::settle::{self, Next, Policy, Standing};
 use super::{BatchError, BatchProcessor, ConsumeMetrics};
 use crate::claims::{self, StoredClaim};
 use crate::effect::{self, EffectError};
+use crate::sources::Paused;
 use crate::telemetry::{Health, Probe};
 use chrono::{DateTime, Utc};
 use sqlx::PgPool;
@@ -272,8 +273,10 @@ impl DeferredApplier {
     /// ends it.
     pub async fn apply_due(&self, stop: &CancellationToken) -> Result<Round, BatchError> {
         let mut round = Round::default();
+        // A paused source's events wait, whatever made them deferred.
+        let paused = Paused::read(self.processor.shards.first()).await?.names();
         for (_, pool) in self.processor.shards.databases() {
-            let keys = claims::due(pool, &self.topic, ROUND_LIMIT).await?;
+            let keys = claims::due(pool, &self.topic, ROUND_LIMIT, &paused).await?;
             round.due += keys.len();
             for key in keys {
                 if stop.is_cancelled() {

@@ -25,6 +25,9 @@ impl Emit for BatchCommitted<'_> {
     fn emit(self, metrics: &ConsumeMetrics) {
         let (partition, report) = (self.partition, self.report);
         metrics.record(report);
+        let dead = report.dead_letters.len();
+        let activity = &metrics.activity;
+        activity.batch(partition, report.applied, report.duplicates, dead);
         metrics.batch_size.observe(self.messages as f64);
         metrics.batch_seconds.observe(self.took.as_secs_f64());
         for letter in &report.dead_letters {
@@ -139,6 +142,10 @@ pub(super) struct DeferredTaken(pub Applied);
 impl Emit for DeferredTaken {
     fn emit(self, metrics: &ConsumeMetrics) {
         let outcome = self.0.as_str();
+        if self.0 == Applied::Done {
+            let applier = crate::activity::DEFERRED_APPLIER;
+            metrics.activity.batch(applier, 1, 0, 0);
+        }
         metrics
             .deferred
             .attempts

@@ -13,6 +13,9 @@ use prometheus::{
 /// source, the topic and a partition.
 #[derive(Clone)]
 pub struct ConsumeMetrics {
+    /// The same counts by partition and minute, and each partition's lag, for the console's
+    /// charts ([`crate::activity`]).
+    pub activity: crate::activity::Activity,
     /// Events by source and outcome (applied, duplicate, conflict, dead_letter, failed,
     /// deferred, expired_replay); dead letters count under the source `unknown`.
     pub events: IntCounterVec,
@@ -142,6 +145,7 @@ impl ConsumeMetrics {
     pub fn new(registry: &Registry) -> prometheus::Result<Self> {
         let m = Maker(registry);
         Ok(Self {
+            activity: Default::default(),
             events: m.keep(IntCounterVec::new(
                 Opts::new(
                     "replayproof_consume_events_total",

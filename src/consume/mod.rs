@@ -74,6 +74,8 @@ pub struct Consumer {
     health: Health,
     /// Every database the claims live in, each probed for readiness.
     databases: Vec<sqlx::PgPool>,
+    /// The consumer's activity by minute, written to the first database.
+    activity: crate::activity::Activity,
 }
 
 impl Consumer {
@@ -93,6 +95,7 @@ impl Consumer {
             .databases()
             .map(|(_, pool)| pool.clone())
             .collect();
+        let activity = metrics.activity.clone();
         let deferred = DeferredApplier::new(processor.clone(), &settings.topic, metrics.clone())
             .with_health(health.clone(), settings.unhealthy_after);
         let context = LaneContext::new(
@@ -116,6 +119,7 @@ impl Consumer {
             vitals,
             health,
             databases,
+            activity,
         })
     }
 
@@ -131,8 +135,10 @@ impl Consumer {
             vitals,
             health,
             databases,
+            activity,
         } = self;
         let s = &settings;
+        let (first, topic) = (databases_first(&databases), s.topic.clone());
         tracing::info!(topic = %s.topic, group = %s.group, brokers = %s.brokers, "Joining the consumer group.");
         let joining = Some("has not joined the group yet".to_owned());
         health.report(GROUP, joining);
@@ -150,6 +156,7 @@ impl Consumer {
         let grace = settings.shutdown_grace;
         let watchdog = tokio::spawn(health::watch(vitals.clone(), health.clone(), settings));
         let deferred = tokio::spawn(deferred.run(vitals.stop.clone()));
+        let activity = tokio::spawn(activity.run(first, topic, vitals.stop.clone()));
         let polled = poll::spawn_thread(consumer, vitals.stop.clone());
         Running::spawn(async move {
             let polled = polled?.await;
@@ -157,6 +164,7 @@ impl Consumer {
             let _ = watchdog.await;
             let _ = probe.await;
             finish_deferred(deferred, grace).await;
+            let _ = tokio::time::timeout(grace, activity).await;
             health.forget(POLL_LOOP);
             polled.context("the Kafka poll thread panicked")?;
             match vitals.fatal() {
@@ -165,6 +173,14 @@ impl Consumer {
             }
         })
     }
+}
+
+/// The first database, where the consumer's activity is written.
+fn databases_first(databases: &[sqlx::PgPool]) -> sqlx::PgPool {
+    databases
+        .first()
+        .expect("a consumer has a database")
+        .clone()
 }
 
 /// The deferred event being applied is finished within the grace period; past it, its

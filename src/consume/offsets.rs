@@ -52,6 +52,7 @@ impl ClientContext for LaneContext {
                 -1
             };
             if lag >= 0 {
+                self.metrics.activity.lag(*partition, lag);
                 self.metrics
                     .consumer_lag
                     .with_label_values(&[&self.settings.topic, &partition.to_string()])

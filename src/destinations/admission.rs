@@ -1,5 +1,6 @@
 //! The two rules every dispatcher follows for a destination, both pure: what it admits now, by
-//! its limits (concurrency, rate), its circuit breaker and a 429's pause ([`admit`]), and what
+//! an operator's pause, its limits (concurrency, rate), its circuit breaker and a 429's pause
+//! ([`admit`]), and what
 //! an answer does to its breaker and pause ([`transition`]). Both read and give the
 //! destination's shared row; [`super::lease_within_limits`] and [`super::record_health`] hold
 //! its lock around them.
@@ -61,9 +62,32 @@ impl Breaker {
     }
 }
 
+/// An operator's pause of a destination (`destinations pause`): nothing is admitted while it
+/// holds, so its operations stay due and spend no attempt.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct Pause {
+    /// Who paused it.
+    pub by: String,
+    /// Why, as the audit row has it.
+    pub reason: String,
+    /// When.
+    pub at: DateTime<Utc>,
+    /// When it ends by itself (`--until`); None: when it is resumed.
+    pub until: Option<DateTime<Utc>>,
+}
+
+impl Pause {
+    /// Whether the pause still holds at `now`.
+    pub fn holds(&self, now: DateTime<Utc>) -> bool {
+        self.until.is_none_or(|until| until > now)
+    }
+}
+
 /// An origin's shared state, as read under its row lock.
 #[derive(Debug, Clone)]
 pub struct DestinationState {
+    /// An operator's pause, while it holds or after it ended by itself.
+    pub pause: Option<Pause>,
     /// The breaker's position.
     pub breaker: Breaker,
     /// When an open breaker lets its probe through.
@@ -118,6 +142,9 @@ pub fn admit(
     in_flight: i64,
     room: usize,
 ) -> Admission {
+    if state.pause.as_ref().is_some_and(|p| p.holds(now)) {
+        return Admission::none(now);
+    }
     if state.paused_until.is_some_and(|t| t > now) {
         return Admission::none(now);
     }
@@ -279,6 +306,7 @@ mod tests {
 
     fn closed() -> DestinationState {
         DestinationState {
+            pause: None,
             breaker: Breaker::Closed,
             open_until: None,
             probe_until: None,
@@ -352,6 +380,43 @@ mod tests {
         };
         assert_eq!(admit(&paused, &limits, at(4_999), 0, 32).count, 0);
         assert_eq!(admit(&paused, &limits, at(5_000), 0, 32).count, 32);
+    }
+
+    #[test]
+    fn an_operators_pause_admits_nothing_until_it_ends_whatever_the_breaker() {
+        let pause = |until| Pause {
+            by: "ana".into(),
+            reason: "maintenance".into(),
+            at: at(0),
+            until,
+        };
+        let limits = Limits::default();
+        let paused = DestinationState {
+            pause: Some(pause(None)),
+            ..closed()
+        };
+        assert_eq!(admit(&paused, &limits, at(0), 0, 32).count, 0);
+        assert_eq!(admit(&paused, &limits, at(86_400_000), 0, 32).count, 0);
+        let probing = DestinationState {
+            breaker: Breaker::Open,
+            open_until: Some(at(0)),
+            ..paused.clone()
+        };
+        assert_eq!(
+            admit(&probing, &limits, at(1_000), 0, 32).count,
+            0,
+            "no probe either"
+        );
+        let until = DestinationState {
+            pause: Some(pause(Some(at(5_000)))),
+            ..closed()
+        };
+        assert_eq!(admit(&until, &limits, at(4_999), 0, 32).count, 0);
+        assert_eq!(
+            admit(&until, &limits, at(5_000), 0, 32).count,
+            32,
+            "it ended by itself"
+        );
     }
 
     fn healthy() -> Health {

@@ -6,13 +6,16 @@
 //! A dispatcher leases an origin's due operations while it holds the origin's row lock: it
 //! counts the origin's requests in flight (its unexpired leases, whichever process holds them,
 //! on every database), and takes no more than the limits admit ([`admit`]): the concurrency
-//! left, the rate's next start times, nothing while a 429 asked to wait, nothing while the
+//! left, the rate's next start times, nothing while an operator paused it, nothing while a 429
+//! asked to wait, nothing while the
 //! circuit breaker is open and one probe once it half-opens. Two dispatchers leasing for one
 //! origin queue on that row lock, and the first commits its leases before it lets go, so the
 //! second counts them. Every answer's verdict goes to the same row, so a breaker opens after
 //! the configured failures in a row, counted once across every database.
 
-use super::admission::{admit, transition, Breaker, BreakerChange, DestinationState, Health};
+use super::admission::{
+    admit, transition, Breaker, BreakerChange, DestinationState, Health, Pause,
+};
 use super::{Limits, Verdict};
 use crate::outbox::{self, lease_due, Leased};
 use chrono::{DateTime, Utc};
@@ -140,7 +143,8 @@ async fn lock_destination(
         crate::stallpoint!("outbox::destination_before_lock");
         let row = sqlx::query!(
             r#"SELECT breaker AS "breaker: Breaker", open_until, probe_until, paused_until,
-                      next_start_at, now() AS "now!"
+                      next_start_at, operator_paused_at, operator_paused_by,
+                      operator_pause_reason, operator_pause_until, now() AS "now!"
                FROM outbox_destinations WHERE origin = $1 FOR UPDATE"#,
             origin
         )
@@ -148,6 +152,12 @@ async fn lock_destination(
         .await?;
         if let Some(row) = row {
             let state = DestinationState {
+                pause: row.operator_paused_at.map(|at| Pause {
+                    by: row.operator_paused_by.unwrap_or_default(),
+                    reason: row.operator_pause_reason.unwrap_or_default(),
+                    at,
+                    until: row.operator_pause_until,
+                }),
                 breaker: row.breaker,
                 open_until: row.open_until,
                 probe_until: row.probe_until,

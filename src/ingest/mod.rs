@@ -7,6 +7,7 @@
 //! broker does not acknowledge in time, the answer is 503 with `Retry-After`, and the sender's
 //! retry is a harmless replay.
 
+mod accepted;
 #[cfg(feature = "cli")]
 pub mod args;
 pub mod config;
@@ -60,6 +61,8 @@ struct AppState {
     closing: CancellationToken,
     /// One permit per webhook request being handled.
     in_flight: Arc<tokio::sync::Semaphore>,
+    /// Each accepted delivery's log line, rate-limited.
+    accepted: accepted::AcceptedLog,
 }
 
 /// The ingress, built and checked: its producer created, its listeners bound. It accepts
@@ -117,6 +120,7 @@ impl Ingress {
             health,
             draining: AtomicBool::new(false),
             closing: CancellationToken::new(),
+            accepted: Default::default(),
         });
         Ok(Self {
             listener,
@@ -552,7 +556,8 @@ async fn produce(state: &AppState, envelope: Envelope, incoming: Option<String>)
     match delivery {
         Ok(Ok(delivered)) => {
             crate::failpoint!("ingest::after_ack");
-            tracing::debug!(source = %envelope.source, key = %envelope.key, request_id = envelope.request_id.as_deref().unwrap_or_default(), partition = delivered.partition, offset = delivered.offset, "Accepted a webhook.");
+            let (partition, offset) = (delivered.partition, delivered.offset);
+            state.accepted.accepted(&envelope, partition, offset);
             Outcome::Accepted {
                 key: envelope.key.into(),
                 request_id: envelope.request_id,

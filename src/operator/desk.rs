@@ -11,6 +11,7 @@ use super::{dead_letters, expired, replay, Act, Change, OperatorError};
 use crate::consume::{BatchProcessor, DeferSettings, EffectRetry};
 use crate::effect::{HttpOutbox, Registry};
 use crate::shard::Shards;
+use crate::sources::SourcePause;
 use sqlx::PgPool;
 
 /// How a replay by time applies its events: as `consume` would, with these effects.
@@ -293,5 +294,84 @@ impl Desk {
             .processor()
             .ok_or_else(|| anyhow::anyhow!("a replay by time needs brokers"))?;
         replay::replay(self.first(), processor, window, act).await
+    }
+
+    /// Where the destinations' shared state is: the first database, over every database.
+    fn limits_home(&self) -> crate::destinations::LimitsHome {
+        crate::destinations::LimitsHome::over(&self.shards.pools(), 0)
+    }
+
+    /// Every known destination: its pause, breaker, requests in flight and backlog.
+    pub async fn destinations(
+        &self,
+    ) -> Result<Vec<crate::destinations::DestinationRow>, OperatorError> {
+        Ok(crate::destinations::pauses::list(&self.limits_home()).await?)
+    }
+
+    /// Pauses the destination of `url` (its origin) until resumed, or for `until`; audited.
+    pub async fn pause_destination(
+        &self,
+        url: &str,
+        until: Option<std::time::Duration>,
+        act: &Act,
+    ) -> Result<Change, OperatorError> {
+        let origin = destination_origin(url)?;
+        Ok(crate::destinations::pauses::pause(self.first(), &origin, until, act).await?)
+    }
+
+    /// Resumes the destination of `url`; refused when it is not paused.
+    pub async fn resume_destination(&self, url: &str, act: &Act) -> Result<Change, OperatorError> {
+        let origin = destination_origin(url)?;
+        crate::destinations::pauses::resume(self.first(), &origin, act)
+            .await?
+            .ok_or(OperatorError::NotPaused(origin))
+    }
+
+    /// What the consumers of the desk's topic (of every topic, with no brokers) did each
+    /// minute since `since`.
+    pub async fn activity(
+        &self,
+        since: chrono::DateTime<chrono::Utc>,
+    ) -> Result<Vec<crate::activity::Minute>, OperatorError> {
+        let topic = self.kafka.as_ref().map(|k| k.topic.as_str());
+        Ok(crate::activity::since(self.first(), topic, since).await?)
+    }
+
+    /// The paused sources.
+    pub async fn paused_sources(&self) -> Result<Vec<SourcePause>, OperatorError> {
+        Ok(crate::sources::pauses::list(self.first()).await?)
+    }
+
+    /// Pauses `source`: the consumers hold its events until it is resumed; audited.
+    pub async fn pause_source(&self, source: &str, act: &Act) -> Result<Change, OperatorError> {
+        let source = source_name(source)?;
+        Ok(crate::sources::pauses::pause(self.first(), source, act).await?)
+    }
+
+    /// Resumes `source`; refused when it is not paused.
+    pub async fn resume_source(&self, source: &str, act: &Act) -> Result<Change, OperatorError> {
+        let source = source_name(source)?;
+        crate::sources::pauses::resume(self.first(), source, act)
+            .await?
+            .ok_or_else(|| OperatorError::NotPaused(format!("source {source}")))
+    }
+}
+
+/// A source's name as events carry it; refused when empty or holding control characters.
+fn source_name(name: &str) -> Result<&str, OperatorError> {
+    let name = name.trim();
+    match !name.is_empty() && !name.chars().any(char::is_control) {
+        true => Ok(name),
+        false => Err(OperatorError::NotASource(name.escape_debug().to_string())),
+    }
+}
+
+/// The origin of `url` as the outbox keys its destinations; refused unless http or https.
+fn destination_origin(url: &str) -> Result<String, OperatorError> {
+    match reqwest::Url::parse(url.trim()) {
+        Ok(u) if matches!(u.scheme(), "http" | "https") && u.host_str().is_some() => {
+            Ok(crate::outbox::origin(url.trim()))
+        }
+        _ => Err(OperatorError::NotAnOrigin(crate::secrets::redact_url(url))),
     }
 }

@@ -71,6 +71,12 @@ pub enum OperatorError {
     NoExpiredReplay(String),
     #[error("{0} was claimed since it was caught as an expired replay: it already had its effect; drop the expired replay instead")]
     ClaimedSince(String),
+    #[error("{0} is not paused")]
+    NotPaused(String),
+    #[error("{0:?} is not a source name: name it as its events carry it, such as stripe")]
+    NotASource(String),
+    #[error("{0} is not a destination: name its origin, such as https://api.stripe.com")]
+    NotAnOrigin(String),
     #[error("the database: {0}")]
     Database(#[from] sqlx::Error),
     #[error(transparent)]

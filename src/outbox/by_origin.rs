@@ -1,6 +1,6 @@
 //! `outbox` by origin, as the destinations' limits take it
 //! ([`crate::destinations::lease_within_limits`]): the origins with due operations, each
-//! origin's requests in flight, and the leases of one origin's due operations.
+//! origin's requests in flight, its backlog, and the leases of one origin's due operations.
 
 use super::{bury_expired_last_attempts, lease_rows, Leased, OutboxState};
 use sqlx::{PgConnection, PgPool};
@@ -73,6 +73,20 @@ pub async fn in_flight_by_origin(pool: &PgPool) -> sqlx::Result<Vec<(String, i64
     let counts = sqlx::query!(
         r#"SELECT origin AS "origin!", count(*) AS "n!" FROM outbox
            WHERE state = 'in_progress' AND lease_expires_at > now() AND origin IS NOT NULL
+           GROUP BY origin"#
+    )
+    .fetch_all(pool)
+    .await?;
+    Ok(counts.into_iter().map(|c| (c.origin, c.n)).collect())
+}
+
+/// The operations waiting to be sent on this database, by origin: pending, retryable or
+/// uncertain, not held for an operator, due now or later.
+pub async fn backlog_by_origin(pool: &PgPool) -> sqlx::Result<Vec<(String, i64)>> {
+    let counts = sqlx::query!(
+        r#"SELECT origin AS "origin!", count(*) AS "n!" FROM outbox
+           WHERE state IN ('pending', 'retryable', 'uncertain') AND held_at IS NULL
+             AND origin IS NOT NULL
            GROUP BY origin"#
     )
     .fetch_all(pool)

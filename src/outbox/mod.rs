@@ -15,7 +15,9 @@ pub mod state;
 mod window;
 
 pub use by_hand::*;
-pub use by_origin::{count_in_flight, due_origins, in_flight_by_origin, lease_due};
+pub use by_origin::{
+    backlog_by_origin, count_in_flight, due_origins, in_flight_by_origin, lease_due,
+};
 pub use enqueue::{enqueue, enqueue_all, Enqueued, Fulfilled};
 pub use gauges::{gauges, Gauges};
 pub use state::{AttemptKind, OutboxState, Outcome};

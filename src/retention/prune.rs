@@ -259,7 +259,7 @@ const RULES: &[Rule] = &[
         lock_of: " OF a",
     },
     // A destination's shared limits (one row per origin ever called): dropped once it is closed,
-    // unpaused, has nothing left to send and has not been leased for as long as attempts are
+    // unpaused (by a 429 or by an operator), has nothing left to send and has not been leased for as long as attempts are
     // kept. A later operation for the origin starts a fresh row.
     Rule {
         name: "outbox_destinations",
@@ -268,6 +268,7 @@ const RULES: &[Rule] = &[
         select: "SELECT origin FROM outbox_destinations d \
                  WHERE d.breaker = 'closed' AND d.consecutive_failures = 0 \
                  AND (d.paused_until IS NULL OR d.paused_until < now()) \
+                 AND (d.operator_paused_at IS NULL OR d.operator_pause_until < now()) \
                  AND d.updated_at < now() - make_interval(secs => $1) \
                  AND NOT EXISTS (SELECT 1 FROM outbox o WHERE o.origin = d.origin \
                      AND o.state IN ('pending', 'retryable', 'uncertain', 'in_progress'))",

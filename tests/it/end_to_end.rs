@@ -91,6 +91,18 @@ impl Ingress {
         extra: &[&str],
         otlp: Option<&str>,
     ) -> (tokio::process::Child, u16, tempfile::TempDir) {
+        let (mut cmd, port, dir) = Self::command(kafka, topic, failpoints, extra, otlp);
+        (cmd.spawn().unwrap(), port, dir)
+    }
+
+    /// The command [`Ingress::spawn_traced`] spawns.
+    fn command(
+        kafka: &TestKafka,
+        topic: &str,
+        failpoints: Option<&str>,
+        extra: &[&str],
+        otlp: Option<&str>,
+    ) -> (tokio::process::Command, u16, tempfile::TempDir) {
         let dir = tempfile::tempdir().unwrap();
         let config = dir.path().join("replayproof.toml");
         std::fs::write(&config, CONFIG).unwrap();
@@ -118,7 +130,7 @@ impl Ingress {
         if let Some(endpoint) = otlp {
             traced(&mut cmd, endpoint);
         }
-        (cmd.spawn().unwrap(), port, dir)
+        (cmd, port, dir)
     }
 }
 
@@ -567,4 +579,160 @@ async fn one_trace_runs_from_the_webhook_through_the_claim_to_the_downstream_req
     let shown = String::from_utf8(shown).unwrap();
     assert!(shown.contains("lb-req-7"), "{shown}");
     assert!(shown.contains(sender_trace), "{shown}");
+}
+
+/// `replayproof sources ARGS…` over `db` as `ann`.
+fn sources(db: &TestDb, args: &[&str]) -> std::process::Output {
+    replayproof()
+        .arg("sources")
+        .args(args)
+        .args(["--database-url", &db.url, "--actor", "ann"])
+        .output()
+        .unwrap()
+}
+
+/// A paused source: ingest keeps accepting its deliveries (2xx), the consumer claims its events
+/// and holds them (deferred, no effect) while the other source's are applied; resumed, each
+/// held event is applied once, its redeliveries still suppressed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_sources_events_are_held_while_ingest_accepts_them_then_applied_once_on_resume() {
+    let (kafka, db) = (TestKafka::for_processes(), TestDb::new().await);
+    let (topic, group) = (kafka.topic(2).await, unique("group"));
+    let out = sources(&db, &["pause", "stripe", "--reason", "their incident"]);
+    assert!(out.status.success(), "{}", printed(&out));
+    assert!(
+        printed(&out).contains("source:stripe: running -> paused"),
+        "{}",
+        printed(&out)
+    );
+    let (_ingest, port, _dir) = Ingress::spawn(&kafka, &topic, None);
+    let extra = ["--defer-poll", "100ms"];
+    let consumer =
+        ConsumerProcess::spawn_with(&kafka.brokers(), &topic, &group, &db.url, None, &extra);
+    let (base, http) = (format!("http://127.0.0.1:{port}"), reqwest::Client::new());
+    wait_ready(&http, &base).await;
+    // Events 0..40: github the even ones, stripe the odd ones; each stripe event twice.
+    for n in (0..40).chain((1..40).step_by(2)) {
+        assert_eq!(deliver(&http, &base, n).await, 200, "delivery {n}");
+    }
+    let github: HashSet<String> = (0..40).step_by(2).map(key).collect();
+    let stripe: HashSet<String> = (1..40).step_by(2).map(key).collect();
+    wait_for(
+        "every stripe event held",
+        Duration::from_secs(60),
+        || async {
+            db.count(
+            "SELECT count(*) FROM processed_events WHERE source = 'stripe' AND status = 'deferred' \
+             AND deferred_reason LIKE 'its source is paused (by ann: their incident)%' \
+             AND deliveries = 2",
+        )
+        .await
+            == 20
+        },
+    )
+    .await;
+    assert_exactly_once(&db, &github, Duration::from_secs(60)).await;
+    // Held, the claims are due at once: the applier's rounds (every 100 ms) pass them over.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(
+        db.count("SELECT count(*) FROM ledger WHERE event_key LIKE 'stripe:%'")
+            .await,
+        0
+    );
+    let listed = sources(&db, &["list", "--json"]);
+    let listed: serde_json::Value = serde_json::from_slice(&listed.stdout).unwrap();
+    assert_eq!(listed[0]["source"], "stripe", "{listed}");
+    assert_eq!(listed[0]["by"], "ann");
+
+    let out = sources(&db, &["resume", "stripe", "--reason", "fixed"]);
+    assert!(out.status.success(), "{}", printed(&out));
+    let every: HashSet<String> = github.union(&stripe).cloned().collect();
+    assert_exactly_once(&db, &every, Duration::from_secs(60)).await;
+    let done = db
+        .count("SELECT count(*) FROM processed_events WHERE status = 'done' AND deliveries = 2")
+        .await;
+    assert_eq!(
+        done, 20,
+        "each held event applied once, its second delivery suppressed"
+    );
+    let again = sources(&db, &["resume", "stripe", "--reason", "twice"]);
+    assert!(
+        printed(&again).contains("source stripe is not paused"),
+        "{}",
+        printed(&again)
+    );
+    let audit: Vec<(String, String, String)> =
+        sqlx::query_as("SELECT actor, action, target FROM operator_actions ORDER BY id")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+    let row = |a: &str| ("ann".to_owned(), a.to_owned(), "source:stripe".to_owned());
+    assert_eq!(audit, [row("pause"), row("resume")]);
+    assert!(consumer.terminate(Duration::from_secs(30)).await.success());
+    // The console's charts count the held events once, when the deferred applier applied them.
+    let sums = "SELECT coalesce(sum(applied), 0)::int8, coalesce(sum(suppressed), 0)::int8 \
+                FROM activity_minutes";
+    let (applied, suppressed): (i64, i64) = sqlx::query_as(sums).fetch_one(&db.pool).await.unwrap();
+    assert_eq!((applied, suppressed), (40, 20));
+}
+
+/// Ingest logs each accepted delivery at info with its key, request id, partition and offset,
+/// at most 20 lines a second: past that a delivery is counted, and the next line logged says
+/// how many were not, so the lines and their counts add up to every delivery.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ingest_logs_each_accepted_delivery_rate_limited_and_counts_the_rest() {
+    use tokio::io::AsyncBufReadExt as _;
+    let kafka = TestKafka::for_processes();
+    let topic = kafka.topic(2).await;
+    let (mut cmd, port, _dir) = Ingress::command(&kafka, &topic, None, &[], None);
+    cmd.env("RUST_LOG", "warn,replayproof::ingest=info")
+        .env("NO_COLOR", "1")
+        .stderr(Stdio::piped());
+    let mut ingest = cmd.spawn().unwrap();
+    let lines = tokio::io::BufReader::new(ingest.stderr.take().unwrap()).lines();
+    let (base, http) = (format!("http://127.0.0.1:{port}"), reqwest::Client::new());
+    wait_ready(&http, &base).await;
+    const BURST: usize = 120;
+    for n in 0..BURST {
+        assert_eq!(deliver(&http, &base, n).await, 200);
+    }
+    // After a second, the bucket has room again: this one is logged, with the count.
+    tokio::time::sleep(Duration::from_millis(1_100)).await;
+    assert_eq!(deliver(&http, &base, BURST).await, 200);
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(ingest.id().unwrap() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .unwrap();
+    let mut lines = lines;
+    let (mut logged, mut not_logged, mut last) = (0, 0, String::new());
+    while let Some(line) = lines.next_line().await.unwrap() {
+        if !line.contains("Accepted a webhook.") {
+            continue;
+        }
+        assert!(line.contains(" INFO "), "{line}");
+        for field in ["key=", "request_id=", "partition=", "offset=", "source="] {
+            assert!(line.contains(field), "{field} missing: {line}");
+        }
+        let count = line.split("not_logged=").nth(1).unwrap();
+        not_logged += count
+            .split_whitespace()
+            .next()
+            .unwrap()
+            .parse::<usize>()
+            .unwrap();
+        logged += 1;
+        last = line;
+    }
+    ingest.wait().await.unwrap();
+    assert!(
+        logged < BURST,
+        "{logged} lines for {BURST} quick deliveries: not limited"
+    );
+    assert_eq!(
+        logged + not_logged,
+        BURST + 1,
+        "every delivery logged or counted"
+    );
+    assert!(last.contains(&format!("key={}", key(BURST))), "{last}");
 }

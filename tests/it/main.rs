@@ -28,6 +28,8 @@ mod ingest {
     mod requests;
     mod signatures;
 }
+/// An operator's pauses of destinations and sources, through the binaries and the console.
+mod pauses;
 /// Which buckets each database holds: lists that disagree are refused, moves cut off finish.
 mod shard_layout;
 /// Claims and effects spread over several databases by route key, as Citus would shard them.

@@ -34,7 +34,9 @@ use crate::claims::{self, conflicts, dead_letters, Origin};
 use crate::effect::Effect;
 use crate::envelope::Event;
 use crate::shard::Shards;
+use crate::sources::Paused;
 use error::RunError;
+use guarded::EffectFailure;
 use plan::Plan;
 use report::{Applied, Pass};
 use retrying::{Held, GUARDED_PASSES};
@@ -69,6 +71,8 @@ struct Run<'a> {
     guarded: bool,
     /// The longest one transaction may take; None for no limit.
     limit: Option<Duration>,
+    /// The sources paused when the pass began: their events are held.
+    paused: &'a Paused,
 }
 
 /// Applies batches for one consumer; cheap to clone into each partition lane.
@@ -180,11 +184,16 @@ impl BatchProcessor {
             .chain(messages.iter())
             .collect();
         let guarded = retrying.guarded > 0;
+        let paused = match part.is_empty() {
+            true => Paused::none(),
+            false => Paused::read(self.shards.first()).await?,
+        };
         let run = Run {
             pool: self.shards.first(),
             attempts: &attempts,
             guarded,
             limit,
+            paused: &paused,
         };
         let pass = match self.shards.len() {
             1 => self.run_pass(origin, &part, &run).await?,
@@ -289,7 +298,7 @@ impl BatchProcessor {
         messages: &[&RawMessage],
         run: &Run<'_>,
     ) -> Result<Pass, RunError> {
-        let plan = Plan::new(origin, messages);
+        let plan = Plan::new(origin, messages).holding(run.paused);
         match self.run_once(&plan, run, run.guarded).await {
             Err(RunError::Unguarded) => {
                 tracing::debug!(
@@ -391,19 +400,21 @@ impl BatchProcessor {
         self.sort_out_replays(tx, plan, &claimed, &mut report)
             .await?;
         firsts.retain(|(_, e)| claimed.contains(e.key.as_str()));
+        let held = plan.hold(&mut firsts);
         let pass = self
-            .apply_claimed(tx, &firsts, attempts, guarded, report)
+            .apply_claimed(tx, (&firsts, held), attempts, guarded, report)
             .await?;
         Ok(Pass { dead_later, ..pass })
     }
 
     /// Applies the effect to the events claimed here and settles those whose effect did not
-    /// apply. An event tried again runs alone in its savepoint: failing again, it costs no
-    /// search through the fresh events it shares the transaction with.
+    /// apply, and those held (their source paused), which are deferred without their effect.
+    /// An event tried again runs alone in its savepoint: failing again, it costs no search
+    /// through the fresh events it shares the transaction with.
     async fn apply_claimed(
         &self,
         tx: &mut Transaction<'static, Postgres>,
-        claimed: &[(i64, &Event)],
+        (claimed, held): (&[(i64, &Event)], Vec<EffectFailure<'_>>),
         attempts: &Attempts,
         guarded: bool,
         mut report: BatchReport,
@@ -411,7 +422,8 @@ impl BatchProcessor {
         let (retried, fresh): (Vec<_>, Vec<_>) = claimed
             .iter()
             .partition(|(offset, _)| attempts.contains_key(offset));
-        let mut failures = self.apply_splitting(tx, &fresh, guarded).await?;
+        let mut failures = held;
+        failures.extend(self.apply_splitting(tx, &fresh, guarded).await?);
         for one in retried.chunks(1) {
             failures.extend(self.apply_splitting(tx, one, true).await?);
         }

@@ -1,11 +1,14 @@
 //! A batch sorted out before any database work: the envelopes by first copy of each key and later
 //! copies, and the messages that are not envelopes.
 
+use super::guarded::EffectFailure;
 use super::RawMessage;
 use crate::claims::dead_letters::DeadLetter;
 use crate::claims::Origin;
+use crate::effect::{Deferred, EffectError};
 use crate::envelope::Event;
 use crate::shard::Shards;
+use crate::sources::Paused;
 use std::collections::{BTreeMap, HashSet};
 
 /// The batch, sorted out before any database work.
@@ -17,6 +20,8 @@ pub(super) struct Plan<'m> {
     /// Later copies of a key within this batch.
     pub(super) copies: Vec<(i64, Event)>,
     pub(super) dead: Vec<DeadLetter<'m>>,
+    /// The sources paused when the pass began.
+    paused: Paused,
 }
 
 impl<'m> Plan<'m> {
@@ -26,6 +31,7 @@ impl<'m> Plan<'m> {
             firsts: Vec::with_capacity(messages.len()),
             copies: Vec::new(),
             dead: Vec::new(),
+            paused: Paused::none(),
         };
         let mut events = Vec::with_capacity(messages.len());
         for m in messages {
@@ -54,6 +60,37 @@ impl<'m> Plan<'m> {
             }
         }
         plan
+    }
+
+    /// The plan, holding the events of the `paused` sources.
+    pub(super) fn holding(self, paused: &Paused) -> Self {
+        Self {
+            paused: paused.clone(),
+            ..self
+        }
+    }
+
+    /// Takes the events of paused sources out of `claimed`: each is deferred, due at once,
+    /// its effect not run; the deferred applier leaves it waiting until its source resumes.
+    pub(super) fn hold<'e>(&self, claimed: &mut Vec<(i64, &'e Event)>) -> Vec<EffectFailure<'e>> {
+        if self.paused.is_empty() {
+            return Vec::new();
+        }
+        let now = chrono::Utc::now();
+        let mut held = Vec::new();
+        claimed.retain(|(offset, event)| match self.paused.reason(&event.source) {
+            None => true,
+            Some(reason) => {
+                let not_yet = Deferred::new(reason).until(now);
+                held.push(EffectFailure {
+                    offset: *offset,
+                    event,
+                    error: EffectError::NotYet(not_yet),
+                });
+                false
+            }
+        });
+        held
     }
 }
 

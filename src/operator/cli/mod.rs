@@ -1,7 +1,11 @@
-//! The operator's commands, one file each: `events …`, `dead-letters …`, `status` and `replay`.
+//! The operator's commands, one file each: `events …`, `dead-letters …`, `destinations …`,
+//! `sources …`, `status` and `replay`.
 //! Each command's flags are its own; its `run` builds the [`Desk`] and makes one call on it.
 
 mod apply_expired;
+mod destinations_list;
+mod destinations_pause;
+mod destinations_resume;
 mod drop_expired;
 mod erase;
 mod expired;
@@ -13,9 +17,15 @@ mod replay;
 mod resolve;
 mod retry;
 mod show;
+mod sources_list;
+mod sources_pause;
+mod sources_resume;
 mod status;
 
 pub use apply_expired::ApplyExpiredArgs;
+pub use destinations_list::DestinationListArgs;
+pub use destinations_pause::DestinationPauseArgs;
+pub use destinations_resume::DestinationResumeArgs;
 pub use drop_expired::DropExpiredArgs;
 pub use erase::EraseArgs;
 pub use expired::ExpiredArgs;
@@ -27,6 +37,9 @@ pub use replay::ReplayArgs;
 pub use resolve::ResolveArgs;
 pub use retry::RetryArgs;
 pub use show::ShowArgs;
+pub use sources_list::SourceListArgs;
+pub use sources_pause::SourcePauseArgs;
+pub use sources_resume::SourceResumeArgs;
 pub use status::StatusArgs;
 
 use super::{Act, Desk, DeskSettings};
@@ -154,6 +167,48 @@ impl DeadLettersCommand {
             Self::List(args) => args.run(registry).await,
             Self::Show(args) => args.run(registry).await,
             Self::Replay(args) => args.run(registry).await,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Subcommand)]
+pub enum DestinationsCommand {
+    /// Every known destination: its pause, circuit breaker, requests in flight and backlog.
+    List(DestinationListArgs),
+    /// Send nothing to a destination until it is resumed (or --until has passed): its
+    /// operations wait without spending attempts. Audited.
+    Pause(DestinationPauseArgs),
+    /// Send to a paused destination again. Audited.
+    Resume(DestinationResumeArgs),
+}
+
+impl DestinationsCommand {
+    pub async fn run(self, registry: &Registry) -> anyhow::Result<()> {
+        match self {
+            Self::List(args) => args.run(registry).await,
+            Self::Pause(args) => args.run(registry).await,
+            Self::Resume(args) => args.run(registry).await,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Subcommand)]
+pub enum SourcesCommand {
+    /// The paused sources: who paused each, when and why.
+    List(SourceListArgs),
+    /// Hold a source's events: ingest keeps accepting its deliveries, the consumers claim its
+    /// events and defer them, their effect not run, until it is resumed. Audited.
+    Pause(SourcePauseArgs),
+    /// Apply a paused source's events again, the held ones each once. Audited.
+    Resume(SourceResumeArgs),
+}
+
+impl SourcesCommand {
+    pub async fn run(self, registry: &Registry) -> anyhow::Result<()> {
+        match self {
+            Self::List(args) => args.run(registry).await,
+            Self::Pause(args) => args.run(registry).await,
+            Self::Resume(args) => args.run(registry).await,
         }
     }
 }

@@ -47,6 +47,10 @@ const ACTIONS: &[&str] = &[
     "/dead-letters/1/replay",
     "/dead-letters/replay",
     "/replay",
+    "/destinations/pause",
+    "/destinations/resume",
+    "/sources/pause",
+    "/sources/resume",
 ];
 
 #[tokio::test]

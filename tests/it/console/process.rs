@@ -6,6 +6,7 @@
 use crate::harness::console::{console_command, ConsoleProcess};
 use crate::harness::*;
 use std::io::Write as _;
+use std::time::Duration;
 
 const SESSION_KEY: &str = "a session key of at least thirty-two bytes, for the process";
 const PASSWORD: &str = "correct horse battery staple";
@@ -224,4 +225,78 @@ async fn the_console_refuses_an_effect_chain_other_than_consumes() {
     let (status, said) = exited(&argv).await;
     assert!(!status.success(), "the console must not start: {said}");
     assert!(said.contains("[consume] effect"), "{said}");
+}
+
+/// The overview draws what a real consumer did in the last hour (applied, duplicates
+/// suppressed, dead letters per minute, lag per partition) as inline SVG, and reloads itself
+/// unless paused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_overview_draws_the_last_hour_a_consumer_recorded_and_refreshes_unless_paused() {
+    let (kafka, db) = (TestKafka::for_processes(), TestDb::new().await);
+    let (topic, group) = (kafka.topic(2).await, unique("group"));
+    let mut records: Vec<Record> = (0..30)
+        .map(|n| Record::event(&format!("evt-chart-{n}"), serde_json::json!({ "n": n })))
+        .collect();
+    records.extend(
+        (0..10).map(|n| Record::event(&format!("evt-chart-{n}"), serde_json::json!({ "n": n }))),
+    );
+    records.extend((0..2).map(|_| Record {
+        key: Some(b"k".to_vec()),
+        value: b"not json".to_vec(),
+        partition: None,
+    }));
+    produce(&producer(&kafka.brokers()), &topic, &records).await;
+    let consumer = ConsumerProcess::spawn(&kafka.brokers(), &topic, &group, &db.url, None);
+    let recorded = "SELECT coalesce(sum(applied), 0)::int8 FROM activity_minutes";
+    wait_for(
+        "the consumer's activity written",
+        Duration::from_secs(60),
+        || async { db.count(recorded).await == 30 },
+    )
+    .await;
+    assert!(consumer.terminate(Duration::from_secs(30)).await.success());
+
+    let dir = tempfile::tempdir().unwrap();
+    let listen = format!("127.0.0.1:{}", free_port());
+    let database = format!("[database]\nurl = \"{}\"\n", db.url);
+    let config = config_file(&dir, &database, &listen, &hash_password(PASSWORD));
+    let brokers = kafka.brokers();
+    let mut argv = vec!["console", "--config", &config, "--brokers", &brokers];
+    argv.extend(["--topic", &topic, "--group", &group]);
+    let options: Vec<String> = test_kafka_options()
+        .into_iter()
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect();
+    for option in &options {
+        argv.extend(["--kafka-option", option]);
+    }
+    let console = ConsoleProcess::listening(&argv, &[], &listen).await;
+    let alice = console.client().logged_in("alice", PASSWORD).await;
+    let page = alice.get("/").await;
+    assert_eq!(page.status, 200, "{}", page.body);
+    let body = &page.body;
+    for caption in [
+        "Events applied per minute: 30 in the hour",
+        "Duplicates suppressed per minute: 10 in the hour",
+        "Dead letters per minute: 2 in the hour",
+    ] {
+        assert!(body.contains(caption), "{caption}: {body}");
+    }
+    assert!(body.contains("<svg"), "{body}");
+    assert!(body.contains("<polyline"), "a lag line: {body}");
+    assert!(
+        body.contains(r#"<meta http-equiv="refresh" content="30">"#),
+        "{body}"
+    );
+    assert!(
+        !body.contains("<script") && !body.contains("style=\""),
+        "{body}"
+    );
+    let paused = alice.get("/?refresh=off").await;
+    assert!(
+        !paused.body.contains("http-equiv=\"refresh\""),
+        "{}",
+        paused.body
+    );
+    assert!(paused.body.contains("Not refreshing."), "{}", paused.body);
 }
