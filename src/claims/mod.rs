@@ -279,6 +279,16 @@ pub async fn due(
     .await
 }
 
+/// Whether any claim of `source` is on `pool` (through `processed_events_age_idx`).
+pub async fn source_seen(pool: &PgPool, source: &str) -> sqlx::Result<bool> {
+    sqlx::query_scalar!(
+        r#"SELECT EXISTS (SELECT 1 FROM processed_events WHERE source = $1) AS "seen!""#,
+        source
+    )
+    .fetch_one(pool)
+    .await
+}
+
 /// Deferred claims of `topic` (None: of every topic): how many, the age in seconds of the
 /// oldest (0 when none is), and the seconds until the next is due (negative when overdue; None
 /// when none is deferred).
@@ -307,7 +317,7 @@ pub async fn lock_due(conn: &mut PgConnection, key: &str) -> sqlx::Result<Option
         StoredClaim,
         r#"SELECT source, event_type, received_at, payload AS "payload: JsonText", payload_sha256,
                   status AS "status: ClaimStatus", effect_spec, attempts, deadline_at, defer_policy,
-                  route_key
+                  route_key, deferred_reason
            FROM processed_events
            WHERE event_key = $1 AND status = 'deferred' AND due_at <= now()
            FOR UPDATE SKIP LOCKED"#,
@@ -471,9 +481,21 @@ pub struct StoredClaim {
     pub defer_policy: Option<serde_json::Value>,
     /// The route key the claim was stored by; the event is applied again under it.
     pub route_key: String,
+    /// Why a deferred claim waits.
+    pub deferred_reason: Option<String>,
 }
 
 impl StoredClaim {
+    /// Whether the claim waits only because its source was paused ([`crate::sources`]): its
+    /// effect has not run, so its first deferral by the effect is still to come.
+    pub fn held(&self) -> bool {
+        self.status == ClaimStatus::Deferred
+            && self
+                .deferred_reason
+                .as_deref()
+                .is_some_and(|r| r.starts_with(crate::sources::HELD_REASON))
+    }
+
     /// The deferral policy stored on the claim; None on a claim settled before policies were
     /// stored.
     pub fn defer_policy(&self) -> Option<DeferPolicy> {
@@ -509,7 +531,7 @@ pub async fn lock(conn: &mut PgConnection, key: &str) -> sqlx::Result<Option<Sto
         StoredClaim,
         r#"SELECT source, event_type, received_at, payload AS "payload: JsonText", payload_sha256,
                   status AS "status: ClaimStatus", effect_spec, attempts, deadline_at, defer_policy,
-                  route_key
+                  route_key, deferred_reason
            FROM processed_events WHERE event_key = $1 FOR UPDATE"#,
         key
     )

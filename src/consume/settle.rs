@@ -82,8 +82,13 @@ impl Standing {
         }
     }
 
-    /// A stored claim (deferred or failed), at the `attempt`-th try of this series.
+    /// A stored claim (deferred or failed), at the `attempt`-th try of this series. A claim
+    /// held while its source was paused stands as a fresh one: the pause spends none of its
+    /// effect's deferrals or deadline.
     pub fn stored(claim: &StoredClaim, attempt: u32) -> Self {
+        if claim.held() {
+            return Self::fresh(attempt);
+        }
         let deferred = claim.status == ClaimStatus::Deferred;
         Self {
             attempt,
@@ -282,6 +287,29 @@ mod tests {
             "{error}"
         );
         assert!(error.ends_with(": gate closed"), "{error}");
+    }
+
+    #[test]
+    fn a_claim_held_by_a_source_pause_stands_fresh_and_a_deferred_one_keeps_its_deadline() {
+        let deadline = Utc::now();
+        let claim = |reason: &str| StoredClaim {
+            source: "stripe".into(),
+            event_type: None,
+            received_at: None,
+            payload: None,
+            payload_sha256: vec![0; 32],
+            status: ClaimStatus::Deferred,
+            effect_spec: None,
+            attempts: 1,
+            deadline_at: Some(deadline),
+            defer_policy: None,
+            route_key: "k".into(),
+            deferred_reason: Some(reason.into()),
+        };
+        let held = format!("{} (by ops: incident)", crate::sources::HELD_REASON);
+        assert_eq!(Standing::stored(&claim(&held), 1), Standing::fresh(1));
+        let deferred = Standing::stored(&claim("gate closed"), 1);
+        assert_eq!((deferred.deferrals, deferred.deadline), (1, Some(deadline)));
     }
 
     #[test]

@@ -348,6 +348,17 @@ impl Desk {
         Ok(crate::sources::pauses::pause(self.first(), source, act).await?)
     }
 
+    /// Whether any database holds a claim of `source`: a pause of a name no event carries
+    /// (a typo) holds nothing.
+    pub async fn source_seen(&self, source: &str) -> Result<bool, OperatorError> {
+        for pool in self.shards.pools() {
+            if crate::claims::source_seen(&pool, source.trim()).await? {
+                return Ok(true);
+            }
+        }
+        Ok(false)
+    }
+
     /// Resumes `source`; refused when it is not paused.
     pub async fn resume_source(&self, source: &str, act: &Act) -> Result<Change, OperatorError> {
         let source = source_name(source)?;

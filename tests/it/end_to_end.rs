@@ -605,6 +605,11 @@ async fn a_paused_sources_events_are_held_while_ingest_accepts_them_then_applied
         "{}",
         printed(&out)
     );
+    assert!(
+        printed(&out).contains("warning: no event of source \"stripe\" is claimed"),
+        "a name no claim carries yet is pointed out: {}",
+        printed(&out)
+    );
     let (_ingest, port, _dir) = Ingress::spawn(&kafka, &topic, None);
     let extra = ["--defer-poll", "100ms"];
     let consumer =
@@ -661,8 +666,14 @@ async fn a_paused_sources_events_are_held_while_ingest_accepts_them_then_applied
         "{}",
         printed(&again)
     );
+    let seen = sources(&db, &["pause", "github", "--reason", "seen"]);
+    assert!(seen.status.success(), "{}", printed(&seen));
+    assert!(!printed(&seen).contains("warning"), "{}", printed(&seen));
+    assert!(sources(&db, &["resume", "github", "--reason", "x"])
+        .status
+        .success());
     let audit: Vec<(String, String, String)> =
-        sqlx::query_as("SELECT actor, action, target FROM operator_actions ORDER BY id")
+        sqlx::query_as("SELECT actor, action, target FROM operator_actions WHERE target = 'source:stripe' ORDER BY id")
             .fetch_all(&db.pool)
             .await
             .unwrap();

@@ -23,6 +23,13 @@ impl SourcePauseArgs {
         let act = self.op.act(&self.reason);
         let change = desk.pause_source(&self.source, &act).await?;
         render::print(self.op.json, &[change], |c| render::changes(c));
+        if !desk.source_seen(&self.source).await? {
+            eprintln!(
+                "warning: no event of source {:?} is claimed on any database: if the name is \
+                 mistyped, this pause holds nothing (`sources resume` undoes it)",
+                self.source.trim()
+            );
+        }
         Ok(())
     }
 }
