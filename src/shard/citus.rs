@@ -31,6 +31,8 @@ pub const REFERENCE: &[&str] = &[
     "prune_horizons",
     "outbox_destinations",
     "console_sessions",
+    "source_pauses",
+    "activity_minutes",
 ];
 
 /// The tables each database keeps of itself, never distributed: which buckets it holds
