@@ -188,6 +188,8 @@ impl BatchProcessor {
             true => Paused::none(),
             false => Paused::read(self.shards.first()).await?,
         };
+        let reads = plan::Read::all(&part);
+        let reads: Vec<&plan::Read<'_>> = reads.iter().collect();
         let run = Run {
             pool: self.shards.first(),
             attempts: &attempts,
@@ -196,8 +198,8 @@ impl BatchProcessor {
             paused: &paused,
         };
         let pass = match self.shards.len() {
-            1 => self.run_pass(origin, &part, &run).await?,
-            _ => self.run_shards(origin, &part, &run).await?,
+            1 => self.run_pass(origin, &reads, &run).await?,
+            _ => self.run_shards(origin, &reads, &run).await?,
         };
         retrying.guarded = match pass.report.effect_errors + pass.report.deferred {
             0 => retrying.guarded.saturating_sub(1),
@@ -217,10 +219,10 @@ impl BatchProcessor {
     async fn run_shards(
         &self,
         origin: Origin<'_>,
-        messages: &[&RawMessage],
+        reads: &[&plan::Read<'_>],
         run: &Run<'_>,
     ) -> Result<Pass, BatchError> {
-        let parts = plan::by_shard(&self.shards, messages);
+        let parts = plan::by_shard(&self.shards, reads);
         let runs: Vec<Run<'_>> = parts
             .iter()
             .map(|(shard, _)| Run {
@@ -239,7 +241,7 @@ impl BatchProcessor {
         for pass in passes {
             merged.merge(pass?);
         }
-        self.dead_letter_on_first(origin, messages, &merged.dead_later)
+        self.dead_letter_on_first(origin, reads, &merged.dead_later)
             .await?;
         Ok(merged)
     }
@@ -250,7 +252,7 @@ impl BatchProcessor {
     async fn dead_letter_on_first(
         &self,
         origin: Origin<'_>,
-        messages: &[&RawMessage],
+        reads: &[&plan::Read<'_>],
         dead: &[DeadLettered],
     ) -> Result<(), BatchError> {
         if dead.is_empty() {
@@ -259,7 +261,10 @@ impl BatchProcessor {
         let letters: Vec<dead_letters::DeadLetter<'_>> = dead
             .iter()
             .filter_map(|d| {
-                let m = messages.iter().find(|m| m.offset == d.offset)?;
+                let m = reads
+                    .iter()
+                    .map(|r| r.message)
+                    .find(|m| m.offset == d.offset)?;
                 Some(dead_letters::DeadLetter {
                     offset: m.offset,
                     key: m.key.as_deref(),
@@ -278,13 +283,13 @@ impl BatchProcessor {
     async fn run_pass(
         &self,
         origin: Origin<'_>,
-        messages: &[&RawMessage],
+        reads: &[&plan::Read<'_>],
         run: &Run<'_>,
     ) -> Result<Pass, BatchError> {
-        match self.run_and_commit(origin, messages, run).await {
+        match self.run_and_commit(origin, reads, run).await {
             Err(RunError::Database(e)) if crate::db::is_data_error(&e) => {
                 tracing::warn!(partition = origin.partition, error = %e, "PostgreSQL refused part of a batch; splitting it to find the messages.");
-                self.split_out_refused(origin, messages, e, run).await
+                self.split_out_refused(origin, reads, e, run).await
             }
             other => Ok(other?),
         }
@@ -295,10 +300,10 @@ impl BatchProcessor {
     async fn run_and_commit(
         &self,
         origin: Origin<'_>,
-        messages: &[&RawMessage],
+        reads: &[&plan::Read<'_>],
         run: &Run<'_>,
     ) -> Result<Pass, RunError> {
-        let plan = Plan::new(origin, messages).holding(run.paused);
+        let plan = Plan::new(origin, reads).holding(run.paused);
         match self.run_once(&plan, run, run.guarded).await {
             Err(RunError::Unguarded) => {
                 tracing::debug!(

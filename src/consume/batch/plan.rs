@@ -25,24 +25,26 @@ pub(super) struct Plan<'m> {
 }
 
 impl<'m> Plan<'m> {
-    pub(super) fn new(origin: Origin<'m>, messages: &[&'m RawMessage]) -> Self {
+    pub(super) fn new(origin: Origin<'m>, reads: &[&Read<'m>]) -> Self {
         let mut plan = Plan {
             origin,
-            firsts: Vec::with_capacity(messages.len()),
+            firsts: Vec::with_capacity(reads.len()),
             copies: Vec::new(),
             dead: Vec::new(),
             paused: Paused::none(),
         };
-        let mut events = Vec::with_capacity(messages.len());
-        for m in messages {
-            match Event::parse(m.key.as_deref(), m.value.as_deref()) {
+        let mut events = Vec::with_capacity(reads.len());
+        for Read { message: m, event } in reads.iter().copied() {
+            match event {
                 // Each event's span, when traces are exported, is open while the batch runs.
-                Ok(event) => events.push((m.offset, event.in_trace(m.traceparent.as_deref()))),
+                Ok(event) => {
+                    events.push((m.offset, event.clone().in_trace(m.traceparent.as_deref())))
+                }
                 Err(reason) => plan.dead.push(DeadLetter {
                     offset: m.offset,
                     key: m.key.as_deref(),
                     value: m.value.as_deref(),
-                    reason: reason.to_string(),
+                    reason: reason.clone(),
                 }),
             }
         }
@@ -94,27 +96,45 @@ impl<'m> Plan<'m> {
     }
 }
 
+/// A message of a pass with what the envelope's parser read from it: each message is parsed
+/// once a pass, and both the split by shard and the plan take its event from here.
+pub(super) struct Read<'m> {
+    pub(super) message: &'m RawMessage,
+    event: Result<Event, String>,
+}
+
+impl<'m> Read<'m> {
+    /// Each of `messages`, parsed.
+    pub(super) fn all(messages: &[&'m RawMessage]) -> Vec<Self> {
+        messages
+            .iter()
+            .map(|&message| Read {
+                message,
+                event: Event::parse(message.key.as_deref(), message.value.as_deref())
+                    .map_err(|reason| reason.to_string()),
+            })
+            .collect()
+    }
+
+    /// The route key of its event ([`Event::route_key`]); None for what is not an event.
+    fn route(&self) -> Option<&str> {
+        self.event.as_ref().ok().map(Event::route_key)
+    }
+}
+
 /// The messages grouped by the shard of their route key, in offset order within each group and
 /// the groups in shard order. A message with no usable route (no key anywhere, not an
 /// envelope) goes to the first shard, where it becomes a dead letter.
-pub(super) fn by_shard<'m>(
+pub(super) fn by_shard<'r, 'm>(
     shards: &Shards,
-    messages: &[&'m RawMessage],
-) -> Vec<(usize, Vec<&'m RawMessage>)> {
-    let mut groups: BTreeMap<usize, Vec<&'m RawMessage>> = BTreeMap::new();
-    for &m in messages {
-        let shard = route_of(m).map_or(0, |route| shards.shard(&route));
-        groups.entry(shard).or_default().push(m);
+    reads: &[&'r Read<'m>],
+) -> Vec<(usize, Vec<&'r Read<'m>>)> {
+    let mut groups: BTreeMap<usize, Vec<&'r Read<'m>>> = BTreeMap::new();
+    for &r in reads {
+        let shard = r.route().map_or(0, |route| shards.shard(route));
+        groups.entry(shard).or_default().push(r);
     }
     groups.into_iter().collect()
-}
-
-/// The route key of a message exactly as [`Event::route_key`] reads it, from what
-/// [`Event::parse`] reads (an escaped member name, or a message key other than the envelope's,
-/// routes as the event does); None for what is not an event.
-fn route_of(m: &RawMessage) -> Option<String> {
-    let event = Event::parse(m.key.as_deref(), m.value.as_deref()).ok()?;
-    Some(event.route_key().to_owned())
 }
 
 #[cfg(test)]
@@ -132,7 +152,7 @@ mod tests {
     }
 
     #[test]
-    fn a_message_routes_as_its_event_reads_its_route_even_through_an_escaped_name() {
+    fn a_message_is_read_once_and_routes_as_its_event_even_through_an_escaped_name() {
         let layout = Layout::new(1024, 4).unwrap();
         let tenant = (0..)
             .map(|n| format!("tenant-{n}"))
@@ -158,7 +178,31 @@ mod tests {
             let m = message("evt-1", &value);
             let event = Event::parse(m.key.as_deref(), m.value.as_deref()).unwrap();
             assert_eq!(event.route_key(), tenant);
-            assert_eq!(route_of(&m).as_deref(), Some(tenant.as_str()), "{value}");
+            let read = Read::all(&[&m]);
+            assert_eq!(read[0].route(), Some(tenant.as_str()), "{value}");
+            let plan = Plan::new(
+                Origin {
+                    topic: "t",
+                    partition: 0,
+                },
+                &[&read[0]],
+            );
+            assert_eq!(
+                plan.firsts[0].1.route_key(),
+                tenant,
+                "the plan's event is the read one"
+            );
         }
+        let junk = message("evt-1", "not json");
+        let read = Read::all(&[&junk]);
+        assert_eq!(read[0].route(), None);
+        let plan = Plan::new(
+            Origin {
+                topic: "t",
+                partition: 0,
+            },
+            &[&read[0]],
+        );
+        assert_eq!(plan.dead.len(), 1);
     }
 }

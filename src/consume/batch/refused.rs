@@ -3,7 +3,8 @@
 //! with PostgreSQL's own message.
 
 use super::{
-    BatchError, BatchProcessor, BatchReport, DeadLettered, Pass, RawMessage, Run, RunError,
+    plan::Read, BatchError, BatchProcessor, BatchReport, DeadLettered, Pass, RawMessage, Run,
+    RunError,
 };
 use crate::claims::dead_letters::{self, DeadLetter};
 use crate::claims::Origin;
@@ -16,7 +17,7 @@ impl BatchProcessor {
     pub(super) async fn split_out_refused(
         &self,
         origin: Origin<'_>,
-        messages: &[&RawMessage],
+        messages: &[&Read<'_>],
         refusal: sqlx::Error,
         run: &Run<'_>,
     ) -> Result<Pass, BatchError> {
@@ -35,8 +36,10 @@ impl BatchProcessor {
                 },
             };
             match part {
-                [message] => {
-                    let letter = self.dead_letter_refused(origin, message, &refusal).await?;
+                [read] => {
+                    let letter = self
+                        .dead_letter_refused(origin, read.message, &refusal)
+                        .await?;
                     done.report.merge(letter);
                 }
                 _ => {
