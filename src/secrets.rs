@@ -121,6 +121,11 @@ pub fn redact_url(url: &str) -> String {
     let Ok(mut parsed) = reqwest::Url::parse(url) else {
         return format!("{REDACTED}: not a URL");
     };
+    // `user:password@host` without `//` parses with `user` as its scheme and the rest as an
+    // opaque path: whatever comes before an `@` there may be a credential.
+    if parsed.cannot_be_a_base() && url.contains('@') {
+        return format!("{REDACTED}: not a URL");
+    }
     if parsed.password().is_some() {
         let _ = parsed.set_password(Some("redacted"));
     }
@@ -179,6 +184,18 @@ pub fn scrubbing_stderr() -> Scrubbing<std::io::Stderr> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_credential_written_without_a_scheme_is_not_shown() {
+        for given in ["u:pw@host", "user:s3cret@api.example.com/path"] {
+            let shown = redact_url(given);
+            assert!(
+                !shown.contains("pw") && !shown.contains("s3cret"),
+                "{shown}"
+            );
+        }
+        assert_eq!(redact_url("mailto:ops"), "mailto:ops");
+    }
 
     #[test]
     fn urls_lose_their_passwords_tokens_and_credential_queries() {

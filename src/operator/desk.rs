@@ -368,10 +368,18 @@ impl Desk {
     }
 }
 
-/// A source's name as events carry it; refused when empty or holding control characters.
+/// A source's name as events carry it; refused when empty or holding a character that does
+/// not show: a control, a space, or an invisible format character (a zero-width space, a
+/// direction override), which would make a name that looks like another.
 fn source_name(name: &str) -> Result<&str, OperatorError> {
     let name = name.trim();
-    match !name.is_empty() && !name.chars().any(char::is_control) {
+    let unseen = |c: char| {
+        c.is_control()
+            || c.is_whitespace()
+            || matches!(c, '\u{ad}' | '\u{200b}'..='\u{200f}' | '\u{202a}'..='\u{202e}'
+                | '\u{2060}'..='\u{2064}' | '\u{2066}'..='\u{2069}' | '\u{feff}')
+    };
+    match !name.is_empty() && !name.chars().any(unseen) {
         true => Ok(name),
         false => Err(OperatorError::NotASource(name.escape_debug().to_string())),
     }
@@ -384,5 +392,35 @@ fn destination_origin(url: &str) -> Result<String, OperatorError> {
             Ok(crate::outbox::origin(url.trim()))
         }
         _ => Err(OperatorError::NotAnOrigin(crate::secrets::redact_url(url))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_source_name_that_would_look_like_another_is_refused() {
+        assert_eq!(source_name(" stripe ").unwrap(), "stripe");
+        assert_eq!(source_name("shop-1_eu").unwrap(), "shop-1_eu");
+        for unseen in [
+            "",
+            " ",
+            "a\tb",
+            "acme\u{200b}",
+            "acme\u{202e}live",
+            "a b",
+            "\u{feff}acme",
+        ] {
+            assert!(source_name(unseen).is_err(), "{unseen:?}");
+        }
+    }
+
+    #[test]
+    fn a_refused_origin_shows_no_credential() {
+        for given in ["u:pw@host", "ftp://u:pw@h/"] {
+            let err = destination_origin(given).unwrap_err().to_string();
+            assert!(!err.contains("pw"), "{err}");
+        }
     }
 }
