@@ -31,6 +31,7 @@ pub mod ingest;
 pub mod kafka;
 pub mod operator;
 pub mod outbox;
+pub mod output;
 pub mod retention;
 pub mod secrets;
 pub mod shard;
@@ -55,6 +56,19 @@ macro_rules! failpoint {
     ($name:literal) => {
         #[cfg(feature = "failpoints")]
         fail::fail_point!($name);
+    };
+}
+
+/// A `fail` failpoint that, configured as `return`, ends the process at once with SIGABRT, as a
+/// `kill -9` there would: no destructor runs, nothing is flushed or recorded. Compiled in only
+/// with the `failpoints` feature.
+#[macro_export]
+macro_rules! crashpoint {
+    ($name:literal) => {
+        #[cfg(feature = "failpoints")]
+        (|| {
+            fail::fail_point!($name, |_| std::process::abort());
+        })();
     };
 }
 

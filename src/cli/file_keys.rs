@@ -60,7 +60,7 @@ fn section_of(command_path: &[String], long: &str) -> Option<FileKey> {
         Some("console") => match long {
             "listen" => Some(("console", key)),
             "effect" | "target-url" | "reconcile-url" | "max-attempts" | "effect-attempts"
-            | "operation-key" => Some(("consume", key)),
+            | "operation-key" | "output-topic" => Some(("consume", key)),
             _ if long.starts_with("defer-") => Some(("consume", key)),
             _ => None,
         },

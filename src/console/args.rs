@@ -48,6 +48,10 @@ pub struct ConsoleArgs {
     #[command(flatten)]
     pub http: crate::consume::args::HttpEffectArgs,
 
+    /// The `kafka` effect's output topic, as `consume`'s (and from `[consume]`).
+    #[command(flatten)]
+    pub output: crate::consume::kafka_args::KafkaEffectArgs,
+
     /// Tries of a failing effect in a replay by time, as `consume --effect-attempts`.
     #[arg(long, env = "REPLAYPROOF_EFFECT_ATTEMPTS", default_value_t = crate::consume::args::DEFAULT_EFFECT_ATTEMPTS, value_parser = clap::value_parser!(u32).range(1..=10))]
     pub effect_attempts: u32,
@@ -104,6 +108,7 @@ impl ConsoleArgs {
             });
         settings.effects = self.effects.clone();
         settings.http = self.http.outbox_for(file, self.database.is_sharded())?;
+        settings.kafka_output = self.output.output();
         settings.effect_retry = crate::consume::EffectRetry {
             attempts: self.effect_attempts,
             ..Default::default()

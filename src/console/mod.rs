@@ -117,6 +117,8 @@ pub struct ConsoleSettings {
     pub effects: Vec<String>,
     /// The `http` effect's target, for a replay by time.
     pub http: Option<crate::effect::HttpOutbox>,
+    /// The `kafka` effect's output topic, for a replay by time.
+    pub kafka_output: Option<crate::effect::KafkaOutput>,
     /// How a replay by time retries a failing effect, as `consume --effect-attempts`.
     pub effect_retry: crate::consume::EffectRetry,
     /// How an event deferred in a replay by time waits, as `consume`'s `--defer-*`.
@@ -170,6 +172,7 @@ impl ConsoleSettings {
             logins_per_minute: 10,
             effects: vec![crate::consume::args::DEFAULT_EFFECT.to_owned()],
             http: None,
+            kafka_output: None,
             effect_retry: crate::consume::EffectRetry::default(),
             defer: crate::consume::DeferSettings::default(),
         })
@@ -218,6 +221,7 @@ pub fn router(
         replay: Some(crate::operator::ReplayEffects {
             effects: settings.effects.clone(),
             http: settings.http.clone(),
+            kafka: settings.kafka_output.clone(),
             retry: settings.effect_retry,
             defer: settings.defer.clone(),
         }),

@@ -80,6 +80,7 @@ pub(crate) async fn overview(
                 (outbox(status))
                 (attention(status))
                 (destinations(&status.open_breakers))
+                (output(&status.output))
             }
             (charts::last_hour(&seen.minutes, chrono::Utc::now()))
             (super::pauses::destinations(&user, &seen.destinations))
@@ -155,6 +156,33 @@ fn outbox(status: &Status) -> Markup {
             (by_state("outbox", &status.outbox))
             p { "Oldest due operation: " (format!("{:.0}s", status.oldest_due_seconds)) " · "
                 a href="/events?state=in_progress" { "expired leases: " (status.expired_leases) } }
+        }
+    }
+}
+
+/// The Kafka output's backlog per output partition, stops first in their own words.
+fn output(backlog: &[crate::output::store::Backlog]) -> Markup {
+    html! {
+        section {
+            h2 { "Kafka output" }
+            @if backlog.is_empty() {
+                p id="output-backlog" { "Nothing waiting to be relayed." }
+            } @else {
+                table id="output-backlog" {
+                    thead { tr { th { "Output topic" } th { "Partition" } th { "Waiting" } th { "Relay" } th { "State" } } }
+                    tbody { @for b in backlog { tr {
+                        td { code { (b.topic) } }
+                        td { (b.partition.map_or("unassigned".into(), |p| p.to_string())) }
+                        td { (b.pending) }
+                        td { (b.owner.clone().unwrap_or_else(|| "-".into())) }
+                        @match (&b.stopped, b.in_doubt) {
+                            (Some(why), _) => td class="warn" { "stopped: " (why) },
+                            (None, true) => td { "in doubt: read back first" },
+                            (None, false) => td { "ok" },
+                        }
+                    } } }
+                }
+            }
         }
     }
 }

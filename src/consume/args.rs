@@ -63,6 +63,10 @@ pub struct ConsumeArgs {
     #[command(flatten)]
     pub http: HttpEffectArgs,
 
+    /// The `kafka` effect's output topic.
+    #[command(flatten)]
+    pub output: super::kafka_args::KafkaEffectArgs,
+
     /// The most messages of one partition applied in one transaction.
     #[arg(help_heading = "Batches", long, env = "REPLAYPROOF_BATCH_SIZE", default_value_t = DEFAULT_BATCH_SIZE, value_parser = clap::value_parser!(u32).range(1..=100_000))]
     pub batch_size: u32,
@@ -313,8 +317,13 @@ impl ConsumeArgs {
     ) -> anyhow::Result<BatchProcessor> {
         let shards: crate::shard::Shards = shards.into();
         let http = self.http.outbox_for(file, shards.len() > 1)?;
+        let kafka = self.output.output();
+        let built_ins = crate::effect::BuiltIns {
+            http: http.as_ref(),
+            kafka: kafka.as_ref(),
+        };
         Ok(
-            BatchProcessor::new(shards, registry.build(&self.effects, http.as_ref())?)
+            BatchProcessor::new(shards, registry.build_with(&self.effects, built_ins)?)
                 .with_retry(EffectRetry {
                     attempts: self.effect_attempts,
                     ..EffectRetry::default()
@@ -399,6 +408,9 @@ impl ToArgs for ConsumeArgs {
             flag("operation-key", pointer.clone());
         }
         flag("max-attempts", self.http.max_attempts.to_string());
+        if let Some(topic) = &self.output.output_topic {
+            flag("output-topic", topic.clone());
+        }
         flag("batch-size", self.batch_size.to_string());
         flag("max-lane-bytes", self.max_lane_bytes.to_string());
         flag("effect-attempts", self.effect_attempts.to_string());

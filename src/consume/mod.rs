@@ -23,6 +23,8 @@ mod health;
 #[cfg(feature = "cli")]
 pub mod http_args;
 mod internal_events;
+#[cfg(feature = "cli")]
+pub mod kafka_args;
 mod lane;
 mod metrics;
 mod offsets;

@@ -96,6 +96,10 @@ pub struct DispatchArgs {
         value_name = "WHSEC"
     )]
     pub signing_secret: Option<outbound::SigningSecret>,
+
+    /// The relay of the Kafka output records.
+    #[command(flatten)]
+    pub relay: crate::output::args::RelayArgs,
 }
 
 /// `$HOSTNAME` when set, else the kernel's host name, with the process id.
@@ -149,6 +153,9 @@ impl DispatchArgs {
     /// Runs the dispatcher process until a signal stops it.
     pub async fn run(self, file: Option<&crate::config::ConfigFile>) -> anyhow::Result<()> {
         let settings = self.settings(file)?;
+        let relay = self
+            .relay
+            .settings(&settings.worker, settings.poll_interval);
         let process = crate::shutdown::Process::start("dispatch", Some(self.metrics_addr)).await?;
         let metrics = DispatchMetrics::new(&process.registry)?;
         let shards = self
@@ -169,11 +176,40 @@ impl DispatchArgs {
             .on_shard(shard, &databases);
             loops.push(dispatcher.run_until_stopped(process.shutdown.clone()));
         }
+        if let Some(relay) = relay {
+            loops.extend(relays(relay, &databases, &process)?);
+        }
         for running in loops {
             running.stopped().await?;
         }
         Ok(())
     }
+}
+
+/// One relay per database, each producing that database's output records; the first reports
+/// every database's backlog.
+fn relays(
+    settings: crate::output::RelaySettings,
+    databases: &[sqlx::PgPool],
+    process: &crate::shutdown::Process,
+) -> anyhow::Result<Vec<Running>> {
+    let metrics = crate::output::OutputMetrics::new(&process.registry)?;
+    let mut relays = Vec::new();
+    for (shard, pool) in databases.iter().enumerate() {
+        let relay = crate::output::Relay::build(
+            settings.clone(),
+            pool.clone(),
+            metrics.clone(),
+            process.health.clone(),
+        )?
+        .reporting(match shard {
+            0 => databases.to_vec(),
+            _ => Vec::new(),
+        });
+        let stop = process.shutdown.clone();
+        relays.push(Running::spawn(async move { relay.run(stop).await }));
+    }
+    Ok(relays)
 }
 
 #[cfg(test)]

@@ -1,5 +1,5 @@
 //! Effects: what an event does, written in the same transaction as its claim. The built-in
-//! ones are [`ledger`] and [`http`]; [`Registry`] finds any effect by the name given to
+//! ones are [`ledger`], [`http`] and [`kafka`]; [`Registry`] finds any effect by the name given to
 //! `--effect`, including an application's own.
 //!
 //! An [`Effect`] receives the open transaction and the parsed event. Whatever it writes commits
@@ -67,6 +67,7 @@
 
 mod error;
 pub mod http;
+pub mod kafka;
 pub mod ledger;
 pub mod newest;
 pub mod obligation;
@@ -76,8 +77,9 @@ pub mod testing;
 
 pub use error::{EffectError, FailureKind};
 pub use http::HttpOutbox;
+pub use kafka::KafkaOutput;
 pub use ledger::Ledger;
-pub use registry::Registry;
+pub use registry::{BuiltIns, Registry};
 
 use crate::envelope::Event;
 use async_trait::async_trait;

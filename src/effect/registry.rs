@@ -1,7 +1,7 @@
 //! Effects by name: the built-in `ledger` and `http`, and whatever an application registers,
 //! so that `consume --effect` and an operator's retry can build any of them.
 
-use super::{Chain, DeferPolicy, Effect, EffectError, HttpOutbox, Ledger, Tx};
+use super::{Chain, DeferPolicy, Effect, EffectError, HttpOutbox, KafkaOutput, Ledger, Tx};
 use crate::envelope::Event;
 use anyhow::Context as _;
 use async_trait::async_trait;
@@ -10,6 +10,17 @@ use std::sync::Arc;
 
 /// The name of the built-in outbox effect, built from its settings rather than registered.
 const HTTP: &str = "http";
+/// The name of the built-in Kafka output effect, built from `--output-topic`.
+const KAFKA: &str = "kafka";
+
+/// The settings of the built-in effects that have some: `http`'s and `kafka`'s.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct BuiltIns<'a> {
+    /// The `http` effect, when `--target-url` is given.
+    pub http: Option<&'a HttpOutbox>,
+    /// The `kafka` effect, when `--output-topic` is given.
+    pub kafka: Option<&'a KafkaOutput>,
+}
 
 /// The effects `--effect` can name.
 #[derive(Clone)]
@@ -48,21 +59,32 @@ impl Registry {
     /// Every name `--effect` accepts.
     pub fn names(&self) -> Vec<String> {
         let mut names: Vec<String> = self.named.keys().cloned().collect();
-        names.push(HTTP.into());
+        names.extend([HTTP.into(), KAFKA.into()]);
         names.sort();
         names
     }
 
     /// Builds the named effects, chained in order when there are several; `http` needs its
-    /// settings.
+    /// settings, and `kafka` is refused ([`Registry::build_with`] gives it its topic).
     pub fn build(
         &self,
         names: &[String],
         http: Option<&HttpOutbox>,
     ) -> anyhow::Result<Arc<dyn Effect>> {
+        let built_ins = BuiltIns { http, kafka: None };
+        self.build_with(names, built_ins)
+    }
+
+    /// Builds the named effects, chained in order when there are several; `http` and `kafka`
+    /// need their settings.
+    pub fn build_with(
+        &self,
+        names: &[String],
+        built_ins: BuiltIns<'_>,
+    ) -> anyhow::Result<Arc<dyn Effect>> {
         let mut built = names
             .iter()
-            .map(|name| self.build_one(name, http))
+            .map(|name| self.build_one(name, built_ins))
             .collect::<anyhow::Result<Vec<_>>>()?;
         anyhow::ensure!(!built.is_empty(), "no effect given");
         Ok(if built.len() == 1 {
@@ -72,10 +94,16 @@ impl Registry {
         })
     }
 
-    fn build_one(&self, name: &str, http: Option<&HttpOutbox>) -> anyhow::Result<Arc<dyn Effect>> {
+    fn build_one(&self, name: &str, built_ins: BuiltIns<'_>) -> anyhow::Result<Arc<dyn Effect>> {
         if name == HTTP {
-            let http = http.context("--effect http needs --target-url")?;
+            let http = built_ins.http.context("--effect http needs --target-url")?;
             return Ok(Arc::new(http.clone()));
+        }
+        if name == KAFKA {
+            let kafka = built_ins
+                .kafka
+                .context("--effect kafka needs --output-topic")?;
+            return Ok(Arc::new(kafka.clone()));
         }
         self.named.get(name).cloned().with_context(|| {
             format!(
@@ -90,6 +118,7 @@ impl Registry {
         let name = spec.get("effect").and_then(serde_json::Value::as_str);
         match name {
             Some(HTTP) => Ok(Arc::new(HttpOutbox::from_spec(spec)?)),
+            Some(KAFKA) => Ok(Arc::new(KafkaOutput::from_spec(spec)?)),
             Some("chain") => {
                 let parts = spec
                     .get("of")
@@ -98,7 +127,7 @@ impl Registry {
                 let parts = parts.iter().map(|p| self.from_spec(p));
                 Ok(Arc::new(Chain(parts.collect::<anyhow::Result<_>>()?)))
             }
-            Some(name) => self.build_one(name, None),
+            Some(name) => self.build_one(name, BuiltIns::default()),
             None => anyhow::bail!("not an effect spec: {spec}"),
         }
     }

@@ -9,7 +9,7 @@ use super::status::{self, KafkaTarget, Status};
 use super::story::{self, Story};
 use super::{dead_letters, expired, replay, Act, Change, OperatorError};
 use crate::consume::{BatchProcessor, DeferSettings, EffectRetry};
-use crate::effect::{HttpOutbox, Registry};
+use crate::effect::{BuiltIns, HttpOutbox, KafkaOutput, Registry};
 use crate::shard::Shards;
 use crate::sources::SourcePause;
 use sqlx::PgPool;
@@ -21,6 +21,8 @@ pub struct ReplayEffects {
     pub effects: Vec<String>,
     /// The `http` effect's target.
     pub http: Option<HttpOutbox>,
+    /// The `kafka` effect's output topic.
+    pub kafka: Option<KafkaOutput>,
     pub retry: EffectRetry,
     pub defer: DeferSettings,
 }
@@ -72,9 +74,18 @@ impl Desk {
         };
         let processor = match (replay, &kafka) {
             (Some(r), Some(_)) => Some(
-                BatchProcessor::new(shards.clone(), registry.build(&r.effects, r.http.as_ref())?)
-                    .with_retry(r.retry)
-                    .with_defer(r.defer),
+                BatchProcessor::new(
+                    shards.clone(),
+                    registry.build_with(
+                        &r.effects,
+                        BuiltIns {
+                            http: r.http.as_ref(),
+                            kafka: r.kafka.as_ref(),
+                        },
+                    )?,
+                )
+                .with_retry(r.retry)
+                .with_defer(r.defer),
             ),
             _ => None,
         };

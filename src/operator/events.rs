@@ -23,6 +23,9 @@ pub struct EventDetail {
     /// Its operations fulfilled by another event's: both named one obligation.
     pub fulfilled_by: Vec<outbox::FulfilledRow>,
     pub attempts: Vec<outbox::AttemptRow>,
+    /// Its records for Kafka output topics: where each is (topic, partition, offset) and
+    /// whether it is known to be there.
+    pub output_records: Vec<crate::output::store::EventRecord>,
     pub dead_letters: Vec<dead_letters::DeadLetterRow>,
     pub key_conflicts: Vec<conflicts::ConflictRow>,
 }
@@ -38,6 +41,7 @@ pub async fn show(pool: &PgPool, key: &str) -> Result<EventDetail, OperatorError
         operations: outbox::of_event(pool, key).await?,
         fulfilled_by: outbox::fulfilled_of_event(pool, key).await?,
         attempts: outbox::attempts_of_event(pool, key).await?,
+        output_records: crate::output::store::of_event(pool, key).await?,
         dead_letters: dead_letters::of_key(pool, key).await?,
         key_conflicts: conflicts::of_event(pool, key).await?,
     })

@@ -98,6 +98,7 @@ pub fn event_detail(detail: &EventDetail) -> String {
         ("outbox operations", rows(&detail.operations)),
         ("fulfilled by", fulfilled(detail)),
         ("attempts", rows(&detail.attempts)),
+        ("output records", rows(&detail.output_records)),
         ("dead letters", rows(&detail.dead_letters)),
         ("key conflicts", rows(&detail.key_conflicts)),
     ]
@@ -165,7 +166,43 @@ pub fn status(s: &Status) -> String {
         s.expired_replays, s.oldest_expired_replay_seconds
     );
     out += &breakers(s);
+    out += &output_backlog(s);
     out
+}
+
+/// The Kafka output's backlog per output partition, and each stop with its reason.
+fn output_backlog(s: &Status) -> String {
+    if s.output.is_empty() {
+        return "Kafka output: nothing waiting\n".into();
+    }
+    let now = chrono::Utc::now();
+    let mut table = plain_table([
+        "output topic",
+        "partition",
+        "waiting",
+        "oldest",
+        "relay",
+        "state",
+    ]);
+    for b in &s.output {
+        let oldest = b.oldest.map_or("-".into(), |t| {
+            format!("{} s", (now - t).num_seconds().max(0))
+        });
+        let state = match (&b.stopped, b.in_doubt) {
+            (Some(why), _) => format!("stopped: {why}"),
+            (None, true) => "in doubt: read back first".into(),
+            (None, false) => "ok".into(),
+        };
+        table.add_row([
+            b.topic.clone(),
+            b.partition.map_or("unassigned".into(), |p| p.to_string()),
+            b.pending.to_string(),
+            oldest,
+            b.owner.clone().unwrap_or_else(|| "-".into()),
+            state,
+        ]);
+    }
+    format!("Kafka output:\n{table}\n")
 }
 
 /// The destinations whose breaker is not closed, one line each.

@@ -48,6 +48,9 @@ pub struct Status {
     pub oldest_expired_replay_seconds: f64,
     /// The destinations whose breaker is not closed.
     pub open_breakers: Vec<OpenBreaker>,
+    /// The Kafka output's backlog per output partition (every database's rows), with the
+    /// partitions whose relay stopped.
+    pub output: Vec<crate::output::store::Backlog>,
 }
 
 /// A destination whose circuit breaker is not closed.
@@ -79,6 +82,11 @@ pub async fn gather(pools: &[PgPool], kafka: Option<KafkaTarget>) -> anyhow::Res
         status.add(of_database(pool).await?);
     }
     status.open_breakers = open_breakers(pools).await?;
+    for pool in pools {
+        status
+            .output
+            .extend(crate::output::store::backlog(pool).await?);
+    }
     if let Some(target) = kafka {
         status.topic = Some(target.topic.clone());
         status.group = Some(target.group.clone());

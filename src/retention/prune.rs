@@ -258,6 +258,15 @@ const RULES: &[Rule] = &[
                  AND a.started_at < now() - make_interval(secs => $1)",
         lock_of: " OF a",
     },
+    // Kafka output records known to be in their topic; a pending one is never pruned.
+    Rule {
+        name: "output_records",
+        change: "DELETE FROM output_records",
+        key: "id",
+        select: "SELECT id FROM output_records WHERE state = 'sent' \
+                 AND sent_at < now() - make_interval(secs => $1)",
+        lock_of: "",
+    },
     // A destination's shared limits (one row per origin ever called): dropped once it is closed,
     // unpaused (by a 429 or by an operator), has nothing left to send and has not been leased for as long as attempts are
     // kept. A later operation for the origin starts a fresh row.
@@ -317,7 +326,7 @@ impl Lifetimes {
             "delivery_fingerprints" => self.fingerprint,
             "dead_letters" => self.dead_letter,
             "operator_actions" => self.audit,
-            "outbox_attempts" | "outbox_destinations" => self.attempt,
+            "outbox_attempts" | "outbox_destinations" | "output_records" => self.attempt,
             "expired_replays" => self.expired_replay,
             _ => self.payload,
         }

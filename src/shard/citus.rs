@@ -23,6 +23,7 @@ pub const DISTRIBUTED: &[&str] = &[
     "dead_letters",
     "operation_obligations",
     "fulfilled_operations",
+    "output_records",
 ];
 
 /// The tables with no route key: small, written rarely, read with the claims.
@@ -33,6 +34,7 @@ pub const REFERENCE: &[&str] = &[
     "console_sessions",
     "source_pauses",
     "activity_minutes",
+    "output_partitions",
 ];
 
 /// The tables each database keeps of itself, never distributed: which buckets it holds

@@ -28,6 +28,10 @@ mod ingest {
     mod requests;
     mod signatures;
 }
+/// The Kafka output: each claimed event's record once in the output topic, through kills,
+/// races and a broker's restart (`--features failpoints`).
+#[cfg(feature = "failpoints")]
+mod output;
 /// An operator's pauses of destinations and sources, through the binaries and the console.
 mod pauses;
 /// Which buckets each database holds: lists that disagree are refused, moves cut off finish.

@@ -62,6 +62,7 @@ impl ReplayArgs {
         let replay = ReplayEffects {
             effects: consume.effects.clone(),
             http,
+            kafka: consume.output.output(),
             retry: crate::consume::EffectRetry {
                 attempts: consume.effect_attempts,
                 ..crate::consume::EffectRetry::default()

@@ -1,0 +1,99 @@
+//! The relay's metrics: records enqueued (given their partition), produced (acknowledged),
+//! confirmed by a read-back, and each output partition's backlog, lag and stop.
+
+use super::store::{self, Backlog};
+use prometheus::{IntCounterVec, IntGaugeVec, Opts, Registry};
+use sqlx::PgPool;
+
+/// The relay's metrics; labels are topics and partitions of the output topics.
+#[derive(Clone)]
+pub struct OutputMetrics {
+    /// Records given their output partition, each once.
+    pub enqueued: IntCounterVec,
+    /// Records the broker acknowledged.
+    pub produced: IntCounterVec,
+    /// Records found in their partition by a read-back after an unknown outcome.
+    pub confirmed_by_readback: IntCounterVec,
+    /// Sends whose outcome was not an acknowledgement.
+    pub unknown_outcomes: IntCounterVec,
+    /// Records not known to be in the topic, per output partition.
+    pub backlog: IntGaugeVec,
+    /// How long the oldest of them has waited, per output partition.
+    pub lag_seconds: IntGaugeVec,
+    /// 1 for an output partition whose relay stopped (a changed partition count, a missing
+    /// topic, records gone from the log).
+    pub stopped: IntGaugeVec,
+}
+
+impl OutputMetrics {
+    pub fn new(registry: &Registry) -> prometheus::Result<Self> {
+        let counter = |name: &str, help: &str| {
+            IntCounterVec::new(Opts::new(name, help), &["topic"]).and_then(|c| {
+                registry.register(Box::new(c.clone()))?;
+                Ok(c)
+            })
+        };
+        let gauge = |name: &str, help: &str| {
+            IntGaugeVec::new(Opts::new(name, help), &["topic", "partition"]).and_then(|g| {
+                registry.register(Box::new(g.clone()))?;
+                Ok(g)
+            })
+        };
+        Ok(Self {
+            enqueued: counter(
+                "replayproof_output_records_enqueued_total",
+                "Output records given their partition by the relay.",
+            )?,
+            produced: counter(
+                "replayproof_output_records_produced_total",
+                "Output records the broker acknowledged.",
+            )?,
+            confirmed_by_readback: counter(
+                "replayproof_output_records_confirmed_by_readback_total",
+                "Output records found in their partition by a read-back after an unknown outcome.",
+            )?,
+            unknown_outcomes: counter(
+                "replayproof_output_unknown_outcomes_total",
+                "Output sends whose outcome was unknown (a timeout, a cut connection).",
+            )?,
+            backlog: gauge(
+                "replayproof_output_backlog",
+                "Output records not known to be in their topic, per partition.",
+            )?,
+            lag_seconds: gauge(
+                "replayproof_output_lag_seconds",
+                "How long the oldest output record not known to be in its topic has waited.",
+            )?,
+            stopped: gauge(
+                "replayproof_output_partition_stopped",
+                "1 for an output partition whose relay stopped with an error.",
+            )?,
+        })
+    }
+
+    /// Sets the gauges from the backlogs of `databases`; partitions with nothing left read 0.
+    pub async fn refresh(&self, databases: &[PgPool]) -> sqlx::Result<()> {
+        let mut rows: Vec<Backlog> = Vec::new();
+        for pool in databases {
+            rows.extend(store::backlog(pool).await?);
+        }
+        for gauge in [&self.backlog, &self.lag_seconds, &self.stopped] {
+            gauge.reset();
+        }
+        let now = chrono::Utc::now();
+        for row in rows {
+            let partition = row
+                .partition
+                .map_or_else(|| "unassigned".to_owned(), |p| p.to_string());
+            let labels = [row.topic.as_str(), partition.as_str()];
+            self.backlog.with_label_values(&labels).add(row.pending);
+            let lag = row.oldest.map_or(0, |t| (now - t).num_seconds().max(0));
+            let gauge = self.lag_seconds.with_label_values(&labels);
+            gauge.set(gauge.get().max(lag));
+            if row.stopped.is_some() {
+                self.stopped.with_label_values(&labels).set(1);
+            }
+        }
+        Ok(())
+    }
+}
