@@ -506,6 +506,8 @@ mod tests {
         "member-1",
         "--effect",
         "ledger,http",
+        "--output-topic",
+        "clean-events",
         "--target-url",
         "http://t/ops",
         "--reconcile-url",
