@@ -280,7 +280,9 @@ async fn a_relay_killed_between_ack_and_update_leaves_each_record_once_on_the_mo
 async fn a_relay_killed_between_the_update_and_the_next_send_sends_the_rest_once() {
     let _heavy = heavy().await;
     let (kafka, db) = (TestKafka::for_processes(), TestDb::new().await);
-    let topic = kafka.topic(2).await;
+    // One partition: with two, the other partition's batch may be in flight when this one's
+    // update stops the process, and that one is rightly read back.
+    let topic = kafka.topic(1).await;
     claim(&db, kafka_effect(&topic), 0..200).await;
     let first = relay(
         &db,
@@ -299,7 +301,7 @@ async fn a_relay_killed_between_the_update_and_the_next_send_sends_the_rest_once
     let second = relay(&db, &kafka.brokers(), "second", None);
     wait_all_sent(&db, 200).await;
     assert_eq!(read_backs(&db).await, 0, "nothing was in doubt");
-    assert_each_once(&read_topic(&kafka.brokers(), &topic, 2), 200, 2);
+    assert_each_once(&read_topic(&kafka.brokers(), &topic, 1), 200, 1);
     second.terminate(WAIT).await;
 }
 
