@@ -58,5 +58,8 @@ CREATE TABLE output_partitions (
     stopped          TEXT,
     stopped_at       TIMESTAMPTZ,
     last_sent_at     TIMESTAMPTZ,
+    -- The row's own token: with --kafka-transactions, part of the partition's transactional
+    -- id, so relays of two databases writing to one topic never fence each other.
+    producer_token   TEXT        NOT NULL DEFAULT md5(random()::text || clock_timestamp()::text),
     PRIMARY KEY (topic, kafka_partition)
 );

@@ -306,6 +306,20 @@ impl ConsumeArgs {
 }
 
 impl ConsumeArgs {
+    /// A built-in effect named without the setting it needs (`kafka` without its output
+    /// topic): what `config check` reports, as the command would refuse it.
+    pub fn built_in_problem(&self) -> Option<anyhow::Error> {
+        let given = |key: &str| match key {
+            "target_url" => self.http.target_url.is_some(),
+            "output_topic" => self.output.output_topic.is_some(),
+            _ => true,
+        };
+        self.effects.iter().find_map(|name| {
+            let (key, why) = crate::effect::built_in_needs(name)?;
+            (!given(key)).then(|| anyhow::anyhow!("{why} ([consume] {key})"))
+        })
+    }
+
     /// What applies each batch: the effects, their retries and deferrals, through `shards`
     /// (a `PgPool` for one database); the `http` effect's obligations as `file`'s sources
     /// name them.

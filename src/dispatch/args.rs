@@ -155,7 +155,7 @@ impl DispatchArgs {
         let settings = self.settings(file)?;
         let relay = self
             .relay
-            .settings(&settings.worker, settings.poll_interval);
+            .settings(&settings.worker, settings.poll_interval)?;
         let process = crate::shutdown::Process::start("dispatch", Some(self.metrics_addr)).await?;
         let metrics = DispatchMetrics::new(&process.registry)?;
         let shards = self

@@ -79,7 +79,7 @@ pub use error::{EffectError, FailureKind};
 pub use http::HttpOutbox;
 pub use kafka::KafkaOutput;
 pub use ledger::Ledger;
-pub use registry::{BuiltIns, Registry};
+pub use registry::{built_in_needs, BuiltIns, Registry};
 
 use crate::envelope::Event;
 use async_trait::async_trait;

@@ -22,6 +22,16 @@ pub struct BuiltIns<'a> {
     pub kafka: Option<&'a KafkaOutput>,
 }
 
+/// The setting a built-in effect cannot be built without (its file key), and what is said
+/// when it is missing.
+pub fn built_in_needs(name: &str) -> Option<(&'static str, &'static str)> {
+    match name {
+        HTTP => Some(("target_url", "--effect http needs --target-url")),
+        KAFKA => Some(("output_topic", "--effect kafka needs --output-topic")),
+        _ => None,
+    }
+}
+
 /// The effects `--effect` can name.
 #[derive(Clone)]
 pub struct Registry {
@@ -95,14 +105,13 @@ impl Registry {
     }
 
     fn build_one(&self, name: &str, built_ins: BuiltIns<'_>) -> anyhow::Result<Arc<dyn Effect>> {
+        let missing = || built_in_needs(name).map_or_else(String::new, |(_, why)| why.into());
         if name == HTTP {
-            let http = built_ins.http.context("--effect http needs --target-url")?;
+            let http = built_ins.http.with_context(missing)?;
             return Ok(Arc::new(http.clone()));
         }
         if name == KAFKA {
-            let kafka = built_ins
-                .kafka
-                .context("--effect kafka needs --output-topic")?;
+            let kafka = built_ins.kafka.with_context(missing)?;
             return Ok(Arc::new(kafka.clone()));
         }
         self.named.get(name).cloned().with_context(|| {

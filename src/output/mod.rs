@@ -24,12 +24,16 @@
 pub mod args;
 pub mod metrics;
 pub mod partitioner;
+mod produce;
 mod readback;
 pub mod relay;
+pub mod settings;
 pub mod store;
+mod transactions;
 
 pub use metrics::OutputMetrics;
-pub use relay::{Relay, RelaySettings};
+pub use relay::Relay;
+pub use settings::RelaySettings;
 
 use crate::envelope::Event;
 use sqlx::PgConnection;
@@ -69,6 +73,8 @@ pub enum Confirmation {
     Ack,
     /// Found in the partition by its record id, after a send whose outcome was unknown.
     ReadBack,
+    /// Acknowledged in a Kafka transaction that committed (`--kafka-transactions`).
+    Transaction,
 }
 
 impl Confirmation {
@@ -77,6 +83,7 @@ impl Confirmation {
         match self {
             Self::Ack => "ack",
             Self::ReadBack => "read-back",
+            Self::Transaction => "transaction",
         }
     }
 }

@@ -9,62 +9,27 @@
 //!   update, or a send timed out) is first read back from the offset it was known settled at:
 //!   every record found there by its record id is marked sent, and only the rest is sent.
 //! - A partition count other than the one its records were partitioned over, a missing topic,
-//!   or records gone from the log stop the partition with the reason, never a guess.
+//!   records gone from the log, or a record the broker refuses stop the partition with the
+//!   reason, never a guess.
+//! - With `--kafka-transactions` ([`super::transactions`]) each batch is a Kafka transaction
+//!   of the partition's own producer, fenced by every new owner before it reads back.
 
+use super::produce::{self, Handed};
 use super::readback::{self, Unreadable};
+use super::settings::{reader_tuning, RelaySettings};
 use super::store::{self, Found, Lease, Pending};
-use super::OutputMetrics;
+use super::{transactions, Confirmation, OutputMetrics};
 use crate::kafka::{client_config, Role};
 use crate::telemetry::Health;
 use anyhow::Context as _;
-use rdkafka::message::{Header, OwnedHeaders};
-use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord, Producer as _};
+use rdkafka::producer::{FutureProducer, Producer as _};
 use sqlx::PgPool;
 use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
 
-/// How long a relay's lease on an output partition lasts (`--relay-lease`).
-pub const DEFAULT_LEASE: Duration = Duration::from_secs(30);
-/// How long a send may wait for its acknowledgement (`--relay-send-timeout`,
-/// librdkafka's `message.timeout.ms`).
-pub const DEFAULT_SEND_TIMEOUT: Duration = Duration::from_secs(10);
-/// Records of one partition sent at once (`--relay-batch-size`).
-pub const DEFAULT_BATCH: i64 = 2_000;
 /// The relay loop's heartbeat, as `/healthz` names it.
 const LOOP: &str = "output relay";
-
-/// How a relay leases and sends.
-#[derive(Debug, Clone)]
-pub struct RelaySettings {
-    /// Names this relay in the partitions' leases.
-    pub worker: String,
-    pub brokers: String,
-    /// librdkafka properties, as `--kafka-option` gives them.
-    pub kafka_options: Vec<(String, String)>,
-    /// How long a lease keeps other relays off a partition: more than two send timeouts, so
-    /// every send of an owner ends, acknowledged or expired, before its lease does.
-    pub lease: Duration,
-    pub send_timeout: Duration,
-    pub batch_size: i64,
-    /// The pause when nothing was sent.
-    pub poll_interval: Duration,
-}
-
-impl RelaySettings {
-    /// The defaults, for `worker` on `brokers`.
-    pub fn new(worker: &str, brokers: &str) -> Self {
-        Self {
-            worker: worker.into(),
-            brokers: brokers.into(),
-            kafka_options: Vec::new(),
-            lease: DEFAULT_LEASE,
-            send_timeout: DEFAULT_SEND_TIMEOUT,
-            batch_size: DEFAULT_BATCH,
-            poll_interval: Duration::from_millis(200),
-        }
-    }
-}
 
 /// A partition this relay owns, and when its read-back may start.
 struct Owned {
@@ -72,6 +37,20 @@ struct Owned {
     /// After an unknown outcome of its own: a send timeout later, so that nothing it sent is
     /// still on its way when it reads back.
     readback_after: Option<Instant>,
+    /// With `--kafka-transactions`: the partition's own producer, fenced. None until its first
+    /// turn and after any outcome it does not know, so that the next turn fences again.
+    fenced: Option<FutureProducer>,
+}
+
+/// What became of a batch handed to the producer.
+#[derive(Default)]
+struct Outcomes {
+    /// Each acknowledged record's row id and offset.
+    acked: Vec<(i64, i64)>,
+    /// Records whose outcome is unknown.
+    unknown: u64,
+    /// Why a record was refused for good, if one was.
+    refusal: Option<String>,
 }
 
 /// What one turn of a partition came to.
@@ -89,6 +68,8 @@ pub struct Relay {
     settings: RelaySettings,
     pool: PgPool,
     producer: FutureProducer,
+    /// With `--kafka-transactions`: the configuration each partition's producer is made of.
+    transactional: Option<rdkafka::ClientConfig>,
     /// The read-back consumer's configuration.
     reader: rdkafka::ClientConfig,
     metrics: OutputMetrics,
@@ -105,15 +86,8 @@ impl Relay {
         metrics: OutputMetrics,
         health: Health,
     ) -> anyhow::Result<Self> {
-        anyhow::ensure!(
-            settings.lease > settings.send_timeout * 2,
-            "the relay lease ({:?}) must be longer than two send timeouts ({:?} each): every \
-             send of a relay must end before another may take its partition over",
-            settings.lease,
-            settings.send_timeout
-        );
-        refuse_timeouts(&settings.kafka_options)?;
-        let tuning = tuning(&settings);
+        settings.check()?;
+        let tuning = settings.tuning();
         let config = client_config(
             Role::Producer,
             &settings.brokers,
@@ -122,6 +96,7 @@ impl Relay {
             &settings.kafka_options,
         )?;
         let producer = config.create().context("creating the relay's producer")?;
+        let transactional = settings.transactions.then(|| config.clone());
         let reader = client_config(
             Role::Reader,
             &settings.brokers,
@@ -134,6 +109,7 @@ impl Relay {
             settings,
             pool,
             producer,
+            transactional,
             reader,
             metrics,
             health,
@@ -289,6 +265,7 @@ impl Relay {
                 let owned_now = Owned {
                     lease,
                     readback_after: None,
+                    fenced: None,
                 };
                 owned.insert((topic, partition), owned_now);
             }
@@ -311,8 +288,7 @@ impl Relay {
                 // The broker could not be asked: nothing is sent this round.
                 Some(Err(_)) | None => continue,
             };
-            tracing::error!(topic = %key.0, partition = key.1, "Stopping the output partition: {why}");
-            store::stop(&self.pool, &key.0, Some(key.1), &why).await?;
+            self.stop(&o.lease, &why).await?;
             stopped.push(key.clone());
         }
         for key in stopped {
@@ -327,15 +303,16 @@ impl Relay {
             if owned.readback_after.is_some_and(|t| Instant::now() < t) {
                 return Ok(Turn::Worked(0));
             }
+            self.fence(owned).await?;
             return self.read_back(owned).await;
         }
         let records = store::pending(&self.pool, &owned.lease, self.settings.batch_size).await?;
         if records.is_empty() {
             return Ok(Turn::Idle);
         }
-        let from = match owned.lease.readback_from {
-            Some(from) => from,
-            None => self.log_end(&owned.lease).await?,
+        self.fence(owned).await?;
+        let Some(from) = self.settled_from(&owned.lease).await? else {
+            return Ok(Turn::Gone);
         };
         let (worker, length) = (&self.settings.worker, self.settings.lease);
         if !store::begin_send(&self.pool, &owned.lease, worker, length, from).await? {
@@ -346,97 +323,151 @@ impl Relay {
         self.send(owned, &records).await
     }
 
+    /// With `--kafka-transactions`, makes sure the partition has its own producer, fenced:
+    /// before its first send and before any read-back, so that nothing an earlier producer of
+    /// the partition sent can land afterwards.
+    async fn fence(&self, owned: &mut Owned) -> anyhow::Result<()> {
+        let Some(config) = &self.transactional else {
+            return Ok(());
+        };
+        if owned.fenced.is_some() {
+            return Ok(());
+        }
+        let lease = &owned.lease;
+        let id = transactions::transactional_id(&lease.topic, lease.partition, &lease.token);
+        let producer = transactions::fence(config, &id, self.settings.lease / 2).await?;
+        owned.fenced = Some(producer);
+        Ok(())
+    }
+
+    /// Where a read-back of the next send would start: the offset the partition is known
+    /// settled at, else the log's end. Asked before every batch: a log ending before the
+    /// settled offset is another topic of the same name (deleted and created again), whose
+    /// records are not ours, so the partition stops (None).
+    async fn settled_from(&self, lease: &Lease) -> anyhow::Result<Option<i64>> {
+        let end = self.log_end(lease).await?;
+        match lease.readback_from {
+            Some(from) if end < from => {
+                let why = Unreadable::Rewound { from, high: end }.to_string();
+                self.stop(lease, &why).await?;
+                Ok(None)
+            }
+            Some(from) => Ok(Some(from)),
+            None => Ok(Some(end)),
+        }
+    }
+
     /// Sends `records` in order and records their acknowledgements; an unknown outcome leaves
-    /// the partition in doubt, read back a send timeout later.
+    /// the partition in doubt, read back a send timeout later. A record the producer or the
+    /// broker refuses for good (too large, invalid) stops the partition with the reason: the
+    /// records after it wait rather than overtake it for ever.
     async fn send(&self, owned: &mut Owned, records: &[Pending]) -> anyhow::Result<Turn> {
-        let topic = owned.lease.topic.clone();
-        let deliveries = self.produce(&topic, owned.lease.partition, records);
-        let mut acked: Vec<(i64, i64)> = Vec::with_capacity(records.len());
-        let mut unknown = 0u64;
-        for (record, delivery) in records.iter().zip(deliveries) {
-            match delivery {
-                Some(delivery) => match delivery.await {
-                    Ok(Ok(d)) => acked.push((record.id, d.offset)),
-                    Ok(Err((e, _))) => {
-                        tracing::warn!(topic = %topic, record = %record.record_id, error = %e,
-                            "An output record's send has an unknown outcome.");
-                        unknown += 1;
-                    }
-                    Err(_) => unknown += 1,
-                },
-                // Not handed to the producer (its queue is full): not sent.
-                None => unknown += 1,
+        let producer = owned.fenced.clone();
+        if let Some(p) = &producer {
+            if let Err(e) = p.begin_transaction() {
+                owned.fenced = None;
+                return Err(e).context("beginning an output transaction");
             }
         }
+        crate::stallpoint!("relay::before_produce");
+        let at = (owned.lease.topic.as_str(), owned.lease.partition);
+        let handed = produce::hand(producer.as_ref().unwrap_or(&self.producer), at, records);
+        let mut out = outcomes(at.0, records, handed).await;
         crate::crashpoint!("relay::after_ack");
-        let labels = [topic.as_str()];
+        let by = match &producer {
+            Some(p) => {
+                self.end_transaction(owned, p, &mut out).await;
+                Confirmation::Transaction
+            }
+            None => Confirmation::Ack,
+        };
+        let turn = self.settle(owned, &out, by).await?;
+        if let Some(why) = out.refusal {
+            self.stop(&owned.lease, &why).await?;
+            return Ok(Turn::Gone);
+        }
+        Ok(turn)
+    }
+
+    /// Ends a batch's transaction: committed when every record was acknowledged, aborted
+    /// otherwise (none of its records is then in the topic). An outcome it does not know makes
+    /// every record of the batch unknown, and the producer is fenced again before the
+    /// partition is read back.
+    async fn end_transaction(&self, owned: &mut Owned, p: &FutureProducer, out: &mut Outcomes) {
+        let timeout = self.settings.send_timeout;
+        let ended = match out.unknown == 0 && out.refusal.is_none() {
+            true => transactions::commit(p, timeout).await,
+            false => transactions::abort(p, timeout).await.map(|()| false),
+        };
+        crate::crashpoint!("relay::after_commit");
+        match ended {
+            Ok(true) => {}
+            Ok(false) => {
+                *out = Outcomes {
+                    refusal: out.refusal.take(),
+                    ..Outcomes::default()
+                }
+            }
+            Err(e) => {
+                let (topic, partition) = (&owned.lease.topic, owned.lease.partition);
+                tracing::warn!(topic = %topic, partition, error = format!("{e:#}"),
+                    "An output transaction's outcome is unknown.");
+                out.unknown += out.acked.len() as u64;
+                out.acked.clear();
+                owned.fenced = None;
+            }
+        }
+    }
+
+    /// Records a batch's acknowledgements (confirmed `by` the ack or the transaction's
+    /// commit); the partition stays in doubt while some records' outcomes are unknown.
+    async fn settle(
+        &self,
+        owned: &mut Owned,
+        out: &Outcomes,
+        by: Confirmation,
+    ) -> anyhow::Result<Turn> {
+        let labels = [owned.lease.topic.as_str()];
+        let acked = out.acked.len() as u64;
         self.metrics
             .produced
             .with_label_values(&labels)
-            .inc_by(acked.len() as u64);
-        let settled = match unknown {
-            0 => acked.iter().map(|a| a.1 + 1).max(),
+            .inc_by(acked);
+        let settled = match out.unknown {
+            0 => out
+                .acked
+                .iter()
+                .map(|a| a.1 + 1)
+                .max()
+                .or(owned.lease.readback_from),
             _ => None,
         };
         let (pool, worker) = (&self.pool, &self.settings.worker);
-        let recorded =
-            store::record(pool, &owned.lease, worker, Found::Acked(&acked), settled).await?;
+        let found = Found::Acked(&out.acked, by);
+        let recorded = store::record(pool, &owned.lease, worker, found, settled).await?;
         crate::crashpoint!("relay::after_update");
         if recorded.is_none() {
             return Ok(Turn::Gone);
         }
-        if unknown > 0 {
+        if out.unknown > 0 {
             self.metrics
                 .unknown_outcomes
                 .with_label_values(&labels)
-                .inc_by(unknown);
+                .inc_by(out.unknown);
             owned.readback_after = Some(Instant::now() + self.settings.send_timeout);
         } else {
             owned.lease.in_doubt = false;
             owned.lease.readback_from = settled;
         }
-        Ok(Turn::Worked(acked.len() as u64))
+        Ok(Turn::Worked(acked))
     }
 
-    /// Hands `records` to the producer, in order; None for each it would not take.
-    fn produce(
-        &self,
-        topic: &str,
-        partition: i32,
-        records: &[Pending],
-    ) -> Vec<Option<DeliveryFuture>> {
-        let mut refused = false;
-        records
-            .iter()
-            .map(|r| {
-                if refused {
-                    return None;
-                }
-                let mut headers = OwnedHeaders::new_with_capacity(r.headers.0.len() + 1);
-                for (name, value) in &r.headers.0 {
-                    headers = headers.insert(Header {
-                        key: name,
-                        value: Some(value.as_bytes()),
-                    });
-                }
-                headers = headers.insert(Header {
-                    key: super::RECORD_ID_HEADER,
-                    value: Some(r.record_id.as_bytes()),
-                });
-                let mut record = FutureRecord::<[u8], [u8]>::to(topic)
-                    .partition(partition)
-                    .headers(headers);
-                if let Some(key) = &r.record_key {
-                    record = record.key(key.as_slice());
-                }
-                if let Some(value) = &r.value {
-                    record = record.payload(value.as_slice());
-                }
-                let sent = self.producer.send_result(record).ok();
-                refused = sent.is_none();
-                sent
-            })
-            .collect()
+    /// Stops the partition of `lease` with why, logged.
+    async fn stop(&self, lease: &Lease, why: &str) -> anyhow::Result<()> {
+        let (topic, partition) = (&lease.topic, lease.partition);
+        tracing::error!(topic = %topic, partition, "Stopping the output partition: {why}");
+        store::stop(&self.pool, topic, Some(partition), why).await?;
+        Ok(())
     }
 
     /// Reads an in-doubt partition back and marks what it finds sent.
@@ -452,9 +483,7 @@ impl Relay {
         let back = match back {
             Ok(back) => back,
             Err(gone @ (Unreadable::Truncated { .. } | Unreadable::Rewound { .. })) => {
-                let why = gone.to_string();
-                tracing::error!(topic = %lease.topic, partition = lease.partition, "Stopping the output partition: {why}");
-                store::stop(&self.pool, &lease.topic, Some(lease.partition), &why).await?;
+                self.stop(&lease, &gone.to_string()).await?;
                 return Ok(Turn::Gone);
             }
             Err(Unreadable::Kafka(e)) => return Err(e),
@@ -491,6 +520,38 @@ impl Relay {
     }
 }
 
+/// Waits for each handed record's outcome: acknowledged, refused for good, or unknown.
+async fn outcomes(topic: &str, records: &[Pending], handed: Vec<Handed>) -> Outcomes {
+    let mut out = Outcomes::default();
+    for (record, handed) in records.iter().zip(handed) {
+        let error = match handed {
+            Handed::Queued(delivery) => match delivery.await {
+                Ok(Ok(d)) => {
+                    out.acked.push((record.id, d.offset));
+                    continue;
+                }
+                Ok(Err((e, _))) => e,
+                Err(_) => {
+                    out.unknown += 1;
+                    continue;
+                }
+            },
+            Handed::Refused(e) => e,
+            // Never handed to the producer: known not sent.
+            Handed::NotSent => continue,
+        };
+        if produce::refused_for_good(&error) {
+            out.refusal
+                .get_or_insert_with(|| produce::refused(record, &error));
+        } else {
+            tracing::warn!(topic = %topic, record = %record.record_id, error = %error,
+                "An output record's send has an unknown outcome.");
+            out.unknown += 1;
+        }
+    }
+    out
+}
+
 /// Why a topic's partition count is not the one its records were partitioned over.
 fn changed(known: i32, now: i32) -> String {
     format!(
@@ -498,41 +559,4 @@ fn changed(known: i32, now: i32) -> String {
          partition of {known} would land elsewhere, so the relay stops rather than guess \
          (docs/kafka-output.md, \"When the relay stops\")"
     )
-}
-
-/// The relay producer's defaults besides the guarded `acks=all` and idempotence.
-fn tuning(settings: &RelaySettings) -> Vec<(&'static str, String)> {
-    let mut tuning = crate::kafka::producer_tuning("replayproof-relay");
-    tuning.push((
-        "message.timeout.ms",
-        settings.send_timeout.as_millis().to_string(),
-    ));
-    tuning.push(("allow.auto.create.topics", "false".into()));
-    tuning.push(("linger.ms", "5".into()));
-    tuning
-}
-
-/// The read-back consumer's settings: a group librdkafka needs to assign partitions, never
-/// joined and never committed to.
-fn reader_tuning() -> Vec<(&'static str, String)> {
-    vec![
-        ("client.id", "replayproof-relay-readback".into()),
-        ("group.id", "replayproof-relay-readback".into()),
-        ("enable.auto.commit", "false".into()),
-        ("enable.auto.offset.store", "false".into()),
-    ]
-}
-
-/// Refuses options that set the send timeout, which the lease is checked against.
-fn refuse_timeouts(options: &[(String, String)]) -> anyhow::Result<()> {
-    for (key, _) in options {
-        let key = key.trim().trim_start_matches("topic.");
-        if matches!(key, "message.timeout.ms" | "delivery.timeout.ms") {
-            anyhow::bail!(
-                "--kafka-option {key} is refused for the relay: its lease is checked against the \
-                 send timeout; give --relay-send-timeout instead"
-            );
-        }
-    }
-    Ok(())
 }

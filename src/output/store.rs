@@ -95,7 +95,7 @@ pub async fn assign(pool: &PgPool, topic: &str, count: i32, limit: i64) -> sqlx:
     let rows: Vec<(i64, Option<Vec<u8>>, String)> = sqlx::query_as(
         "SELECT id, record_key, record_id FROM output_records
          WHERE topic = $1 AND kafka_partition IS NULL
-         ORDER BY id LIMIT $2 FOR UPDATE",
+         ORDER BY id LIMIT $2",
     )
     .bind(topic)
     .bind(limit)
@@ -112,11 +112,14 @@ pub async fn assign(pool: &PgPool, topic: &str, count: i32, limit: i64) -> sqlx:
     let done = sqlx::query(
         "UPDATE output_records r SET kafka_partition = u.p, partition_count = $3
          FROM unnest($1::bigint[], $2::int[]) AS u(id, p)
-         WHERE r.id = u.id AND r.kafka_partition IS NULL",
+         WHERE r.id = u.id AND r.topic = $4 AND r.id = ANY($1) AND r.kafka_partition IS NULL",
     )
+    // Planned with its arrays, as `record` is.
+    .persistent(false)
     .bind(&ids)
     .bind(&partitions)
     .bind(count)
+    .bind(topic)
     .execute(&mut *tx)
     .await?
     .rows_affected();
@@ -156,6 +159,9 @@ pub struct Lease {
     pub in_doubt: bool,
     /// Where a read-back starts; None before the partition's first send.
     pub readback_from: Option<i64>,
+    /// The partition row's own token: with `--kafka-transactions`, part of its producer's
+    /// transactional id, so two databases relaying to one topic never fence each other.
+    pub token: String,
 }
 
 /// The partitions with pending records and no live owner: candidates for a lease.
@@ -179,12 +185,12 @@ pub async fn acquire(
     owner: &str,
     lease: Duration,
 ) -> sqlx::Result<Option<Lease>> {
-    let row: Option<(i64, i32, bool, Option<i64>)> = sqlx::query_as(
+    let row: Option<(i64, i32, bool, Option<i64>, String)> = sqlx::query_as(
         "UPDATE output_partitions
          SET owner = $3, epoch = epoch + 1, lease_until = now() + $4 * interval '1 millisecond'
          WHERE topic = $1 AND kafka_partition = $2 AND stopped IS NULL
            AND (owner IS NULL OR lease_until < now())
-         RETURNING epoch, partition_count, in_doubt, readback_from",
+         RETURNING epoch, partition_count, in_doubt, readback_from, producer_token",
     )
     .bind(topic)
     .bind(partition)
@@ -192,16 +198,17 @@ pub async fn acquire(
     .bind(millis(lease))
     .fetch_optional(pool)
     .await?;
-    Ok(
-        row.map(|(epoch, partition_count, in_doubt, readback_from)| Lease {
+    Ok(row.map(
+        |(epoch, partition_count, in_doubt, readback_from, token)| Lease {
             topic: topic.to_owned(),
             partition,
             epoch,
             partition_count,
             in_doubt,
             readback_from,
-        }),
-    )
+            token,
+        },
+    ))
 }
 
 /// Renews the lease for one more send and marks the partition in doubt until the send's
@@ -271,11 +278,11 @@ pub async fn pending(pool: &PgPool, lease: &Lease, limit: i64) -> sqlx::Result<V
     .await
 }
 
-/// How records were found to be in the topic: by row id (acknowledged sends) or by record
-/// id (found by a read-back).
+/// How records were found to be in the topic: by row id (acknowledged sends, or sends of a
+/// committed transaction) or by record id (found by a read-back).
 pub enum Found<'a> {
-    /// Each acknowledged record's row id and offset.
-    Acked(&'a [(i64, i64)]),
+    /// Each acknowledged record's row id and offset, and what confirmed it.
+    Acked(&'a [(i64, i64)], Confirmation),
     /// Each record id the read-back found, with its offset.
     ReadBack(&'a [(String, i64)]),
 }
@@ -292,14 +299,16 @@ pub async fn record(
     settled: Option<i64>,
 ) -> sqlx::Result<Option<u64>> {
     let (by, keys, offsets, confirmation) = match found {
-        Found::Acked(rows) => (
-            "r.id::text",
+        Found::Acked(rows, by) => (
+            // `= ANY` makes each id an index condition of the partition's pending index
+            // (topic, partition, id): a join alone may scan every pending row per id.
+            "r.id = u.k::bigint AND r.id = ANY($5::text[]::bigint[])",
             rows.iter().map(|r| r.0.to_string()).collect::<Vec<_>>(),
             rows.iter().map(|r| r.1).collect::<Vec<_>>(),
-            Confirmation::Ack,
+            by,
         ),
         Found::ReadBack(rows) => (
-            "r.record_id",
+            "r.record_id = u.k AND r.record_id = ANY($5::text[])",
             rows.iter().map(|r| r.0.clone()).collect(),
             rows.iter().map(|r| r.1).collect(),
             Confirmation::ReadBack,
@@ -317,12 +326,15 @@ pub async fn record(
              UPDATE output_records r
              SET state = 'sent', kafka_offset = u.o, confirmed_by = $8, sent_at = now()
              FROM unnest($5::text[], $6::bigint[]) AS u(k, o)
-             WHERE {by} = u.k AND r.topic = $1 AND r.kafka_partition = $2
+             WHERE {by} AND r.topic = $1 AND r.kafka_partition = $2
                AND r.state = 'pending' AND EXISTS (SELECT 1 FROM fence)
              RETURNING 1)
          SELECT (SELECT count(*) FROM fence), (SELECT count(*) FROM marked)"
     );
+    // Planned for each call with its arrays (never a generic plan): a generic plan guesses
+    // ten elements and joins them by a nested loop, quadratic in the batch.
     let (fenced, marked): (i64, i64) = sqlx::query_as(&sql)
+        .persistent(false)
         .bind(&lease.topic)
         .bind(lease.partition)
         .bind(owner)

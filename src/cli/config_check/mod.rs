@@ -327,12 +327,18 @@ impl Report {
 }
 
 /// What stops a command whose flags all parse, read into its arguments as the command reads
-/// them: a value its types refuse, or the console's settings.
+/// them: a value its types refuse, the console's settings, a built-in effect without the
+/// setting it needs, or the relay's settings.
 fn parsed_problem(layered: &Layered, file: Option<&ConfigFile>) -> Option<anyhow::Error> {
     use clap::FromArgMatches as _;
     match crate::cli::Args::from_arg_matches(&layered.matches) {
         Ok(args) => match &args.command {
             crate::cli::Command::Console(console) => console.settings(file).err(),
+            crate::cli::Command::Consume(consume) => consume.built_in_problem(),
+            crate::cli::Command::Dispatch(dispatch) => {
+                let relay = dispatch.relay.settings("check", std::time::Duration::ZERO);
+                relay.err()
+            }
             _ => None,
         },
         Err(e) => Some(anyhow::anyhow!("{}", render_clap_error(&e))),

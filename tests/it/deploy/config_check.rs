@@ -85,6 +85,37 @@ fn ingest_with_a_secret_variable_unset_is_not_ready() {
     assert!(!text.contains("ingest: ready"), "{text}");
 }
 
+#[test]
+fn the_kafka_effect_without_its_output_topic_and_a_relay_lease_too_short_are_problems() {
+    let (_dir, file) = file_with(
+        "[kafka]\nbrokers = \"127.0.0.1:1\"\ngroup = \"g\"\n\
+         [database]\nurl = \"postgres://app@127.0.0.1:1/app\"\n\
+         [consume]\neffect = \"ledger,kafka\"\n\
+         [dispatch]\nrelay_lease = \"5s\"\nrelay_send_timeout = \"3s\"\n",
+    );
+    let (ok, text) = check(&file, &["--no-connect"]);
+    assert!(!ok, "{text}");
+    has_line(
+        &text,
+        "consume: problem",
+        "--effect kafka needs --output-topic",
+    );
+    has_line(
+        &text,
+        "dispatch: problem",
+        "must be longer than two send timeouts",
+    );
+    let (_dir, file) = file_with(&format!(
+        "[kafka]\nbrokers = \"127.0.0.1:1\"\ngroup = \"g\"\n\
+         [database]\nurl = \"postgres://app@127.0.0.1:1/app\"\n\
+         [consume]\neffect = \"ledger,kafka\"\noutput_topic = \"clean\"\n{SOURCES}",
+    ));
+    let (ok, text) = check(&file, &["--no-connect"]);
+    assert!(ok, "{text}");
+    has_line(&text, "consume: ready", "");
+    has_line(&text, "dispatch: ready", "");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unapplied_migrations_and_a_missing_topic_are_problems_until_they_are_fixed() {
     let kafka = TestKafka::for_processes();

@@ -14,6 +14,8 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
 
+mod transactions;
+
 const WAIT: Duration = Duration::from_secs(90);
 
 /// A payload whose bytes no serialiser would write back: spaces, a key order, an exact number.
@@ -589,4 +591,114 @@ async fn a_topic_recreated_while_a_send_is_in_doubt_stops_the_partition() {
         "nothing sent again"
     );
     second.terminate(WAIT).await;
+}
+
+/// A topic deleted and created again with the same partition count while nothing is in doubt:
+/// its log ends before the offset the relay knows settled, so the partition stops before its
+/// next batch instead of writing into a topic that lost the records before it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_topic_recreated_with_the_same_partition_count_stops_the_partition_before_its_next_batch()
+{
+    let _heavy = heavy().await;
+    let (kafka, db) = (TestKafka::for_processes(), TestDb::new().await);
+    let topic = kafka.topic(1).await;
+    let brokers = kafka.brokers();
+    claim(&db, kafka_effect(&topic), 0..50).await;
+    let relay = relay(&db, &brokers, "only", None);
+    wait_all_sent(&db, 50).await;
+    assert_eq!(
+        db.count("SELECT count(*) FROM output_partitions WHERE in_doubt")
+            .await,
+        0,
+        "nothing in doubt before the topic is recreated"
+    );
+    recreate_topic(&brokers, &topic, 1).await;
+    claim(&db, kafka_effect(&topic), 50..60).await;
+    wait_for("the partition stopped", WAIT, || async {
+        db.count("SELECT count(*) FROM output_partitions WHERE stopped IS NOT NULL")
+            .await
+            == 1
+    })
+    .await;
+    let status = replayproof(&db, &["status"]);
+    assert!(status.contains("deleted and created again"), "{status}");
+    assert_eq!(
+        db.count("SELECT count(*) FROM output_records WHERE state = 'pending'")
+            .await,
+        10
+    );
+    assert!(
+        read_topic(&brokers, &topic, 1).is_empty(),
+        "nothing written to the new topic"
+    );
+    relay.terminate(WAIT).await;
+}
+
+/// A library effect: one record per event, the event `huge`'s value larger than any producer
+/// or broker takes.
+struct OneHuge {
+    topic: String,
+    huge: &'static str,
+}
+
+#[async_trait::async_trait]
+impl Effect for OneHuge {
+    fn name(&self) -> &'static str {
+        "one-huge"
+    }
+
+    async fn apply(&self, tx: &mut Tx<'_>, event: &Event) -> Result<(), EffectError> {
+        let value = match event.key.as_str() == self.huge {
+            true => vec![b'x'; 17 << 20],
+            false => event.payload_json.get().as_bytes().to_vec(),
+        };
+        let record = OutputRecord::new("kafka", &self.topic)
+            .key(event.key.as_str().as_bytes().to_vec())
+            .value(value);
+        replayproof::output::enqueue(tx, event, &[record]).await?;
+        Ok(())
+    }
+}
+
+/// A record refused for what it is (larger than the producer takes) stops its partition with
+/// the reason: the records before it are sent, the refused one and those after it wait, and
+/// nothing is sent out of order or tried for ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_refused_for_its_size_stops_its_partition_with_the_reason() {
+    let _heavy = heavy().await;
+    let (kafka, db) = (TestKafka::for_processes(), TestDb::new().await);
+    let topic = kafka.topic(1).await;
+    let brokers = kafka.brokers();
+    let effect = Arc::new(OneHuge {
+        topic: topic.clone(),
+        huge: "evt-25",
+    });
+    claim(&db, effect, 0..30).await;
+    let relay = relay(&db, &brokers, "only", None);
+    wait_for("the partition stopped", WAIT, || async {
+        db.count("SELECT count(*) FROM output_partitions WHERE stopped IS NOT NULL")
+            .await
+            == 1
+    })
+    .await;
+    let status = replayproof(&db, &["status"]);
+    assert!(
+        status.contains("the record evt-25#kafka (17825798 bytes of key and value) was refused"),
+        "{status}"
+    );
+    let pending: Vec<String> = sqlx::query_scalar(
+        "SELECT event_key FROM output_records WHERE state = 'pending' ORDER BY id",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(pending, ["evt-25", "evt-26", "evt-27", "evt-28", "evt-29"]);
+    let out = read_topic(&brokers, &topic, 1);
+    let keys: Vec<String> = out
+        .iter()
+        .map(|o| String::from_utf8(o.key.clone()).unwrap())
+        .collect();
+    let expected: Vec<String> = (0..25).map(|i| format!("evt-{i}")).collect();
+    assert_eq!(keys, expected, "the records before it, once each, in order");
+    relay.terminate(WAIT).await;
 }
