@@ -7,7 +7,8 @@ CREATE TABLE output_records (
     event_key        TEXT        COLLATE "C" NOT NULL,
     -- The record's name among its event's records ('kafka' for the built-in effect).
     name             TEXT        NOT NULL,
-    -- event_key '#' name: the `replayproof-record-id` header the read-back finds it by.
+    -- event_key '#' name: the `replayproof-record-id` header the read-back finds it by (among
+    -- the partition's pending records: no index of its own, which every write would pay for).
     record_id        TEXT        COLLATE "C" NOT NULL,
     topic            TEXT        NOT NULL,
     record_key       BYTEA,
@@ -29,8 +30,6 @@ CREATE TABLE output_records (
     PRIMARY KEY (route_key, id),
     UNIQUE (route_key, event_key, name)
 );
-
-CREATE INDEX output_records_record_id_idx ON output_records (record_id);
 
 CREATE INDEX output_records_unassigned_idx ON output_records (topic, id)
     WHERE kafka_partition IS NULL;

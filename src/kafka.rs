@@ -157,7 +157,8 @@ fn acks_guard() -> Guard {
         Scope::Topic,
         "request.required.acks",
         "all",
-        "a 2xx is answered only after every in-sync replica has the record (acks=all)",
+        "a record counts as written (a 2xx answered, an output record sent) only once every \
+         in-sync replica has it (acks=all)",
     )
 }
 

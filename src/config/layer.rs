@@ -208,10 +208,13 @@ impl FileLayer {
                 Ok((id, texts)) => {
                     layer.command = at(layer.command, &flag.path, |c| {
                         c.mut_arg(&id, |a| {
-                            // The file's value is no default to show in --help: it may be a secret.
+                            // The file's value is no default to show in --help: it may be a
+                            // secret. A switch (no value) shows none, and clap refuses to be
+                            // told to hide it.
+                            let hide = a.get_action().takes_values();
                             a.default_values(texts)
                                 .required(false)
-                                .hide_default_value(true)
+                                .hide_default_value(hide)
                         })
                     });
                     layer.from_file.entry(flag.path).or_default().insert(id);

@@ -176,8 +176,9 @@ impl DispatchArgs {
             .on_shard(shard, &databases);
             loops.push(dispatcher.run_until_stopped(process.shutdown.clone()));
         }
-        if let Some(relay) = relay {
-            loops.extend(relays(relay, &databases, &process)?);
+        match relay {
+            Some(relay) => loops.extend(relays(relay, &databases, &process)?),
+            None => crate::output::store::warn_unrelayed(&databases).await,
         }
         for running in loops {
             running.stopped().await?;
@@ -207,7 +208,15 @@ fn relays(
             _ => Vec::new(),
         });
         let stop = process.shutdown.clone();
-        relays.push(Running::spawn(async move { relay.run(stop).await }));
+        relays.push(Running::spawn(async move {
+            // A relay that ends with an error (a setting the broker refuses) ends the process,
+            // so that it exits saying why instead of running on without its relay.
+            let ended = relay.run(stop.clone()).await;
+            if ended.is_err() {
+                stop.cancel();
+            }
+            ended
+        }));
     }
     Ok(relays)
 }

@@ -4,6 +4,8 @@
 use super::store::{self, Backlog};
 use prometheus::{IntCounterVec, IntGaugeVec, Opts, Registry};
 use sqlx::PgPool;
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::{Arc, Mutex};
 
 /// The relay's metrics; labels are topics and partitions of the output topics.
 #[derive(Clone)]
@@ -23,6 +25,8 @@ pub struct OutputMetrics {
     /// 1 for an output partition whose relay stopped (a changed partition count, a missing
     /// topic, records gone from the log).
     pub stopped: IntGaugeVec,
+    /// The (topic, partition) series the gauges show now.
+    shown: Arc<Mutex<BTreeSet<(String, String)>>>,
 }
 
 impl OutputMetrics {
@@ -68,32 +72,50 @@ impl OutputMetrics {
                 "replayproof_output_partition_stopped",
                 "1 for an output partition whose relay stopped with an error.",
             )?,
+            shown: Arc::default(),
         })
     }
 
-    /// Sets the gauges from the backlogs of `databases`; partitions with nothing left read 0.
+    /// Sets the gauges from the backlogs of `databases` (none: this relay reports nothing, a
+    /// relay of another database does); a partition with nothing left drops out. Series are set
+    /// in place and only the gone ones removed, so a scrape never finds them missing.
     pub async fn refresh(&self, databases: &[PgPool]) -> sqlx::Result<()> {
+        if databases.is_empty() {
+            return Ok(());
+        }
         let mut rows: Vec<Backlog> = Vec::new();
         for pool in databases {
             rows.extend(store::backlog(pool).await?);
         }
-        for gauge in [&self.backlog, &self.lag_seconds, &self.stopped] {
-            gauge.reset();
-        }
         let now = chrono::Utc::now();
+        // (topic, partition) -> (pending, lag, stopped), summed over the databases.
+        let mut values: BTreeMap<(String, String), (i64, i64, bool)> = BTreeMap::new();
         for row in rows {
             let partition = row
                 .partition
                 .map_or_else(|| "unassigned".to_owned(), |p| p.to_string());
-            let labels = [row.topic.as_str(), partition.as_str()];
-            self.backlog.with_label_values(&labels).add(row.pending);
             let lag = row.oldest.map_or(0, |t| (now - t).num_seconds().max(0));
-            let gauge = self.lag_seconds.with_label_values(&labels);
-            gauge.set(gauge.get().max(lag));
-            if row.stopped.is_some() {
-                self.stopped.with_label_values(&labels).set(1);
+            let value = values.entry((row.topic, partition)).or_default();
+            value.0 += row.pending;
+            value.1 = value.1.max(lag);
+            value.2 |= row.stopped.is_some();
+        }
+        let mut shown = self.shown.lock().unwrap_or_else(|e| e.into_inner());
+        for gone in shown.difference(&values.keys().cloned().collect()) {
+            let labels = [gone.0.as_str(), gone.1.as_str()];
+            for gauge in [&self.backlog, &self.lag_seconds, &self.stopped] {
+                let _ = gauge.remove_label_values(&labels);
             }
         }
+        for ((topic, partition), (pending, lag, stopped)) in &values {
+            let labels = [topic.as_str(), partition.as_str()];
+            self.backlog.with_label_values(&labels).set(*pending);
+            self.lag_seconds.with_label_values(&labels).set(*lag);
+            self.stopped
+                .with_label_values(&labels)
+                .set(i64::from(*stopped));
+        }
+        *shown = values.into_keys().collect();
         Ok(())
     }
 }

@@ -15,6 +15,9 @@ use std::time::{Duration, Instant};
 pub struct ReadBack {
     pub found: Vec<(String, i64)>,
     pub end: i64,
+    /// False when its time ran out first: `end` is then where it stopped, and the rest of the
+    /// log is read by the next read-back, from there.
+    pub complete: bool,
 }
 
 /// Why a read-back could not be trusted.
@@ -61,6 +64,7 @@ pub fn read_back(
     let mut back = ReadBack {
         found: Vec::new(),
         end: high.max(from),
+        complete: true,
     };
     if from >= high {
         return Ok(back);
@@ -73,6 +77,7 @@ pub fn read_back(
         .assign(&assignment)
         .context("assigning the partition")?;
     let started = Instant::now();
+    let mut next = from;
     while started.elapsed() < limit {
         let Some(message) = consumer.poll(Duration::from_millis(200)) else {
             // Past the end already: the last offsets were not records (a transaction's marker).
@@ -86,14 +91,21 @@ pub fn read_back(
             back.found.push((id, message.offset()));
         }
         crate::crashpoint!("relay::during_readback");
-        if message.offset() + 1 >= high {
+        next = message.offset() + 1;
+        if next >= high {
             return Ok(back);
         }
     }
-    Err(anyhow::anyhow!(
-        "reading {topic}/{partition} back from offset {from} to {high} took longer than {limit:?}"
-    )
-    .into())
+    if next == from {
+        return Err(anyhow::anyhow!(
+            "reading {topic}/{partition} back from offset {from} to {high}: nothing read in {limit:?}"
+        )
+        .into());
+    }
+    // What was read is kept; the next read-back goes on from here.
+    back.end = next;
+    back.complete = false;
+    Ok(back)
 }
 
 /// Where the consumer reads `topic`'s `partition` next, if it knows.

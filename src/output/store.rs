@@ -55,10 +55,19 @@ pub(super) async fn insert(
     Ok(())
 }
 
-/// The topics with records not yet given a partition.
+/// The topics with records not yet given a partition: one probe of the unassigned index per
+/// topic (a skip scan), however many records wait.
 pub async fn unassigned_topics(pool: &PgPool) -> sqlx::Result<Vec<String>> {
     sqlx::query_scalar(
-        "SELECT DISTINCT topic FROM output_records WHERE kafka_partition IS NULL ORDER BY topic",
+        "WITH RECURSIVE t(topic) AS (
+             (SELECT topic FROM output_records WHERE kafka_partition IS NULL
+              ORDER BY topic LIMIT 1)
+             UNION ALL
+             SELECT (SELECT r.topic FROM output_records r
+                     WHERE r.kafka_partition IS NULL AND r.topic > t.topic
+                     ORDER BY r.topic LIMIT 1)
+             FROM t WHERE t.topic IS NOT NULL)
+         SELECT topic FROM t WHERE topic IS NOT NULL",
     )
     .fetch_all(pool)
     .await
@@ -79,10 +88,16 @@ pub async fn known_count(pool: &PgPool, topic: &str) -> sqlx::Result<Option<i32>
 /// always the oldest: a record is never sent before an older one of its partition.
 pub async fn assign(pool: &PgPool, topic: &str, count: i32, limit: i64) -> sqlx::Result<u64> {
     let mut tx = pool.begin().await?;
-    sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended('replayproof-output:' || $1, 0))")
-        .bind(topic)
-        .execute(&mut *tx)
-        .await?;
+    // Committed without waiting for the WAL flush: if this commit were lost, the records would
+    // be partitioned again over the same count, and nothing is sent before a later commit that
+    // flushes it (begin_send's, synchronous).
+    sqlx::query(
+        "SELECT pg_advisory_xact_lock(hashtextextended('replayproof-output:' || $1, 0)),
+                set_config('synchronous_commit', 'off', true)",
+    )
+    .bind(topic)
+    .execute(&mut *tx)
+    .await?;
     sqlx::query(
         "INSERT INTO output_partitions (topic, kafka_partition, partition_count)
          SELECT $1, p, $2 FROM generate_series(0, $2 - 1) AS p
@@ -287,65 +302,111 @@ pub enum Found<'a> {
     ReadBack(&'a [(String, i64)]),
 }
 
-/// Records what is known under the owner's epoch: the records found, and, when `settled`
-/// names the next offset, that no send of the partition is in doubt any more (a read-back
-/// starts there next). Returns the records it marked sent, or None when the lease was taken
-/// over (nothing changed).
+/// What an update knows of the partition's doubt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Settled {
+    /// A send's outcome is unknown: the partition stays in doubt, its read-back start as it is.
+    InDoubt,
+    /// Still in doubt, but read back up to this offset: the read-back goes on from here.
+    ReadTo(i64),
+    /// Nothing in doubt: every record before this offset is known; a read-back starts here.
+    At(i64),
+}
+
+impl Settled {
+    /// The new read-back start, and whether the partition stays in doubt with it.
+    fn columns(self) -> (Option<i64>, bool) {
+        match self {
+            Self::InDoubt => (None, true),
+            Self::ReadTo(at) => (Some(at), true),
+            Self::At(at) => (Some(at), false),
+        }
+    }
+}
+
+/// Records what is known under the owner's epoch: the records found, and what is known of
+/// the partition's doubt (`settled`). Returns the records it marked sent, or None when the
+/// lease was taken over (nothing changed).
+///
+/// Committed without waiting for the WAL flush: were this commit lost, the partition would
+/// still be in doubt (begin_send's synchronous commit), so its next owner reads it back and
+/// finds these records; and the next begin_send's commit flushes this one.
 pub async fn record(
     pool: &PgPool,
     lease: &Lease,
     owner: &str,
     found: Found<'_>,
-    settled: Option<i64>,
+    settled: Settled,
 ) -> sqlx::Result<Option<u64>> {
-    let (by, keys, offsets, confirmation) = match found {
-        Found::Acked(rows, by) => (
-            // `= ANY` makes each id an index condition of the partition's pending index
-            // (topic, partition, id): a join alone may scan every pending row per id.
-            "r.id = u.k::bigint AND r.id = ANY($5::text[]::bigint[])",
-            rows.iter().map(|r| r.0.to_string()).collect::<Vec<_>>(),
-            rows.iter().map(|r| r.1).collect::<Vec<_>>(),
-            by,
-        ),
-        Found::ReadBack(rows) => (
-            "r.record_id = u.k AND r.record_id = ANY($5::text[])",
-            rows.iter().map(|r| r.0.clone()).collect(),
-            rows.iter().map(|r| r.1).collect(),
-            Confirmation::ReadBack,
-        ),
+    let (by, column, confirmation) = match found {
+        Found::Acked(_, by) => ("bigint", "id", by),
+        Found::ReadBack(_) => ("text", "record_id", Confirmation::ReadBack),
     };
+    // `= ANY` makes each row id an index condition of the partition's pending index: a join
+    // alone may scan every pending row per id. Record ids (a read-back's, rare) are matched
+    // among the partition's pending records.
     let sql = format!(
         "WITH fence AS (
              UPDATE output_partitions
-             SET in_doubt = in_doubt AND $7::bigint IS NULL,
+             SET in_doubt = CASE WHEN $7::bigint IS NULL THEN in_doubt ELSE $9 END,
                  readback_from = coalesce($7, readback_from), last_sent_at = now()
              WHERE topic = $1 AND kafka_partition = $2 AND owner = $3 AND epoch = $4
                AND stopped IS NULL
+               AND set_config('synchronous_commit', 'off', true) = 'off'
              RETURNING 1),
          marked AS (
              UPDATE output_records r
              SET state = 'sent', kafka_offset = u.o, confirmed_by = $8, sent_at = now()
-             FROM unnest($5::text[], $6::bigint[]) AS u(k, o)
-             WHERE {by} AND r.topic = $1 AND r.kafka_partition = $2
+             FROM unnest($5::{by}[], $6::bigint[]) AS u(k, o)
+             WHERE r.{column} = u.k AND r.{column} = ANY($5::{by}[])
+               AND r.topic = $1 AND r.kafka_partition = $2
                AND r.state = 'pending' AND EXISTS (SELECT 1 FROM fence)
              RETURNING 1)
          SELECT (SELECT count(*) FROM fence), (SELECT count(*) FROM marked)"
     );
-    // Planned for each call with its arrays (never a generic plan): a generic plan guesses
-    // ten elements and joins them by a nested loop, quadratic in the batch.
-    let (fenced, marked): (i64, i64) = sqlx::query_as(&sql)
+    let query = sqlx::query_as(&sql)
+        // Planned for each call with its arrays (never a generic plan): a generic plan
+        // guesses ten elements and joins them by a nested loop, quadratic in the batch.
         .persistent(false)
         .bind(&lease.topic)
         .bind(lease.partition)
         .bind(owner)
-        .bind(lease.epoch)
-        .bind(&keys)
-        .bind(&offsets)
-        .bind(settled)
+        .bind(lease.epoch);
+    let query = match found {
+        Found::Acked(rows, _) => query
+            .bind(rows.iter().map(|r| r.0).collect::<Vec<i64>>())
+            .bind(rows.iter().map(|r| r.1).collect::<Vec<i64>>()),
+        Found::ReadBack(rows) => query
+            .bind(rows.iter().map(|r| r.0.as_str()).collect::<Vec<&str>>())
+            .bind(rows.iter().map(|r| r.1).collect::<Vec<i64>>()),
+    };
+    let (readback_from, in_doubt) = settled.columns();
+    let (fenced, marked): (i64, i64) = query
+        .bind(readback_from)
         .bind(confirmation.as_str())
+        .bind(in_doubt)
         .fetch_one(pool)
         .await?;
     Ok((fenced == 1).then_some(u64::try_from(marked).unwrap_or(0)))
+}
+
+/// Warns when output records wait in `databases` and no relay runs (`dispatch` without
+/// `--brokers`): nothing else would say so, since the relays report the output's gauges.
+pub async fn warn_unrelayed(databases: &[PgPool]) {
+    for pool in databases {
+        let waiting: sqlx::Result<bool> = sqlx::query_scalar(
+            "SELECT EXISTS (SELECT 1 FROM output_records WHERE state = 'pending')",
+        )
+        .fetch_one(pool)
+        .await;
+        if let Ok(true) = waiting {
+            tracing::warn!(
+                "Output records wait to be produced, and this dispatch relays none: give it \
+                 --brokers (docs/kafka-output.md)."
+            );
+            return;
+        }
+    }
 }
 
 /// One output partition's backlog, for `status`, the console and the gauges.

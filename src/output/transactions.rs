@@ -18,9 +18,23 @@ pub(super) fn transactional_id(topic: &str, partition: i32, token: &str) -> Stri
     format!("replayproof-relay.{token}.{topic}.{partition}")
 }
 
+/// The broker refused to initialise an output partition's transactions for good: the relay
+/// stops, since waiting changes nothing.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "--kafka-transactions: the broker refused to initialise the transactions of {id}: {reason}. \
+     A broker without Kafka transactions (nisshi, for one) answers so, as does one whose ACLs \
+     deny the transactional id: run the relay without --kafka-transactions, or allow the id \
+     (docs/kafka-output.md, \"With Kafka transactions\")"
+)]
+pub struct Refused {
+    id: String,
+    reason: String,
+}
+
 /// Creates the partition's producer (`config` with `id`) and fences every earlier producer of
 /// `id`: once this returns, nothing an earlier one sent can still land, and the transaction it
-/// left open is aborted.
+/// left open is aborted. A refusal that waiting cannot change is [`Refused`].
 pub(super) async fn fence(
     config: &ClientConfig,
     id: &str,
@@ -33,10 +47,14 @@ pub(super) async fn fence(
         let producer: FutureProducer = config
             .create()
             .context("creating an output partition's transactional producer")?;
-        producer
-            .init_transactions(timeout)
-            .with_context(|| format!("initialising the transactions of {id}"))?;
-        Ok(producer)
+        match producer.init_transactions(timeout) {
+            Ok(()) => Ok(producer),
+            Err(rdkafka::error::KafkaError::Transaction(e)) if !e.is_retriable() => {
+                let reason = e.to_string();
+                Err(Refused { id, reason }.into())
+            }
+            Err(e) => Err(e).with_context(|| format!("initialising the transactions of {id}")),
+        }
     })
     .await?
 }

@@ -116,6 +116,30 @@ fn the_kafka_effect_without_its_output_topic_and_a_relay_lease_too_short_are_pro
     has_line(&text, "dispatch: ready", "");
 }
 
+/// A switch set in the file (`kafka_transactions = true`, `migrate = true`) is read as the flag,
+/// by `config check`, by the command itself and by its `--help`.
+#[test]
+fn switches_set_in_the_file_are_read_and_shown() {
+    let (_dir, file) = file_with(
+        "[kafka]\nbrokers = \"127.0.0.1:1\"\ngroup = \"g\"\n\
+         [database]\nurl = \"postgres://app@127.0.0.1:1/app\"\n\
+         [consume]\nmigrate = true\n\
+         [dispatch]\nkafka_transactions = true\n",
+    );
+    let (_, text) = check(&file, &["--no-connect"]);
+    has_line(&text, "kafka_transactions = true", "# file");
+    has_line(&text, "migrate = true", "# file");
+    has_line(&text, "dispatch: ready", "");
+    let help = replayproof()
+        .args(["--config"])
+        .arg(&file)
+        .args(["dispatch", "--help"])
+        .output()
+        .unwrap();
+    assert!(help.status.success(), "{}", printed(&help));
+    assert!(printed(&help).contains("--kafka-transactions"));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unapplied_migrations_and_a_missing_topic_are_problems_until_they_are_fixed() {
     let kafka = TestKafka::for_processes();

@@ -14,6 +14,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
 
+mod limits;
 mod transactions;
 
 const WAIT: Duration = Duration::from_secs(90);
@@ -103,12 +104,14 @@ fn relay_with(
     cmd.args(["dispatch", "--database-url", &db.url, "--brokers", brokers])
         .args(["--worker", worker, "--poll", "50ms"])
         .args(["--relay-lease", "3s", "--relay-send-timeout", "1s"])
-        .args(["--relay-batch-size", "40"])
         .args(extra)
         .env("RUST_LOG", "warn,replayproof=info")
         .env_remove("FAILPOINTS")
         .stdin(std::process::Stdio::null())
         .kill_on_drop(true);
+    if !extra.contains(&"--relay-batch-size") {
+        cmd.args(["--relay-batch-size", "40"]);
+    }
     if !extra.contains(&"--metrics-addr") {
         cmd.args(["--metrics-addr", "127.0.0.1:0"]);
     }
@@ -631,74 +634,5 @@ async fn a_topic_recreated_with_the_same_partition_count_stops_the_partition_bef
         read_topic(&brokers, &topic, 1).is_empty(),
         "nothing written to the new topic"
     );
-    relay.terminate(WAIT).await;
-}
-
-/// A library effect: one record per event, the event `huge`'s value larger than any producer
-/// or broker takes.
-struct OneHuge {
-    topic: String,
-    huge: &'static str,
-}
-
-#[async_trait::async_trait]
-impl Effect for OneHuge {
-    fn name(&self) -> &'static str {
-        "one-huge"
-    }
-
-    async fn apply(&self, tx: &mut Tx<'_>, event: &Event) -> Result<(), EffectError> {
-        let value = match event.key.as_str() == self.huge {
-            true => vec![b'x'; 17 << 20],
-            false => event.payload_json.get().as_bytes().to_vec(),
-        };
-        let record = OutputRecord::new("kafka", &self.topic)
-            .key(event.key.as_str().as_bytes().to_vec())
-            .value(value);
-        replayproof::output::enqueue(tx, event, &[record]).await?;
-        Ok(())
-    }
-}
-
-/// A record refused for what it is (larger than the producer takes) stops its partition with
-/// the reason: the records before it are sent, the refused one and those after it wait, and
-/// nothing is sent out of order or tried for ever.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_record_refused_for_its_size_stops_its_partition_with_the_reason() {
-    let _heavy = heavy().await;
-    let (kafka, db) = (TestKafka::for_processes(), TestDb::new().await);
-    let topic = kafka.topic(1).await;
-    let brokers = kafka.brokers();
-    let effect = Arc::new(OneHuge {
-        topic: topic.clone(),
-        huge: "evt-25",
-    });
-    claim(&db, effect, 0..30).await;
-    let relay = relay(&db, &brokers, "only", None);
-    wait_for("the partition stopped", WAIT, || async {
-        db.count("SELECT count(*) FROM output_partitions WHERE stopped IS NOT NULL")
-            .await
-            == 1
-    })
-    .await;
-    let status = replayproof(&db, &["status"]);
-    assert!(
-        status.contains("the record evt-25#kafka (17825798 bytes of key and value) was refused"),
-        "{status}"
-    );
-    let pending: Vec<String> = sqlx::query_scalar(
-        "SELECT event_key FROM output_records WHERE state = 'pending' ORDER BY id",
-    )
-    .fetch_all(&db.pool)
-    .await
-    .unwrap();
-    assert_eq!(pending, ["evt-25", "evt-26", "evt-27", "evt-28", "evt-29"]);
-    let out = read_topic(&brokers, &topic, 1);
-    let keys: Vec<String> = out
-        .iter()
-        .map(|o| String::from_utf8(o.key.clone()).unwrap())
-        .collect();
-    let expected: Vec<String> = (0..25).map(|i| format!("evt-{i}")).collect();
-    assert_eq!(keys, expected, "the records before it, once each, in order");
     relay.terminate(WAIT).await;
 }

@@ -122,3 +122,41 @@ fn a_transactional_id_option_is_refused_for_the_relay() {
         "{text}"
     );
 }
+
+/// `--kafka-transactions` against a broker without transactions (nisshi): the relay ends the
+/// process at once, saying why and what to do, instead of retrying for ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_transactions_a_broker_without_them_ends_dispatch_with_the_reason() {
+    let _heavy = heavy().await;
+    let TestKafka::External(brokers) = TestKafka::for_processes() else {
+        panic!("needs a broker process without transactions (KAFKA_BROKERS, nisshi)")
+    };
+    let (kafka, db) = (TestKafka::External(brokers.clone()), TestDb::new().await);
+    let topic = kafka.topic(1).await;
+    claim(&db, kafka_effect(&topic), 0..5).await;
+    let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_replayproof"));
+    cmd.args(["dispatch", "--database-url", &db.url, "--brokers", &brokers])
+        .args(["--kafka-transactions", "--metrics-addr", "127.0.0.1:0"])
+        .args(["--relay-lease", "3s", "--relay-send-timeout", "1s"])
+        .env_remove("FAILPOINTS")
+        .kill_on_drop(true);
+    for (k, v) in test_kafka_options() {
+        cmd.arg("--kafka-option").arg(format!("{k}={v}"));
+    }
+    let out = tokio::time::timeout(WAIT, cmd.output())
+        .await
+        .expect("dispatch ends by itself")
+        .unwrap();
+    assert!(!out.status.success());
+    let text = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        text.contains("--kafka-transactions: the broker refused to initialise the transactions"),
+        "{text}"
+    );
+    assert_eq!(
+        db.count("SELECT count(*) FROM output_records WHERE state = 'pending'")
+            .await,
+        5,
+        "nothing sent"
+    );
+}

@@ -14,11 +14,10 @@
 //! - With `--kafka-transactions` ([`super::transactions`]) each batch is a Kafka transaction
 //!   of the partition's own producer, fenced by every new owner before it reads back.
 
-use super::produce::{self, Handed};
 use super::readback::{self, Unreadable};
 use super::settings::{reader_tuning, RelaySettings};
-use super::store::{self, Found, Lease, Pending};
-use super::{transactions, Confirmation, OutputMetrics};
+use super::store::{self, Found, Lease, Settled};
+use super::{transactions, OutputMetrics};
 use crate::kafka::{client_config, Role};
 use crate::telemetry::Health;
 use anyhow::Context as _;
@@ -27,6 +26,9 @@ use sqlx::PgPool;
 use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
+
+mod assign;
+mod send;
 
 /// The relay loop's heartbeat, as `/healthz` names it.
 const LOOP: &str = "output relay";
@@ -40,17 +42,10 @@ struct Owned {
     /// With `--kafka-transactions`: the partition's own producer, fenced. None until its first
     /// turn and after any outcome it does not know, so that the next turn fences again.
     fenced: Option<FutureProducer>,
-}
-
-/// What became of a batch handed to the producer.
-#[derive(Default)]
-struct Outcomes {
-    /// Each acknowledged record's row id and offset.
-    acked: Vec<(i64, i64)>,
-    /// Records whose outcome is unknown.
-    unknown: u64,
-    /// Why a record was refused for good, if one was.
-    refusal: Option<String>,
+    /// After the broker refused several records of one batch together (a batch larger than
+    /// the topic takes): up to this row id, records are sent one a turn, so that a record the
+    /// broker refuses alone is the one named, and the others are sent.
+    one_by_one_through: Option<i64>,
 }
 
 /// What one turn of a partition came to.
@@ -75,6 +70,9 @@ pub struct Relay {
     metrics: OutputMetrics,
     /// The databases whose backlogs this relay reports as gauges.
     gauges: Vec<PgPool>,
+    /// What was last said of each topic whose records cannot be partitioned: said once, not
+    /// every round.
+    said: std::sync::Mutex<HashMap<String, String>>,
     health: Health,
 }
 
@@ -106,6 +104,7 @@ impl Relay {
         )?;
         Ok(Self {
             gauges: vec![pool.clone()],
+            said: std::sync::Mutex::default(),
             settings,
             pool,
             producer,
@@ -123,10 +122,13 @@ impl Relay {
     }
 
     /// Relays until `shutdown`, then gives its leases up.
+    /// Ends early, with the error, only when the broker refuses `--kafka-transactions` for
+    /// good: a setting to change, not a fault to wait out.
     pub async fn run(self, shutdown: CancellationToken) -> anyhow::Result<()> {
         tracing::info!(worker = %self.settings.worker, "Relaying output records.");
         let mut owned: BTreeMap<(String, i32), Owned> = BTreeMap::new();
         let mut last_gauges: Option<Instant> = None;
+        let mut ended = Ok(());
         while !shutdown.is_cancelled() {
             let stuck_after = self.settings.lease + self.settings.poll_interval * 4;
             self.health.beat(LOOP, stuck_after);
@@ -138,6 +140,10 @@ impl Relay {
             }
             let worked = match self.round(&mut owned).await {
                 Ok(worked) => worked,
+                Err(e) if e.is::<transactions::Refused>() => {
+                    ended = Err(e);
+                    break;
+                }
                 Err(e) => {
                     tracing::warn!(error = format!("{e:#}"), "An output relay round failed.");
                     false
@@ -153,20 +159,21 @@ impl Relay {
         for owned in owned.values() {
             store::release(&self.pool, &owned.lease, &self.settings.worker).await?;
         }
-        Ok(())
+        ended
     }
 
     /// One round: partitions the new records, takes the free partitions, checks every owned
     /// partition's topic, and gives each a turn. True when something was sent or confirmed.
     async fn round(&self, owned: &mut BTreeMap<(String, i32), Owned>) -> anyhow::Result<bool> {
-        let mut topics: Vec<String> = store::unassigned_topics(&self.pool).await?;
+        let unassigned = store::unassigned_topics(&self.pool).await?;
+        let mut topics = unassigned.clone();
         topics.extend(owned.keys().map(|(t, _)| t.clone()));
         let free = store::unowned(&self.pool).await?;
         topics.extend(free.iter().map(|(t, _)| t.clone()));
         topics.sort();
         topics.dedup();
         let counts = self.partition_counts(&topics).await;
-        let assigned = self.assign(&counts).await?;
+        let assigned = self.assign(&unassigned, &counts).await?;
         self.take(owned, free).await?;
         self.check_counts(owned, &counts).await?;
         let turns = futures_util::future::join_all(owned.values_mut().map(|o| self.turn(o))).await;
@@ -181,6 +188,7 @@ impl Relay {
                     }
                 }
                 Ok(Turn::Gone) => drop(owned.remove(&key)),
+                Err(e) if e.is::<transactions::Refused>() => return Err(e),
                 Err(e) => {
                     tracing::warn!(topic = %key.0, partition = key.1, error = format!("{e:#}"),
                         "An output partition's turn failed; it is tried again.");
@@ -188,61 +196,6 @@ impl Relay {
             }
         }
         Ok(worked)
-    }
-
-    /// Each topic's partition count from the broker's metadata, or why there is none.
-    async fn partition_counts(&self, topics: &[String]) -> HashMap<String, Result<i32, String>> {
-        let mut counts = HashMap::new();
-        for topic in topics {
-            let producer = self.producer.clone();
-            let name = topic.clone();
-            let count = tokio::task::spawn_blocking(move || {
-                let md = producer
-                    .client()
-                    .fetch_metadata(Some(&name), Duration::from_secs(10))
-                    .map_err(|e| format!("reading the metadata of {name}: {e}"))?;
-                match md.topics().first() {
-                    Some(t) if t.error().is_none() && !t.partitions().is_empty() => {
-                        Ok(i32::try_from(t.partitions().len()).unwrap_or(i32::MAX))
-                    }
-                    _ => Err(format!("the output topic {name} does not exist")),
-                }
-            })
-            .await
-            .unwrap_or_else(|e| Err(e.to_string()));
-            counts.insert(topic.clone(), count);
-        }
-        counts
-    }
-
-    /// Gives the new records of each topic their partition; returns how many it partitioned.
-    async fn assign(&self, counts: &HashMap<String, Result<i32, String>>) -> anyhow::Result<u64> {
-        let mut assigned = 0;
-        for topic in store::unassigned_topics(&self.pool).await? {
-            let count = match counts.get(&topic) {
-                Some(Ok(count)) => *count,
-                Some(Err(why)) => {
-                    tracing::error!(topic = %topic, "{why}: its records wait, unpartitioned.");
-                    continue;
-                }
-                None => continue,
-            };
-            if let Some(known) = store::known_count(&self.pool, &topic).await? {
-                if known != count {
-                    let why = changed(known, count);
-                    tracing::error!(topic = %topic, "{why}");
-                    store::stop(&self.pool, &topic, None, &why).await?;
-                    continue;
-                }
-            }
-            let n = store::assign(&self.pool, &topic, count, self.settings.batch_size).await?;
-            self.metrics
-                .enqueued
-                .with_label_values(&[topic.as_str()])
-                .inc_by(n);
-            assigned += n;
-        }
-        Ok(assigned)
     }
 
     /// Takes the lease of each free partition it can.
@@ -266,6 +219,7 @@ impl Relay {
                     lease,
                     readback_after: None,
                     fenced: None,
+                    one_by_one_through: None,
                 };
                 owned.insert((topic, partition), owned_now);
             }
@@ -283,7 +237,7 @@ impl Relay {
         for (key, o) in owned.iter() {
             let why = match counts.get(&key.0) {
                 Some(Ok(count)) if *count == o.lease.partition_count => continue,
-                Some(Ok(count)) => changed(o.lease.partition_count, *count),
+                Some(Ok(count)) => assign::changed(o.lease.partition_count, *count),
                 Some(Err(why)) if why.contains("does not exist") => why.clone(),
                 // The broker could not be asked: nothing is sent this round.
                 Some(Err(_)) | None => continue,
@@ -306,9 +260,19 @@ impl Relay {
             self.fence(owned).await?;
             return self.read_back(owned).await;
         }
-        let records = store::pending(&self.pool, &owned.lease, self.settings.batch_size).await?;
-        if records.is_empty() {
+        let limit = match owned.one_by_one_through {
+            Some(_) => 1,
+            None => self.settings.batch_size,
+        };
+        let records = store::pending(&self.pool, &owned.lease, limit).await?;
+        let Some(first) = records.first() else {
             return Ok(Turn::Idle);
+        };
+        if owned
+            .one_by_one_through
+            .is_some_and(|through| first.id > through)
+        {
+            owned.one_by_one_through = None;
         }
         self.fence(owned).await?;
         let Some(from) = self.settled_from(&owned.lease).await? else {
@@ -357,111 +321,6 @@ impl Relay {
         }
     }
 
-    /// Sends `records` in order and records their acknowledgements; an unknown outcome leaves
-    /// the partition in doubt, read back a send timeout later. A record the producer or the
-    /// broker refuses for good (too large, invalid) stops the partition with the reason: the
-    /// records after it wait rather than overtake it for ever.
-    async fn send(&self, owned: &mut Owned, records: &[Pending]) -> anyhow::Result<Turn> {
-        let producer = owned.fenced.clone();
-        if let Some(p) = &producer {
-            if let Err(e) = p.begin_transaction() {
-                owned.fenced = None;
-                return Err(e).context("beginning an output transaction");
-            }
-        }
-        crate::stallpoint!("relay::before_produce");
-        let at = (owned.lease.topic.as_str(), owned.lease.partition);
-        let handed = produce::hand(producer.as_ref().unwrap_or(&self.producer), at, records);
-        let mut out = outcomes(at.0, records, handed).await;
-        crate::crashpoint!("relay::after_ack");
-        let by = match &producer {
-            Some(p) => {
-                self.end_transaction(owned, p, &mut out).await;
-                Confirmation::Transaction
-            }
-            None => Confirmation::Ack,
-        };
-        let turn = self.settle(owned, &out, by).await?;
-        if let Some(why) = out.refusal {
-            self.stop(&owned.lease, &why).await?;
-            return Ok(Turn::Gone);
-        }
-        Ok(turn)
-    }
-
-    /// Ends a batch's transaction: committed when every record was acknowledged, aborted
-    /// otherwise (none of its records is then in the topic). An outcome it does not know makes
-    /// every record of the batch unknown, and the producer is fenced again before the
-    /// partition is read back.
-    async fn end_transaction(&self, owned: &mut Owned, p: &FutureProducer, out: &mut Outcomes) {
-        let timeout = self.settings.send_timeout;
-        let ended = match out.unknown == 0 && out.refusal.is_none() {
-            true => transactions::commit(p, timeout).await,
-            false => transactions::abort(p, timeout).await.map(|()| false),
-        };
-        crate::crashpoint!("relay::after_commit");
-        match ended {
-            Ok(true) => {}
-            Ok(false) => {
-                *out = Outcomes {
-                    refusal: out.refusal.take(),
-                    ..Outcomes::default()
-                }
-            }
-            Err(e) => {
-                let (topic, partition) = (&owned.lease.topic, owned.lease.partition);
-                tracing::warn!(topic = %topic, partition, error = format!("{e:#}"),
-                    "An output transaction's outcome is unknown.");
-                out.unknown += out.acked.len() as u64;
-                out.acked.clear();
-                owned.fenced = None;
-            }
-        }
-    }
-
-    /// Records a batch's acknowledgements (confirmed `by` the ack or the transaction's
-    /// commit); the partition stays in doubt while some records' outcomes are unknown.
-    async fn settle(
-        &self,
-        owned: &mut Owned,
-        out: &Outcomes,
-        by: Confirmation,
-    ) -> anyhow::Result<Turn> {
-        let labels = [owned.lease.topic.as_str()];
-        let acked = out.acked.len() as u64;
-        self.metrics
-            .produced
-            .with_label_values(&labels)
-            .inc_by(acked);
-        let settled = match out.unknown {
-            0 => out
-                .acked
-                .iter()
-                .map(|a| a.1 + 1)
-                .max()
-                .or(owned.lease.readback_from),
-            _ => None,
-        };
-        let (pool, worker) = (&self.pool, &self.settings.worker);
-        let found = Found::Acked(&out.acked, by);
-        let recorded = store::record(pool, &owned.lease, worker, found, settled).await?;
-        crate::crashpoint!("relay::after_update");
-        if recorded.is_none() {
-            return Ok(Turn::Gone);
-        }
-        if out.unknown > 0 {
-            self.metrics
-                .unknown_outcomes
-                .with_label_values(&labels)
-                .inc_by(out.unknown);
-            owned.readback_after = Some(Instant::now() + self.settings.send_timeout);
-        } else {
-            owned.lease.in_doubt = false;
-            owned.lease.readback_from = settled;
-        }
-        Ok(Turn::Worked(acked))
-    }
-
     /// Stops the partition of `lease` with why, logged.
     async fn stop(&self, lease: &Lease, why: &str) -> anyhow::Result<()> {
         let (topic, partition) = (&lease.topic, lease.partition);
@@ -490,16 +349,20 @@ impl Relay {
         };
         let (pool, worker) = (&self.pool, &self.settings.worker);
         let found = Found::ReadBack(&back.found);
-        let Some(marked) = store::record(pool, &lease, worker, found, Some(back.end)).await? else {
+        let doubt = match back.complete {
+            true => Settled::At(back.end),
+            false => Settled::ReadTo(back.end),
+        };
+        let Some(marked) = store::record(pool, &lease, worker, found, doubt).await? else {
             return Ok(Turn::Gone);
         };
         tracing::info!(topic = %lease.topic, partition = lease.partition, from, to = back.end,
-            confirmed = marked, "Read an output partition back.");
+            confirmed = marked, complete = back.complete, "Read an output partition back.");
         self.metrics
             .confirmed_by_readback
             .with_label_values(&[lease.topic.as_str()])
             .inc_by(marked);
-        owned.lease.in_doubt = false;
+        owned.lease.in_doubt = !back.complete;
         owned.lease.readback_from = Some(back.end);
         owned.readback_after = None;
         Ok(Turn::Worked(marked.max(1)))
@@ -518,45 +381,4 @@ impl Relay {
         .context("reading the output partition's offsets")?;
         Ok(high)
     }
-}
-
-/// Waits for each handed record's outcome: acknowledged, refused for good, or unknown.
-async fn outcomes(topic: &str, records: &[Pending], handed: Vec<Handed>) -> Outcomes {
-    let mut out = Outcomes::default();
-    for (record, handed) in records.iter().zip(handed) {
-        let error = match handed {
-            Handed::Queued(delivery) => match delivery.await {
-                Ok(Ok(d)) => {
-                    out.acked.push((record.id, d.offset));
-                    continue;
-                }
-                Ok(Err((e, _))) => e,
-                Err(_) => {
-                    out.unknown += 1;
-                    continue;
-                }
-            },
-            Handed::Refused(e) => e,
-            // Never handed to the producer: known not sent.
-            Handed::NotSent => continue,
-        };
-        if produce::refused_for_good(&error) {
-            out.refusal
-                .get_or_insert_with(|| produce::refused(record, &error));
-        } else {
-            tracing::warn!(topic = %topic, record = %record.record_id, error = %error,
-                "An output record's send has an unknown outcome.");
-            out.unknown += 1;
-        }
-    }
-    out
-}
-
-/// Why a topic's partition count is not the one its records were partitioned over.
-fn changed(known: i32, now: i32) -> String {
-    format!(
-        "the output topic's partition count changed from {known} to {now}: records keyed to a \
-         partition of {known} would land elsewhere, so the relay stops rather than guess \
-         (docs/kafka-output.md, \"When the relay stops\")"
-    )
 }
