@@ -41,7 +41,7 @@ use rdkafka::consumer::{BaseConsumer, Consumer, StreamConsumer};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::Message;
 use replayproof::consume::{BatchProcessor, ConsumeMetrics, DeferredApplier, RawMessage, Retrying};
-use replayproof::devkit::embedded::{EmbeddedKafka, EmbeddedPostgres};
+use replayproof::devkit::embedded::EmbeddedKafka;
 use replayproof::effect::{Deferred, Effect, EffectError, Ledger, Tx};
 use replayproof::envelope::{Envelope, Event};
 use sqlx::PgPool;
@@ -51,7 +51,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 mod common;
-use common::{client, create_topic, env_or};
+use common::{client, create_topic, env_or, median};
 
 const PARTITIONS: i32 = 4;
 const BATCH: usize = 500;
@@ -784,11 +784,6 @@ struct Growth {
     b: f64,
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    v[v.len() / 2]
-}
-
 fn main() {
     let runtime = tokio::runtime::Runtime::new().unwrap();
     let events = env_or("BENCH_EVENTS", 50_000);
@@ -801,31 +796,14 @@ fn main() {
         .filter_map(|n| n.trim().parse().ok())
         .collect();
 
-    let embedded_pg = match std::env::var("DATABASE_URL") {
-        Ok(u) if !u.is_empty() => None,
-        _ => Some(
-            EmbeddedPostgres::start_with(&[
-                "fsync=on",
-                "synchronous_commit=on",
-                "shared_preload_libraries=pg_stat_statements",
-                "shared_buffers=512MB",
-                "max_wal_size=8GB",
-            ])
-            .unwrap(),
-        ),
-    };
-    let database_url = embedded_pg
-        .as_ref()
-        .map(EmbeddedPostgres::url)
-        .unwrap_or_else(|| std::env::var("DATABASE_URL").unwrap());
-    let mock = match std::env::var("KAFKA_BROKERS") {
-        Ok(b) if !b.is_empty() => None,
-        _ => Some(EmbeddedKafka::start().unwrap()),
-    };
-    let brokers = mock
-        .as_ref()
-        .map(EmbeddedKafka::bootstrap_servers)
-        .unwrap_or_else(|| std::env::var("KAFKA_BROKERS").unwrap());
+    let (embedded_pg, database_url) = common::postgres(&[
+        "fsync=on",
+        "synchronous_commit=on",
+        "shared_preload_libraries=pg_stat_statements",
+        "shared_buffers=512MB",
+        "max_wal_size=8GB",
+    ]);
+    let (mock, brokers) = common::kafka();
     println!(
         "{events} events + 30% replays per run, {PARTITIONS} partitions, batches of {BATCH}, \
          {repeats} repeats; broker: {}; PostgreSQL: {}; {} cores",

@@ -26,7 +26,6 @@
 
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer as _};
-use replayproof::devkit::embedded::{EmbeddedKafka, EmbeddedPostgres};
 use replayproof::envelope::{Envelope, Event};
 use replayproof::output::{self, OutputMetrics, OutputRecord, Relay, RelaySettings};
 use replayproof::telemetry::Health;
@@ -35,10 +34,10 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
 
-// Only its sizes from the environment and its topic helper are used here.
+// Its sizes from the environment, its servers and its topic helper are used here.
 #[allow(dead_code)]
 mod common;
-use common::{create_topic, env_or};
+use common::{create_topic, env_or, median};
 
 const PARTITIONS: i32 = 4;
 const SIZES: [usize; 2] = [512, 2048];
@@ -263,39 +262,17 @@ struct Figures {
     pg_us: f64,
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    v[v.len() / 2]
-}
-
 fn main() {
     let runtime = tokio::runtime::Runtime::new().unwrap();
     let records = env_or("BENCH_RECORDS", 50_000);
     let repeats = env_or("BENCH_REPEATS", 3);
-    let embedded_pg = match std::env::var("DATABASE_URL") {
-        Ok(u) if !u.is_empty() => None,
-        _ => Some(
-            EmbeddedPostgres::start_with(&[
-                "fsync=on",
-                "synchronous_commit=on",
-                "shared_buffers=512MB",
-                "max_wal_size=8GB",
-            ])
-            .unwrap(),
-        ),
-    };
-    let database_url = embedded_pg
-        .as_ref()
-        .map(EmbeddedPostgres::url)
-        .unwrap_or_else(|| std::env::var("DATABASE_URL").unwrap());
-    let mock = match std::env::var("KAFKA_BROKERS") {
-        Ok(b) if !b.is_empty() => None,
-        _ => Some(EmbeddedKafka::start().unwrap()),
-    };
-    let brokers = mock
-        .as_ref()
-        .map(EmbeddedKafka::bootstrap_servers)
-        .unwrap_or_else(|| std::env::var("KAFKA_BROKERS").unwrap());
+    let (embedded_pg, database_url) = common::postgres(&[
+        "fsync=on",
+        "synchronous_commit=on",
+        "shared_buffers=512MB",
+        "max_wal_size=8GB",
+    ]);
+    let (mock, brokers) = common::kafka();
     println!(
         "{PARTITIONS} partitions, {repeats} repeats; broker: {}; PostgreSQL: {}; {} cores",
         if mock.is_some() {

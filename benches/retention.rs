@@ -24,7 +24,6 @@
 //! `cargo bench --bench retention`
 
 use replayproof::consume::{BatchProcessor, RawMessage, Retrying};
-use replayproof::devkit::embedded::EmbeddedPostgres;
 use replayproof::effect::Ledger;
 use replayproof::envelope::Envelope;
 use replayproof::ingest::config::Kind;
@@ -363,21 +362,8 @@ fn main() {
     let runtime = tokio::runtime::Runtime::new().unwrap();
     let seconds = env_or("BENCH_SECONDS", 180) as u64;
     let repeats = env_or("BENCH_REPEATS", 1);
-    let embedded = match std::env::var("DATABASE_URL") {
-        Ok(u) if !u.is_empty() => None,
-        _ => Some(
-            EmbeddedPostgres::start_with(&[
-                "fsync=on",
-                "synchronous_commit=on",
-                "shared_buffers=512MB",
-            ])
-            .unwrap(),
-        ),
-    };
-    let url = embedded
-        .as_ref()
-        .map(EmbeddedPostgres::url)
-        .unwrap_or_else(|| std::env::var("DATABASE_URL").unwrap());
+    let (_embedded, url) =
+        common::postgres(&["fsync=on", "synchronous_commit=on", "shared_buffers=512MB"]);
     println!(
         "{LANES} lanes, batches of {BATCH}, {seconds} s per mode, {repeats} repeat(s), steady \
          modes at {} events/s; {} cores",

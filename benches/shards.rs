@@ -24,7 +24,6 @@
 #![allow(clippy::too_many_lines)]
 
 use replayproof::consume::{BatchProcessor, RawMessage, Retrying};
-use replayproof::devkit::embedded::EmbeddedPostgres;
 use replayproof::effect::Ledger;
 use replayproof::envelope::Envelope;
 use replayproof::shard::{Layout, Shards};
@@ -35,7 +34,7 @@ use std::time::{Duration, Instant};
 // Only its sizes from the environment are used here.
 #[allow(dead_code)]
 mod common;
-use common::env_or;
+use common::{env_or, median};
 
 const PARTITIONS: usize = 4;
 const BATCH: usize = 500;
@@ -157,32 +156,17 @@ async fn run(admin: &str, spread: Spread, messages: &[Vec<RawMessage>]) -> Durat
     took
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
-
 fn main() {
     let runtime = tokio::runtime::Runtime::new().unwrap();
     let events = env_or("BENCH_EVENTS", 40_000);
     let repeats = env_or("BENCH_REPEATS", 3);
-    let embedded = match std::env::var("DATABASE_URL") {
-        Ok(u) if !u.is_empty() => None,
-        _ => Some(
-            EmbeddedPostgres::start_with(&[
-                "fsync=on",
-                "synchronous_commit=on",
-                "shared_buffers=512MB",
-                "max_wal_size=8GB",
-                "max_connections=200",
-            ])
-            .unwrap(),
-        ),
-    };
-    let admin = embedded
-        .as_ref()
-        .map(EmbeddedPostgres::url)
-        .unwrap_or_else(|| std::env::var("DATABASE_URL").unwrap());
+    let (embedded, admin) = common::postgres(&[
+        "fsync=on",
+        "synchronous_commit=on",
+        "shared_buffers=512MB",
+        "max_wal_size=8GB",
+        "max_connections=200",
+    ]);
     let spreads = [
         Spread::Single,
         Spread::Split(4),

@@ -1,6 +1,35 @@
 //! What the benchmarks share: their sizes from the environment and a topic on a broker.
 
+use replayproof::devkit::embedded::{EmbeddedKafka, EmbeddedPostgres};
 use std::time::Duration;
+
+/// PostgreSQL for a benchmark: `DATABASE_URL` when set, otherwise a throwaway server started
+/// with `settings` (running while the first value lives); and its URL.
+#[allow(dead_code)]
+pub fn postgres(settings: &[&str]) -> (Option<EmbeddedPostgres>, String) {
+    match std::env::var("DATABASE_URL") {
+        Ok(url) if !url.is_empty() => (None, url),
+        _ => {
+            let server = EmbeddedPostgres::start_with(settings).unwrap();
+            let url = server.url();
+            (Some(server), url)
+        }
+    }
+}
+
+/// The broker for a benchmark: `KAFKA_BROKERS` when set, otherwise librdkafka's mock cluster in
+/// this process (running while the first value lives); and its bootstrap servers.
+#[allow(dead_code)]
+pub fn kafka() -> (Option<EmbeddedKafka>, String) {
+    match std::env::var("KAFKA_BROKERS") {
+        Ok(brokers) if !brokers.is_empty() => (None, brokers),
+        _ => {
+            let mock = EmbeddedKafka::start().unwrap();
+            let brokers = mock.bootstrap_servers();
+            (Some(mock), brokers)
+        }
+    }
+}
 
 /// A free TCP port on 127.0.0.1, for a child process's metrics server.
 pub fn free_port() -> u16 {
@@ -17,6 +46,13 @@ pub fn env_or(name: &str, default: usize) -> usize {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(default)
+}
+
+/// The median of a run's figures.
+#[allow(dead_code)]
+pub fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
 }
 
 /// A client of `brokers` (IPv4, quiet).

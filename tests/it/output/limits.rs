@@ -29,6 +29,22 @@ impl Effect for OneHuge {
     }
 }
 
+/// Claims events 0..30 whose record `huge` is `size` bytes, relays them until the partition
+/// stops, and returns the relay and what `status` says.
+async fn stopped_by(
+    db: &TestDb,
+    brokers: &str,
+    topic: &str,
+    huge: &'static str,
+    size: usize,
+) -> (ConsumerProcess, String) {
+    let topic = topic.to_owned();
+    claim(db, Arc::new(OneHuge { topic, huge, size }), 0..30).await;
+    let relay = relay(db, brokers, "only", None);
+    wait_stopped(db, 1).await;
+    (relay, replayproof(db, &["status"]))
+}
+
 /// A record refused for what it is (larger than the producer takes) stops its partition with
 /// the reason: the records before it are sent, the refused one and those after it wait, and
 /// nothing is sent out of order or tried for ever.
@@ -38,20 +54,7 @@ async fn a_record_refused_for_its_size_stops_its_partition_with_the_reason() {
     let (kafka, db) = (TestKafka::for_processes(), TestDb::new().await);
     let topic = kafka.topic(1).await;
     let brokers = kafka.brokers();
-    let effect = Arc::new(OneHuge {
-        topic: topic.clone(),
-        huge: "evt-25",
-        size: 17 << 20,
-    });
-    claim(&db, effect, 0..30).await;
-    let relay = relay(&db, &brokers, "only", None);
-    wait_for("the partition stopped", WAIT, || async {
-        db.count("SELECT count(*) FROM output_partitions WHERE stopped IS NOT NULL")
-            .await
-            == 1
-    })
-    .await;
-    let status = replayproof(&db, &["status"]);
+    let (relay, status) = stopped_by(&db, &brokers, &topic, "evt-25", 17 << 20).await;
     assert!(
         status.contains("the record evt-25#kafka (17825798 bytes of key and value) was refused"),
         "{status}"
@@ -107,20 +110,7 @@ async fn a_record_the_broker_refuses_is_the_one_named_and_the_records_before_it_
     let db = TestDb::new().await;
     let topic = unique("output_small");
     topic_taking(&brokers, &topic, 50_000).await;
-    let effect = Arc::new(OneHuge {
-        topic: topic.clone(),
-        huge: "evt-15",
-        size: 200_000,
-    });
-    claim(&db, effect, 0..30).await;
-    let relay = relay(&db, &brokers, "only", None);
-    wait_for("the partition stopped", WAIT, || async {
-        db.count("SELECT count(*) FROM output_partitions WHERE stopped IS NOT NULL")
-            .await
-            == 1
-    })
-    .await;
-    let status = replayproof(&db, &["status"]);
+    let (relay, status) = stopped_by(&db, &brokers, &topic, "evt-15", 200_000).await;
     assert!(
         status.contains("the record evt-15#kafka (200006 bytes of key and value) was refused"),
         "{status}"

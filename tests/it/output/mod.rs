@@ -126,6 +126,16 @@ fn relay_with(
     }
 }
 
+/// Waits until `n` output partitions are stopped.
+async fn wait_stopped(db: &TestDb, n: i64) {
+    wait_for("output partitions stopped", WAIT, || async {
+        db.count("SELECT count(*) FROM output_partitions WHERE stopped IS NOT NULL")
+            .await
+            == n
+    })
+    .await;
+}
+
 async fn wait_all_sent(db: &TestDb, expected: i64) {
     wait_for("every output record sent", WAIT, || async {
         db.count("SELECT count(*) FROM output_records WHERE state = 'sent'")
@@ -489,12 +499,7 @@ async fn a_topic_recreated_with_another_partition_count_stops_the_relay_with_the
 
     recreate_topic(&brokers, &topic, 3).await;
     claim(&db, kafka_effect(&topic), 50..80).await;
-    wait_for("both partitions stopped", WAIT, || async {
-        db.count("SELECT count(*) FROM output_partitions WHERE stopped IS NOT NULL")
-            .await
-            == 2
-    })
-    .await;
+    wait_stopped(&db, 2).await;
     assert_eq!(
         db.count("SELECT count(*) FROM output_records WHERE state = 'pending'")
             .await,
@@ -576,24 +581,31 @@ async fn a_topic_recreated_while_a_send_is_in_doubt_stops_the_partition() {
     );
     recreate_topic(&brokers, &topic, 1).await;
     let second = relay(&db, &brokers, "second", None);
-    wait_for("the partition stopped", WAIT, || async {
-        db.count("SELECT count(*) FROM output_partitions WHERE stopped IS NOT NULL")
-            .await
-            == 1
-    })
-    .await;
-    let status = replayproof(&db, &["status"]);
-    assert!(status.contains("deleted and created again"), "{status}");
+    stopped_with_nothing_written(&db, &brokers, &topic, "deleted and created again", 10).await;
+    second.terminate(WAIT).await;
+}
+
+/// Waits until `topic`'s one partition stops, then checks that `status` says `why`, that
+/// `pending` records wait, and that nothing was written to the topic as it is now.
+async fn stopped_with_nothing_written(
+    db: &TestDb,
+    brokers: &str,
+    topic: &str,
+    why: &str,
+    pending: i64,
+) {
+    wait_stopped(db, 1).await;
+    let status = replayproof(db, &["status"]);
+    assert!(status.contains(why), "{status}");
     assert_eq!(
         db.count("SELECT count(*) FROM output_records WHERE state = 'pending'")
             .await,
-        10
+        pending
     );
     assert!(
-        read_topic(&brokers, &topic, 1).is_empty(),
-        "nothing sent again"
+        read_topic(brokers, topic, 1).is_empty(),
+        "nothing written to the topic"
     );
-    second.terminate(WAIT).await;
 }
 
 /// A topic deleted and created again with the same partition count while nothing is in doubt:
@@ -617,22 +629,6 @@ async fn a_topic_recreated_with_the_same_partition_count_stops_the_partition_bef
     );
     recreate_topic(&brokers, &topic, 1).await;
     claim(&db, kafka_effect(&topic), 50..60).await;
-    wait_for("the partition stopped", WAIT, || async {
-        db.count("SELECT count(*) FROM output_partitions WHERE stopped IS NOT NULL")
-            .await
-            == 1
-    })
-    .await;
-    let status = replayproof(&db, &["status"]);
-    assert!(status.contains("deleted and created again"), "{status}");
-    assert_eq!(
-        db.count("SELECT count(*) FROM output_records WHERE state = 'pending'")
-            .await,
-        10
-    );
-    assert!(
-        read_topic(&brokers, &topic, 1).is_empty(),
-        "nothing written to the new topic"
-    );
+    stopped_with_nothing_written(&db, &brokers, &topic, "deleted and created again", 10).await;
     relay.terminate(WAIT).await;
 }
