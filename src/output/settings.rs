@@ -85,15 +85,20 @@ impl RelaySettings {
 const MAX_MESSAGE_BYTES: usize = 16 << 20;
 
 /// The read-back consumer's settings: a group librdkafka needs to assign partitions, never
-/// joined and never committed to; committed records only (an aborted transaction's records
-/// are not in the topic for anyone who reads it as Kafka means it to be read).
-pub(super) fn reader_tuning() -> Vec<(&'static str, String)> {
+/// joined and never committed to. With `transactions`, committed records only (an aborted
+/// batch of ours is not in the topic for the readers it is written for); without, every
+/// record, so that another producer's open (or hanging) transaction never holds it up.
+pub(super) fn reader_tuning(transactions: bool) -> Vec<(&'static str, String)> {
+    let isolation = match transactions {
+        true => "read_committed",
+        false => "read_uncommitted",
+    };
     vec![
         ("client.id", "replayproof-relay-readback".into()),
         ("group.id", "replayproof-relay-readback".into()),
         ("enable.auto.commit", "false".into()),
         ("enable.auto.offset.store", "false".into()),
-        ("isolation.level", "read_committed".into()),
+        ("isolation.level", isolation.into()),
     ]
 }
 
@@ -106,9 +111,9 @@ fn refuse_owned(options: &[(String, String)]) -> anyhow::Result<()> {
             "message.timeout.ms" | "delivery.timeout.ms" => {
                 "its lease is checked against the send timeout; give --relay-send-timeout instead"
             }
-            "transactional.id" => {
+            "transactional.id" | "transaction.timeout.ms" => {
                 "with --kafka-transactions it gives each output partition a transactional id of \
-                 its own"
+                 its own, whose transactions the broker aborts once the relay's lease is over"
             }
             _ => continue,
         };
@@ -132,6 +137,7 @@ mod tests {
             "topic.message.timeout.ms",
             "delivery.timeout.ms",
             "transactional.id",
+            "transaction.timeout.ms",
         ] {
             let settings = RelaySettings {
                 kafka_options: options(key),

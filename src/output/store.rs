@@ -162,6 +162,25 @@ pub async fn stop(
     Ok(())
 }
 
+/// Stops the partition of `lease`, if `owner` still holds it under its epoch: a relay whose
+/// lease was taken over stops nothing.
+pub async fn stop_owned(pool: &PgPool, lease: &Lease, owner: &str, why: &str) -> sqlx::Result<()> {
+    sqlx::query(
+        "UPDATE output_partitions SET stopped = $5, stopped_at = now(), owner = NULL,
+                lease_until = NULL
+         WHERE topic = $1 AND kafka_partition = $2 AND owner = $3 AND epoch = $4
+           AND stopped IS NULL",
+    )
+    .bind(&lease.topic)
+    .bind(lease.partition)
+    .bind(owner)
+    .bind(lease.epoch)
+    .bind(why)
+    .execute(pool)
+    .await?;
+    Ok(())
+}
+
 /// A partition owned by one relay under one epoch.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Lease {
@@ -227,8 +246,8 @@ pub async fn acquire(
 }
 
 /// Renews the lease for one more send and marks the partition in doubt until the send's
-/// outcome is recorded; `from` is where a read-back starts when none was set. False when the
-/// lease was taken over.
+/// outcome is recorded; `from` is where its read-back would start. False when the lease was
+/// taken over, or the partition is not in the state `lease` holds.
 pub async fn begin_send(
     pool: &PgPool,
     lease: &Lease,
@@ -236,12 +255,15 @@ pub async fn begin_send(
     length: Duration,
     from: i64,
 ) -> sqlx::Result<bool> {
+    // Only from the state the relay holds (nothing in doubt, the read-back start it knows): a
+    // commit of `record` lost with the database (it does not wait for the WAL flush) leaves
+    // another state here, and the relay then takes the partition over again from what is.
     let renewed = sqlx::query(
         "UPDATE output_partitions
-         SET in_doubt = true, readback_from = coalesce(readback_from, $5),
+         SET in_doubt = true, readback_from = $5,
              lease_until = now() + $6 * interval '1 millisecond'
          WHERE topic = $1 AND kafka_partition = $2 AND owner = $3 AND epoch = $4
-           AND stopped IS NULL",
+           AND stopped IS NULL AND NOT in_doubt AND readback_from IS NOT DISTINCT FROM $7",
     )
     .bind(&lease.topic)
     .bind(lease.partition)
@@ -249,6 +271,7 @@ pub async fn begin_send(
     .bind(lease.epoch)
     .bind(from)
     .bind(millis(length))
+    .bind(lease.readback_from)
     .execute(pool)
     .await?;
     Ok(renewed.rows_affected() == 1)
@@ -326,7 +349,7 @@ impl Settled {
 
 /// Records what is known under the owner's epoch: the records found, and what is known of
 /// the partition's doubt (`settled`). Returns the records it marked sent, or None when the
-/// lease was taken over (nothing changed).
+/// lease was taken over or the partition is not in the state `lease` holds (nothing changed).
 ///
 /// Committed without waiting for the WAL flush: were this commit lost, the partition would
 /// still be in doubt (begin_send's synchronous commit), so its next owner reads it back and
@@ -351,7 +374,7 @@ pub async fn record(
              SET in_doubt = CASE WHEN $7::bigint IS NULL THEN in_doubt ELSE $9 END,
                  readback_from = coalesce($7, readback_from), last_sent_at = now()
              WHERE topic = $1 AND kafka_partition = $2 AND owner = $3 AND epoch = $4
-               AND stopped IS NULL
+               AND stopped IS NULL AND in_doubt AND readback_from IS NOT DISTINCT FROM $10
                AND set_config('synchronous_commit', 'off', true) = 'off'
              RETURNING 1),
          marked AS (
@@ -381,12 +404,21 @@ pub async fn record(
             .bind(rows.iter().map(|r| r.1).collect::<Vec<i64>>()),
     };
     let (readback_from, in_doubt) = settled.columns();
-    let (fenced, marked): (i64, i64) = query
+    let query = query
         .bind(readback_from)
         .bind(confirmation.as_str())
         .bind(in_doubt)
-        .fetch_one(pool)
-        .await?;
+        .bind(lease.readback_from);
+    let (fenced, marked): (i64, i64) = match lost_commit() {
+        // A commit lost with the database, as a crash before the WAL flush loses it.
+        true => {
+            let mut tx = pool.begin().await?;
+            let counts = query.fetch_one(&mut *tx).await?;
+            tx.rollback().await?;
+            counts
+        }
+        false => query.fetch_one(pool).await?,
+    };
     Ok((fenced == 1).then_some(u64::try_from(marked).unwrap_or(0)))
 }
 
@@ -407,6 +439,15 @@ pub async fn warn_unrelayed(databases: &[PgPool]) {
             return;
         }
     }
+}
+
+/// Whether the `relay::lose_record` failpoint asks `record` to lose its commit.
+fn lost_commit() -> bool {
+    #[cfg(feature = "failpoints")]
+    {
+        fail::fail_point!("relay::lose_record", |_| true);
+    }
+    false
 }
 
 /// One output partition's backlog, for `status`, the console and the gauges.

@@ -23,11 +23,20 @@ impl Relay {
                     .client()
                     .fetch_metadata(Some(&name), Duration::from_secs(10))
                     .map_err(|e| format!("reading the metadata of {name}: {e}"))?;
+                use rdkafka::types::RDKafkaRespErr as Code;
                 match md.topics().first() {
                     Some(t) if t.error().is_none() && !t.partitions().is_empty() => {
                         Ok(i32::try_from(t.partitions().len()).unwrap_or(i32::MAX))
                     }
-                    _ => Err(format!("the output topic {name} does not exist")),
+                    // Only this answer says the topic is not there; any other (no access, a
+                    // broker busy) says nothing of it, and nothing is stopped for it.
+                    None => Err(format!("the output topic {name} does not exist")),
+                    Some(t) => match t.error() {
+                        None | Some(Code::RD_KAFKA_RESP_ERR_UNKNOWN_TOPIC_OR_PART) => {
+                            Err(format!("the output topic {name} does not exist"))
+                        }
+                        Some(e) => Err(format!("reading the metadata of {name}: {e:?}")),
+                    },
                 }
             })
             .await

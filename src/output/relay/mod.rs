@@ -99,7 +99,7 @@ impl Relay {
             Role::Reader,
             &settings.brokers,
             None,
-            &reader_tuning(),
+            &reader_tuning(settings.transactions),
             &settings.kafka_options,
         )?;
         Ok(Self {
@@ -187,7 +187,13 @@ impl Relay {
                         store::release(&self.pool, &idle.lease, &self.settings.worker).await?;
                     }
                 }
-                Ok(Turn::Gone) => drop(owned.remove(&key)),
+                // Given up too: a lease whose partition is not as this relay holds it (a commit
+                // lost with the database) is taken again at once, from what is recorded.
+                Ok(Turn::Gone) => {
+                    if let Some(gone) = owned.remove(&key) {
+                        store::release(&self.pool, &gone.lease, &self.settings.worker).await?;
+                    }
+                }
                 Err(e) if e.is::<transactions::Refused>() => return Err(e),
                 Err(e) => {
                     tracing::warn!(topic = %key.0, partition = key.1, error = format!("{e:#}"),
@@ -304,10 +310,10 @@ impl Relay {
         Ok(())
     }
 
-    /// Where a read-back of the next send would start: the offset the partition is known
-    /// settled at, else the log's end. Asked before every batch: a log ending before the
-    /// settled offset is another topic of the same name (deleted and created again), whose
-    /// records are not ours, so the partition stops (None).
+    /// Where a read-back of the next send would start: the log's end. Asked before every
+    /// batch: a log ending before the offset the partition is known settled at is another
+    /// topic of the same name (deleted and created again), whose records are not ours, so the
+    /// partition stops (None).
     async fn settled_from(&self, lease: &Lease) -> anyhow::Result<Option<i64>> {
         let end = self.log_end(lease).await?;
         match lease.readback_from {
@@ -316,8 +322,9 @@ impl Relay {
                 self.stop(lease, &why).await?;
                 Ok(None)
             }
-            Some(from) => Ok(Some(from)),
-            None => Ok(Some(end)),
+            // Nothing in doubt: every record of ours is before the log's end, so a read-back
+            // would start there, past whatever other producers wrote meanwhile.
+            Some(_) | None => Ok(Some(end)),
         }
     }
 
@@ -325,7 +332,7 @@ impl Relay {
     async fn stop(&self, lease: &Lease, why: &str) -> anyhow::Result<()> {
         let (topic, partition) = (&lease.topic, lease.partition);
         tracing::error!(topic = %topic, partition, "Stopping the output partition: {why}");
-        store::stop(&self.pool, topic, Some(partition), why).await?;
+        store::stop_owned(&self.pool, lease, &self.settings.worker, why).await?;
         Ok(())
     }
 

@@ -320,6 +320,32 @@ async fn a_relay_killed_between_the_update_and_the_next_send_sends_the_rest_once
     second.terminate(WAIT).await;
 }
 
+/// The database loses the commit that recorded a batch sent (as a crash before the WAL flush
+/// loses it; the relay does not wait for that flush), while the relay runs on: its next batch
+/// finds the partition not as it holds it, so it takes the partition again from what is
+/// recorded (in doubt), reads it back and sends nothing twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_commit_of_a_sent_batch_is_read_back_not_sent_again() {
+    let _heavy = heavy().await;
+    let (kafka, db) = (TestKafka::for_processes(), TestDb::new().await);
+    let topic = kafka.topic(1).await;
+    claim(&db, kafka_effect(&topic), 0..120).await;
+    let relay = relay(
+        &db,
+        &kafka.brokers(),
+        "only",
+        Some("relay::lose_record=1*return"),
+    );
+    wait_all_sent(&db, 120).await;
+    assert_eq!(
+        read_backs(&db).await,
+        40,
+        "the lost batch found by the read-back"
+    );
+    assert_each_once(&read_topic(&kafka.brokers(), &topic, 1), 120, 1);
+    relay.terminate(WAIT).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_relay_killed_during_the_read_back_leaves_it_to_the_next_owner() {
     let _heavy = heavy().await;
