@@ -300,3 +300,61 @@ async fn the_overview_draws_the_last_hour_a_consumer_recorded_and_refreshes_unle
     );
     assert!(paused.body.contains("Not refreshing."), "{}", paused.body);
 }
+
+/// The overview's "Kafka output" section, as an operator reads it: each output partition's
+/// backlog, the records not yet given a partition, a stop in its own words and a partition
+/// in doubt.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_overview_shows_the_kafka_output_backlog_a_stop_and_a_doubt() {
+    let db = TestDb::new().await;
+    sqlx::query(
+        "INSERT INTO output_partitions (topic, kafka_partition, partition_count, in_doubt,
+                                        stopped)
+         VALUES ('orders.clean', 0, 2, true, NULL),
+                ('orders.clean', 1, 2, false, 'the partition count changed')",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    sqlx::query(
+        "INSERT INTO output_records (route_key, event_key, name, record_id, topic,
+                                     kafka_partition)
+         VALUES ('a', 'a', 'kafka', 'a#kafka', 'orders.clean', 0),
+                ('b', 'b', 'kafka', 'b#kafka', 'orders.clean', 1),
+                ('c', 'c', 'kafka', 'c#kafka', 'orders.clean', 1),
+                ('d', 'd', 'kafka', 'd#kafka', 'payments.clean', NULL)",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let listen = format!("127.0.0.1:{}", free_port());
+    let database = format!("[database]\nurl = \"{}\"\n", db.url);
+    let config = config_file(&dir, &database, &listen, &hash_password(PASSWORD));
+    let console = ConsoleProcess::listening(&["console", "--config", &config], &[], &listen).await;
+    let alice = console.client().logged_in("alice", PASSWORD).await;
+    let page = alice.get("/").await;
+    assert_eq!(page.status, 200, "{}", page.body);
+    let section = page
+        .body
+        .split("<h2>Kafka output</h2>")
+        .nth(1)
+        .unwrap_or_else(|| panic!("{}", page.body));
+    let rows: Vec<&str> = section
+        .split("</table>")
+        .next()
+        .unwrap()
+        .split("<tr>")
+        .skip(2)
+        .collect();
+    assert_eq!(rows.len(), 3, "{section}");
+    assert!(rows[0].contains("orders.clean") && rows[0].contains("<td>0</td>"));
+    assert!(rows[0].contains("in doubt: read back first"), "{}", rows[0]);
+    assert!(rows[1].contains("<td>1</td>") && rows[1].contains("<td>2</td>"));
+    assert!(
+        rows[1].contains("stopped: the partition count changed"),
+        "{}",
+        rows[1]
+    );
+    assert!(rows[2].contains("payments.clean") && rows[2].contains("unassigned"));
+}

@@ -596,3 +596,43 @@ async fn prune_counts_the_topics_segments_and_refuses_a_compacted_or_unbounded_t
     let (ok, said) = prune(&["--topic-retention", "forever"]);
     assert!(!ok && said.contains("for ever"), "{said}");
 }
+
+/// `replayproof prune` deletes the Kafka output records sent longer ago than the attempt
+/// retention, and never a pending one, however old.
+#[tokio::test]
+async fn prune_deletes_output_records_sent_past_the_attempt_retention_and_no_pending_one() {
+    let db = TestDb::new().await;
+    sqlx::query(
+        "INSERT INTO output_records (route_key, event_key, name, record_id, topic, state,
+                                     enqueued_at, sent_at, kafka_partition, kafka_offset,
+                                     confirmed_by)
+         VALUES ('old', 'old', 'kafka', 'old#kafka', 't', 'sent', now() - interval '41 days',
+                 now() - interval '40 days', 0, 1, 'ack'),
+                ('new', 'new', 'kafka', 'new#kafka', 't', 'sent', now() - interval '2 days',
+                 now() - interval '1 day', 0, 2, 'ack'),
+                ('waiting', 'waiting', 'kafka', 'waiting#kafka', 't', 'pending',
+                 now() - interval '90 days', NULL, 0, NULL, NULL)",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let out = stdout_of(
+        std::process::Command::new(env!("CARGO_BIN_EXE_replayproof"))
+            .args([
+                "prune",
+                "--database-url",
+                &db.url,
+                "--brokers",
+                "127.0.0.1:1",
+            ])
+            .args(["--topic-retention", "1day", "--topic-segment", "1h"]),
+    );
+    let text = String::from_utf8(out).unwrap();
+    assert!(text.contains("deleted 1 output_records rows"), "{text}");
+    let left: Vec<String> =
+        sqlx::query_scalar("SELECT event_key FROM output_records ORDER BY event_key")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(left, ["new", "waiting"]);
+}

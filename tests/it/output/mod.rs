@@ -330,12 +330,10 @@ async fn a_lost_commit_of_a_sent_batch_is_read_back_not_sent_again() {
     let (kafka, db) = (TestKafka::for_processes(), TestDb::new().await);
     let topic = kafka.topic(1).await;
     claim(&db, kafka_effect(&topic), 0..120).await;
-    let relay = relay(
-        &db,
-        &kafka.brokers(),
-        "only",
-        Some("relay::lose_record=1*return"),
-    );
+    let port = free_port();
+    let metrics = ["--metrics-addr", &format!("127.0.0.1:{port}")];
+    let lose = Some("relay::lose_record=1*return");
+    let relay = relay_with(&db, &kafka.brokers(), "only", lose, &metrics);
     wait_all_sent(&db, 120).await;
     assert_eq!(
         read_backs(&db).await,
@@ -343,6 +341,17 @@ async fn a_lost_commit_of_a_sent_batch_is_read_back_not_sent_again() {
         "the lost batch found by the read-back"
     );
     assert_each_once(&read_topic(&kafka.brokers(), &topic, 1), 120, 1);
+    let page = http_get(port, "/metrics").await.unwrap().1;
+    for (name, value) in [
+        ("replayproof_output_records_enqueued_total", 120.0),
+        ("replayproof_output_records_produced_total", 120.0),
+        (
+            "replayproof_output_records_confirmed_by_readback_total",
+            40.0,
+        ),
+    ] {
+        assert_eq!(scraped(&page, name), value, "{name}");
+    }
     relay.terminate(WAIT).await;
 }
 
