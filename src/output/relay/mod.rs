@@ -11,7 +11,7 @@
 //! - A partition count other than the one its records were partitioned over, a missing topic,
 //!   records gone from the log, or a record the broker refuses stop the partition with the
 //!   reason, never a guess.
-//! - With `--kafka-transactions` ([`super::transactions`]) each batch is a Kafka transaction
+//! - With `--kafka-transactions` (`output::transactions`) each batch is a Kafka transaction
 //!   of the partition's own producer, fenced by every new owner before it reads back.
 
 use super::readback::{self, Unreadable};
