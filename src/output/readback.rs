@@ -61,7 +61,7 @@ pub fn read_back(
     if from > high {
         return Err(Unreadable::Rewound { from, high });
     }
-    let mut back = ReadBack {
+    let back = ReadBack {
         found: Vec::new(),
         end: high.max(from),
         complete: true,
@@ -76,12 +76,24 @@ pub fn read_back(
     consumer
         .assign(&assignment)
         .context("assigning the partition")?;
+    read_to(&consumer, (topic, partition), (from, high), limit, back)
+}
+
+/// Reads the assigned partition from `from` towards `high` into `back`, within `limit`: to
+/// the end, or as far as it got when the time ran out.
+fn read_to(
+    consumer: &BaseConsumer,
+    (topic, partition): (&str, i32),
+    (from, high): (i64, i64),
+    limit: Duration,
+    mut back: ReadBack,
+) -> Result<ReadBack, Unreadable> {
     let started = Instant::now();
     let mut next = from;
     while started.elapsed() < limit {
         let Some(message) = consumer.poll(Duration::from_millis(200)) else {
             // Past the end already: the last offsets were not records (a transaction's marker).
-            if position(&consumer, topic, partition).is_some_and(|p| p >= high) {
+            if position(consumer, topic, partition).is_some_and(|p| p >= high) {
                 return Ok(back);
             }
             continue;

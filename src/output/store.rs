@@ -361,32 +361,10 @@ pub async fn record(
     found: Found<'_>,
     settled: Settled,
 ) -> sqlx::Result<Option<u64>> {
-    let (by, column, confirmation) = match found {
-        Found::Acked(_, by) => ("bigint", "id", by),
-        Found::ReadBack(_) => ("text", "record_id", Confirmation::ReadBack),
+    let (sql, confirmation) = match found {
+        Found::Acked(_, by) => (record_sql("bigint", "id"), by),
+        Found::ReadBack(_) => (record_sql("text", "record_id"), Confirmation::ReadBack),
     };
-    // `= ANY` makes each row id an index condition of the partition's pending index: a join
-    // alone may scan every pending row per id. Record ids (a read-back's, rare) are matched
-    // among the partition's pending records.
-    let sql = format!(
-        "WITH fence AS (
-             UPDATE output_partitions
-             SET in_doubt = CASE WHEN $7::bigint IS NULL THEN in_doubt ELSE $9 END,
-                 readback_from = coalesce($7, readback_from), last_sent_at = now()
-             WHERE topic = $1 AND kafka_partition = $2 AND owner = $3 AND epoch = $4
-               AND stopped IS NULL AND in_doubt AND readback_from IS NOT DISTINCT FROM $10
-               AND set_config('synchronous_commit', 'off', true) = 'off'
-             RETURNING 1),
-         marked AS (
-             UPDATE output_records r
-             SET state = 'sent', kafka_offset = u.o, confirmed_by = $8, sent_at = now()
-             FROM unnest($5::{by}[], $6::bigint[]) AS u(k, o)
-             WHERE r.{column} = u.k AND r.{column} = ANY($5::{by}[])
-               AND r.topic = $1 AND r.kafka_partition = $2
-               AND r.state = 'pending' AND EXISTS (SELECT 1 FROM fence)
-             RETURNING 1)
-         SELECT (SELECT count(*) FROM fence), (SELECT count(*) FROM marked)"
-    );
     let query = sqlx::query_as(&sql)
         // Planned for each call with its arrays (never a generic plan): a generic plan
         // guesses ten elements and joins them by a nested loop, quadratic in the batch.
@@ -420,6 +398,32 @@ pub async fn record(
         false => query.fetch_one(pool).await?,
     };
     Ok((fenced == 1).then_some(u64::try_from(marked).unwrap_or(0)))
+}
+
+/// `record`'s statement, its found records keyed by `column` in an array of `by`. `= ANY`
+/// makes each row id an index condition of the partition's pending index: a join alone may
+/// scan every pending row per id. Record ids (a read-back's, rare) are matched among the
+/// partition's pending records.
+fn record_sql(by: &str, column: &str) -> String {
+    format!(
+        "WITH fence AS (
+             UPDATE output_partitions
+             SET in_doubt = CASE WHEN $7::bigint IS NULL THEN in_doubt ELSE $9 END,
+                 readback_from = coalesce($7, readback_from), last_sent_at = now()
+             WHERE topic = $1 AND kafka_partition = $2 AND owner = $3 AND epoch = $4
+               AND stopped IS NULL AND in_doubt AND readback_from IS NOT DISTINCT FROM $10
+               AND set_config('synchronous_commit', 'off', true) = 'off'
+             RETURNING 1),
+         marked AS (
+             UPDATE output_records r
+             SET state = 'sent', kafka_offset = u.o, confirmed_by = $8, sent_at = now()
+             FROM unnest($5::{by}[], $6::bigint[]) AS u(k, o)
+             WHERE r.{column} = u.k AND r.{column} = ANY($5::{by}[])
+               AND r.topic = $1 AND r.kafka_partition = $2
+               AND r.state = 'pending' AND EXISTS (SELECT 1 FROM fence)
+             RETURNING 1)
+         SELECT (SELECT count(*) FROM fence), (SELECT count(*) FROM marked)"
+    )
 }
 
 /// Warns when output records wait in `databases` and no relay runs (`dispatch` without
