@@ -170,6 +170,8 @@ impl Command {
             Self::Console(args) => Some(&mut args.kafka),
             Self::Replay(args) => Some(&mut args.consume.kafka.options),
             Self::Prune(args) => Some(&mut args.kafka.options),
+            // The output relay's producer and read-back reader.
+            Self::Dispatch(args) => Some(&mut args.relay.options),
             Self::DeadLetters(DeadLettersCommand::Replay(args)) => Some(&mut args.kafka),
             _ => None,
         }

@@ -75,8 +75,8 @@ async fn ingest_and_consume_over_tls_with_scram_from_one_file_and_secrets_only_i
     const PASSWORD: &str = "kafka-secret-9f1c2b7e";
     const SOURCE_SECRET: &str = "github-secret-7c41e0aa";
     let pki = Pki::local();
-    let topic = unique("webhooks");
-    let broker = SecuredBroker::start(&bin, &pki, "app", PASSWORD, &topic);
+    let (topic, output) = (unique("webhooks"), unique("clean"));
+    let broker = SecuredBroker::start(&bin, &pki, "app", PASSWORD, &[&topic, &output]);
     let db = TestDb::new().await;
     let ingest_port = free_port();
     let metrics_port = free_port();
@@ -102,6 +102,12 @@ url = "${{TEST_DATABASE_URL}}"
 [consume]
 commit_interval_ms = 50
 metrics_addr = "127.0.0.1:{metrics_port}"
+effect = "ledger,kafka"
+output_topic = "{output}"
+
+[dispatch]
+metrics_addr = "127.0.0.1:0"
+poll = "50ms"
 
 [ingest]
 listen = "127.0.0.1:{ingest_port}"
@@ -140,6 +146,8 @@ secrets_env = ["TEST_GITHUB_SECRET"]
     };
     let mut ingest = spawn("ingest");
     let mut consume = spawn("consume");
+    // The output relay, from the same file: the same brokers, TLS and SCRAM.
+    let mut dispatch = spawn("dispatch");
     let http = reqwest::Client::new();
     let base = format!("http://127.0.0.1:{ingest_port}");
     for n in 0..30 {
@@ -168,11 +176,21 @@ secrets_env = ["TEST_GITHUB_SECRET"]
     }
     let expected = (0..30).map(|n| format!("github:d-{n}")).collect();
     assert_exactly_once(&db, &expected, WAIT).await;
+    // The chained effect's records, each once in the output topic over SASL_SSL.
+    wait_for("every output record sent", WAIT, || async {
+        db.count("SELECT count(*) FROM output_records WHERE state = 'sent'")
+            .await
+            == 30
+    })
+    .await;
+    let keys = secured_keys(broker.port, &pki, PASSWORD, &output, 30);
+    assert_eq!(keys, expected, "each event's record once");
 
     // The secrets are in no process's command line, answer, log, or `config check`.
     let mut seen = vec![
         read_cmdline(ingest.id().unwrap()),
         read_cmdline(consume.id().unwrap()),
+        read_cmdline(dispatch.id().unwrap()),
     ];
     for path in ["/metrics", "/healthz"] {
         seen.push(http_get(metrics_port, path).await.unwrap_or_default().1);
@@ -221,7 +239,8 @@ secrets_env = ["TEST_GITHUB_SECRET"]
     seen.push(refused_text);
     ingest.kill().await.unwrap();
     consume.kill().await.unwrap();
-    for command in ["ingest", "consume"] {
+    dispatch.kill().await.unwrap();
+    for command in ["ingest", "consume", "dispatch"] {
         seen.push(std::fs::read_to_string(logs.path().join(command)).unwrap());
     }
     for text in &seen {
@@ -229,6 +248,58 @@ secrets_env = ["TEST_GITHUB_SECRET"]
             assert!(!text.contains(secret), "a secret leaked into: {text}");
         }
     }
+}
+
+/// The keys of the `n` records of `topic`'s two partitions, read over SASL_SSL as `app`;
+/// fails unless the log holds exactly `n`, each key once.
+fn secured_keys(
+    port: u16,
+    pki: &Pki,
+    password: &str,
+    topic: &str,
+    n: usize,
+) -> std::collections::HashSet<String> {
+    use rdkafka::consumer::{BaseConsumer, Consumer as _};
+    use rdkafka::message::Message as _;
+    let consumer: BaseConsumer = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", format!("127.0.0.1:{port}"))
+        .set("broker.address.family", "v4")
+        .set("security.protocol", "SASL_SSL")
+        .set("sasl.mechanism", "SCRAM-SHA-512")
+        .set("sasl.username", "app")
+        .set("sasl.password", password)
+        .set("ssl.ca.location", pki.ca.display().to_string())
+        .set("group.id", unique("reader"))
+        .set("enable.auto.commit", "false")
+        .create()
+        .unwrap();
+    let mut list = rdkafka::TopicPartitionList::new();
+    for p in 0..2 {
+        list.add_partition_offset(topic, p, rdkafka::Offset::Beginning)
+            .unwrap();
+    }
+    consumer.assign(&list).unwrap();
+    let mut keys = Vec::new();
+    let started = std::time::Instant::now();
+    while keys.len() < n && started.elapsed() < WAIT {
+        if let Some(m) = consumer.poll(Duration::from_millis(200)) {
+            let m = m.unwrap();
+            keys.push(String::from_utf8_lossy(m.key().unwrap_or_default()).into_owned());
+        }
+    }
+    // The log holds exactly these: no second copy of any.
+    let logged: i64 = (0..2)
+        .map(|p| {
+            let (low, high) = consumer
+                .fetch_watermarks(topic, p, Duration::from_secs(10))
+                .unwrap();
+            high - low
+        })
+        .sum();
+    assert_eq!(logged, n as i64, "records in {topic}: {keys:?}");
+    let distinct: std::collections::HashSet<String> = keys.into_iter().collect();
+    assert_eq!(distinct.len(), n, "no key twice");
+    distinct
 }
 
 /// One request an HTTPS receiver got: its headers and body.

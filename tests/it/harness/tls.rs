@@ -143,9 +143,9 @@ pub fn wait_port(port: u16) {
 }
 
 impl SecuredBroker {
-    /// Creates the user and topic on a plaintext broker over the same storage (nisshi's tools
+    /// Creates the user and topics on a plaintext broker over the same storage (nisshi's tools
     /// speak plaintext only), then serves that storage over TLS with authentication required.
-    pub fn start(bin: &Path, pki: &Pki, user: &str, password: &str, topic: &str) -> Self {
+    pub fn start(bin: &Path, pki: &Pki, user: &str, password: &str, topics: &[&str]) -> Self {
         let dir = tempfile::tempdir().unwrap();
         // nisshi reads a sqlite path relative to its working directory.
         let storage = "sqlite://nisshi.db";
@@ -178,7 +178,9 @@ impl SecuredBroker {
             assert!(status.success(), "nisshi {args:?}");
         };
         tool(&["user", "create", "--mechanism", "scram512", user, password]);
-        tool(&["topic", "create", "--partitions", "2", "--silent", topic]);
+        for topic in topics {
+            tool(&["topic", "create", "--partitions", "2", "--silent", topic]);
+        }
         plain.kill().unwrap();
         plain.wait().unwrap();
         while std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
