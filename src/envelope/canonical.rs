@@ -1,7 +1,8 @@
 //! The payload's canonical form (RFC 8785), written straight from the payload's text without
 //! building a value; its SHA-256 is the payload hash.
 
-use super::{decimal_exponent, Malformed, NUL_IN_PAYLOAD, NUMBER_EXPONENT_RANGE};
+use super::storable::{decimal_exponent, NUL_IN_PAYLOAD, NUMBER_EXPONENT_RANGE};
+use super::Malformed;
 use serde::Deserialize;
 use serde_json::value::RawValue;
 use std::fmt;

@@ -13,11 +13,17 @@ use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
 use sha2::{Digest, Sha256};
 
+mod attributes;
 mod canonical;
 mod key;
+mod storable;
+pub use attributes::Attributes;
 use canonical::write_canonical_text;
 pub(crate) use canonical::{Members, Text};
 pub use key::{EventKey, MAX_KEY_BYTES};
+pub(crate) use storable::nests_deeper_than;
+use storable::{check_fields, EARLIEST_STORABLE_YEAR};
+pub use storable::{check_storable, MAX_NESTING};
 
 /// Why a message is not a valid envelope. Each becomes the `reason` of a dead letter.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -54,6 +60,12 @@ pub enum Malformed {
     /// The envelope's route key is empty, too long or holds a control character.
     #[error("the envelope's route key is refused: {0}")]
     Route(String),
+    /// Not a valid CloudEvent (`consume --input cloudevents`); with what is wrong.
+    #[error("not a valid CloudEvent: {0}")]
+    CloudEvent(String),
+    /// Not a Debezium outbox message (`consume --input debezium-outbox`); with what is wrong.
+    #[error("not a Debezium outbox message: {0}")]
+    Outbox(String),
 }
 
 impl Malformed {
@@ -61,120 +73,6 @@ impl Malformed {
     fn route(e: Malformed) -> Self {
         Self::Route(e.to_string().replace("envelope key", "route key"))
     }
-}
-
-/// The deepest nesting of arrays and objects a payload may have: the most serde_json reads back
-/// (its recursion limit of 128 counts the level it refuses). Checked without recursion before
-/// anything else walks the payload, so a payload nested 200,000 levels deep is a dead letter,
-/// not a stack overflow.
-pub const MAX_NESTING: usize = 127;
-
-/// Whether JSON `text` nests arrays and objects more than `limit` deep, found in one pass
-/// without recursion (brackets inside strings do not count). A string's contents are skipped
-/// to its next quote or backslash at once, so most of a body is passed over without looking at
-/// each byte.
-pub(crate) fn nests_deeper_than(text: &str, limit: usize) -> bool {
-    let bytes = text.as_bytes();
-    let (mut depth, mut i) = (0usize, 0usize);
-    while let Some(&b) = bytes.get(i) {
-        i += 1;
-        match b {
-            b'"' => loop {
-                // Inside a string: jump to its next quote or backslash.
-                match memchr::memchr2(b'"', b'\\', &bytes[i.min(bytes.len())..]) {
-                    None => return false,
-                    Some(at) if bytes[i + at] == b'"' => {
-                        i += at + 1;
-                        break;
-                    }
-                    // A backslash escapes the byte after it.
-                    Some(at) => i += at + 2,
-                }
-            },
-            b'[' | b'{' => {
-                depth += 1;
-                if depth > limit {
-                    return true;
-                }
-            }
-            b']' | b'}' => depth = depth.saturating_sub(1),
-            _ => {}
-        }
-    }
-    false
-}
-
-/// The earliest instant PostgreSQL's `timestamptz` holds: 4713 BC, which is year -4712.
-const EARLIEST_STORABLE_YEAR: i32 = -4712;
-
-/// Refuses what PostgreSQL would refuse inside the batch transaction: a NUL character in any
-/// text (PostgreSQL's `text` and `jsonb` cannot hold one, though JSON may carry it as `\u0000`),
-/// a number beyond `numeric`'s range, and a `received_at` before 4713 BC. Checked by the
-/// ingress before producing and by the consumer when parsing (the same walk over the payload's
-/// text), so such an event is refused or dead-lettered, never retried forever.
-pub fn check_storable(
-    key: &str,
-    source: &str,
-    event_type: Option<&str>,
-    received_at: Option<DateTime<Utc>>,
-    payload: &RawValue,
-) -> Result<(), Malformed> {
-    check_fields(key, source, event_type, received_at)?;
-    if nests_deeper_than(payload.get(), MAX_NESTING) {
-        return Err(Malformed::TooDeep);
-    }
-    write_canonical_text(payload.get(), &[], &mut std::io::sink())
-}
-
-/// [`check_storable`] for everything but the payload.
-fn check_fields(
-    key: &str,
-    source: &str,
-    event_type: Option<&str>,
-    received_at: Option<DateTime<Utc>>,
-) -> Result<(), Malformed> {
-    if [Some(key), Some(source), event_type]
-        .into_iter()
-        .flatten()
-        .any(|s| s.contains('\0'))
-    {
-        return Err(Malformed::Unstorable(
-            "the key, source or type holds a NUL character",
-        ));
-    }
-    if received_at.is_some_and(|t| t.year() < EARLIEST_STORABLE_YEAR) {
-        return Err(Malformed::Unstorable(
-            "received_at is before 4713 BC, outside PostgreSQL's timestamps",
-        ));
-    }
-    Ok(())
-}
-
-/// The largest power of ten PostgreSQL's `numeric` (and so `jsonb`) holds is about 10^131071,
-/// the smallest about 10^-16383; these bounds leave room for the digits themselves.
-const NUMBER_EXPONENT_RANGE: std::ops::RangeInclusive<i64> = -16_000..=130_000;
-
-const NUL_IN_PAYLOAD: &str = "the payload holds a NUL character (\\u0000)";
-
-/// The power of ten of a JSON number's leading digit, from its text: 1234.5 is 3, 0.01 is -2,
-/// 5e7 is 7, read from the text as it arrived.
-fn decimal_exponent(text: &str) -> i64 {
-    let text = text.trim_start_matches('-');
-    let (mantissa, exponent) = match text.find(['e', 'E']) {
-        Some(i) => (&text[..i], text[i + 1..].parse::<i64>().unwrap_or(i64::MAX)),
-        None => (text, 0),
-    };
-    let (int, frac) = mantissa.split_once('.').unwrap_or((mantissa, ""));
-    let int = int.trim_start_matches('0');
-    let lead = if !int.is_empty() {
-        int.len() as i64 - 1
-    } else {
-        match frac.find(|c: char| c != '0') {
-            Some(zeros) => -(zeros as i64) - 1,
-            None => 0,
-        }
-    };
-    exponent.saturating_add(lead)
 }
 
 /// The envelope as written on the topic, for producers.
@@ -274,6 +172,9 @@ pub struct Event {
     route: Option<EventKey>,
     /// The event's span while it is applied, when traces are exported ([`Event::span`]).
     span: Option<tracing::Span>,
+    /// What the message said of the event beyond the envelope's fields: a CloudEvent's
+    /// attributes and extensions, a Debezium outbox message's headers ([`Event::attribute`]).
+    attributes: Option<Box<Attributes>>,
     /// The payload as a JSON value, built the first time [`Event::payload`] asks for it: the
     /// built-in effects store and send the text and never need it.
     payload: std::sync::OnceLock<Result<serde_json::Value, Malformed>>,
@@ -356,30 +257,98 @@ fn storable_request_id(id: &str) -> bool {
     !id.is_empty() && id.len() <= MAX_REQUEST_ID_BYTES && !id.contains('\0')
 }
 
+/// An event's fields as a message gave them, before they are checked: what every input
+/// ([`crate::inputs`]) reads a message into.
+#[derive(Debug)]
+pub struct Parts {
+    /// The dedupe key, unchecked.
+    pub key: String,
+    /// The source's name.
+    pub source: String,
+    /// The event's type at its source, if it has one.
+    pub event_type: Option<String>,
+    /// When the ingress received the event, if it says.
+    pub received_at: Option<DateTime<Utc>>,
+    /// When the event happened at its source, if it says.
+    pub occurred_at: Option<DateTime<Utc>>,
+    /// The payload's JSON text.
+    pub payload: Box<RawValue>,
+    /// Top-level payload fields left out of its hash.
+    pub unhashed: Vec<String>,
+    /// The replay guard's window, for sources that sign only the body.
+    pub replay_window_secs: Option<u64>,
+    /// The request that carried the delivery.
+    pub request_id: Option<String>,
+    /// The route key, unchecked, when the event routes by another key than its own.
+    pub route: Option<String>,
+}
+
+impl Parts {
+    /// The parts of an event keyed `key` from `source` with this payload, nothing else said.
+    pub fn new(key: String, source: String, payload: Box<RawValue>) -> Self {
+        Self {
+            key,
+            source,
+            event_type: None,
+            received_at: None,
+            occurred_at: None,
+            payload,
+            unhashed: Vec::new(),
+            replay_window_secs: None,
+            request_id: None,
+            route: None,
+        }
+    }
+}
+
 impl Event {
     /// Parses a Kafka message into an event. The message key, when present, must equal the
     /// envelope's key: a disagreement means the record was not written by a correct producer.
     pub fn parse(message_key: Option<&[u8]>, value: Option<&[u8]>) -> Result<Self, Malformed> {
         let value = value.ok_or(Malformed::NoValue)?;
+        // serde would read a struct from an array of its fields in order too: an envelope is
+        // an object.
+        if value.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
+            return Err(Malformed::NotJson("an envelope is a JSON object".into()));
+        }
         let wire: Wire =
             serde_json::from_slice(value).map_err(|e| Malformed::NotJson(e.to_string()))?;
-        let key = EventKey::try_from(wire.key)?;
-        let route = match wire.route {
+        let parts = Parts {
+            key: wire.key,
+            source: wire.source,
+            event_type: wire.event_type,
+            received_at: wire.received_at,
+            occurred_at: wire.occurred_at,
+            payload: wire.payload,
+            unhashed: wire.unhashed,
+            replay_window_secs: wire.replay_window_secs,
+            request_id: wire.request_id,
+            route: wire.route,
+        };
+        let event = Self::from_parts(parts)?;
+        if message_key.is_some_and(|k| k != event.key.as_str().as_bytes()) {
+            return Err(Malformed::KeyMismatch);
+        }
+        Ok(event)
+    }
+
+    /// The event `parts` describe, checked as an envelope's are: the keys valid, nothing
+    /// PostgreSQL would refuse, the payload hashed in its canonical form.
+    pub fn from_parts(parts: Parts) -> Result<Self, Malformed> {
+        let key = EventKey::try_from(parts.key)?;
+        let route = match parts.route {
             Some(route) if route != key.as_str() => {
                 Some(EventKey::try_from(route).map_err(Malformed::route)?)
             }
             _ => None,
         };
-        if message_key.is_some_and(|k| k != key.as_str().as_bytes()) {
-            return Err(Malformed::KeyMismatch);
-        }
         check_fields(
             key.as_str(),
-            &wire.source,
-            wire.event_type.as_deref(),
-            wire.received_at,
+            &parts.source,
+            parts.event_type.as_deref(),
+            parts.received_at,
         )?;
-        if wire
+        if parts
             .occurred_at
             .is_some_and(|t| t.year() < EARLIEST_STORABLE_YEAR)
         {
@@ -388,29 +357,49 @@ impl Event {
             ));
         }
         // The canonical form below is written level by level: the depth is bounded first.
-        if nests_deeper_than(wire.payload.get(), MAX_NESTING) {
+        if nests_deeper_than(parts.payload.get(), MAX_NESTING) {
             return Err(Malformed::TooDeep);
         }
         // One walk over the payload's text checks what PostgreSQL would refuse and writes the
         // canonical form to hash, without building a `serde_json::Value`.
-        let mut canonical = Vec::with_capacity(wire.payload.get().len());
-        write_canonical_text(wire.payload.get(), &wire.unhashed, &mut canonical)?;
+        let mut canonical = Vec::with_capacity(parts.payload.get().len());
+        write_canonical_text(parts.payload.get(), &parts.unhashed, &mut canonical)?;
         Ok(Self {
             payload_sha256: Sha256::digest(&canonical).into(),
             key,
-            source: wire.source,
-            event_type: wire.event_type,
-            received_at: wire.received_at,
-            occurred_at: wire.occurred_at,
-            payload_json: wire.payload,
-            replay_window_secs: wire.replay_window_secs.filter(|secs| *secs > 0),
-            request_id: wire.request_id.filter(|id| storable_request_id(id)),
+            source: parts.source,
+            event_type: parts.event_type,
+            received_at: parts.received_at,
+            occurred_at: parts.occurred_at,
+            payload_json: parts.payload,
+            replay_window_secs: parts.replay_window_secs.filter(|secs| *secs > 0),
+            request_id: parts.request_id.filter(|id| storable_request_id(id)),
             traceparent: None,
             route,
             span: None,
+            attributes: None,
             payload: std::sync::OnceLock::new(),
             keyed: KeyedNotes::default(),
         })
+    }
+
+    /// The event with `attributes` ([`Event::attribute`]); none are kept when it has none.
+    pub fn with_attributes(mut self, attributes: Attributes) -> Self {
+        self.attributes = (!attributes.is_empty()).then(|| Box::new(attributes));
+        self
+    }
+
+    /// An attribute the message gave the event: a CloudEvent's attribute or extension by its
+    /// name (`source`, `id`, `subject`, `partitionkey`), a Debezium outbox message's header.
+    /// An effect reads them here, on the first application and on every retry.
+    pub fn attribute(&self, name: &str) -> Option<&str> {
+        self.attributes.as_ref()?.get(name)
+    }
+
+    /// Every attribute the message gave the event ([`Event::attribute`]); None for an
+    /// envelope, which has none.
+    pub fn attributes(&self) -> Option<&Attributes> {
+        self.attributes.as_deref()
     }
 
     /// The event in the trace of `traceparent` (the message's header), when it is valid; when
@@ -491,6 +480,7 @@ impl Event {
             traceparent: None,
             route: None,
             span: None,
+            attributes: None,
             payload: std::sync::OnceLock::new(),
             keyed: KeyedNotes::default(),
         }
@@ -558,6 +548,7 @@ mod tests {
         );
     }
 
+    use super::storable::decimal_exponent;
     use super::*;
 
     /// The canonical form of a payload's text, without the top-level fields in `skip`.
