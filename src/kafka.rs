@@ -419,8 +419,16 @@ pub async fn produce_raw(
     topic: &str,
     key: Option<&[u8]>,
     value: Option<&[u8]>,
+    headers: &crate::inputs::Headers,
 ) -> anyhow::Result<()> {
     let mut record = rdkafka::producer::FutureRecord::<[u8], [u8]>::to(topic);
+    if !headers.is_empty() {
+        let mut owned = rdkafka::message::OwnedHeaders::new();
+        for (name, value) in headers.iter() {
+            owned = owned.insert(rdkafka::message::Header { key: name, value });
+        }
+        record = record.headers(owned);
+    }
     if let Some(k) = key {
         record = record.key(k);
     }

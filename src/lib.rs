@@ -28,6 +28,7 @@ pub mod dispatch;
 pub mod effect;
 pub mod envelope;
 pub mod ingest;
+pub mod inputs;
 pub mod kafka;
 pub mod operator;
 pub mod outbox;

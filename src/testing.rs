@@ -160,6 +160,7 @@ impl EffectTest {
                     key: Some(e.key.as_str().as_bytes().to_vec()),
                     value: Some(e.to_bytes()),
                     traceparent: None,
+                    headers: Default::default(),
                 };
                 self.next_offset += 1;
                 message

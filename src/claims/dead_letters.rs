@@ -11,6 +11,7 @@ pub struct DeadLetter<'a> {
     pub offset: i64,
     pub key: Option<&'a [u8]>,
     pub value: Option<&'a [u8]>,
+    pub headers: &'a crate::inputs::Headers,
     pub reason: String,
 }
 
@@ -26,11 +27,20 @@ pub async fn insert(
     let keys: Vec<Option<&[u8]>> = letters.iter().map(|d| d.key).collect();
     let values: Vec<Option<&[u8]>> = letters.iter().map(|d| d.value).collect();
     let reasons: Vec<&str> = letters.iter().map(|d| d.reason.as_str()).collect();
+    // PostgreSQL's arrays cannot be ragged: every letter's headers in one array, each letter
+    // naming its slice of it (from, to; none when from > to).
+    let (mut all, mut from, mut to) = (Vec::new(), Vec::new(), Vec::new());
+    for letter in letters {
+        from.push(all.len() as i32 + 1);
+        all.extend(letter.headers.to_stored());
+        to.push(all.len() as i32);
+    }
     sqlx::query!(
         r#"INSERT INTO dead_letters (kafka_topic, kafka_partition, kafka_offset, raw_key,
-                raw_value, reason)
-           SELECT $5, $6, o, k, v, r
-           FROM unnest($1::int8[], $2::bytea[], $3::bytea[], $4::text[]) AS u(o, k, v, r)
+                raw_value, reason, raw_headers)
+           SELECT $5, $6, o, k, v, r, CASE WHEN hf <= ht THEN ($7::bytea[])[hf:ht] END
+           FROM unnest($1::int8[], $2::bytea[], $3::bytea[], $4::text[], $8::int4[], $9::int4[])
+                AS u(o, k, v, r, hf, ht)
            ON CONFLICT (kafka_topic, kafka_partition, kafka_offset, message_sha256, route_key)
            DO NOTHING"#,
         &offsets,
@@ -39,6 +49,9 @@ pub async fn insert(
         &reasons as _,
         origin.topic,
         origin.partition,
+        &all as _,
+        &from,
+        &to,
     )
     .execute(conn)
     .await?;
@@ -147,6 +160,8 @@ pub struct RawLetter {
     pub topic: String,
     pub key: Option<Vec<u8>>,
     pub value: Option<Vec<u8>>,
+    /// Its headers as stored: names and values in turn ([`crate::inputs::Headers::from_stored`]).
+    pub headers: Option<Vec<Option<Vec<u8>>>>,
     pub replayed: bool,
     /// Its bytes were erased (`events erase`): it can never be replayed.
     pub erased: bool,
@@ -158,6 +173,7 @@ pub async fn take(pool: &PgPool, id: i64) -> sqlx::Result<Option<RawLetter>> {
     sqlx::query_as!(
         RawLetter,
         r#"SELECT kafka_topic AS topic, raw_key AS key, raw_value AS value,
+                  raw_headers AS "headers: Vec<Option<Vec<u8>>>",
                   replayed_at IS NOT NULL AS "replayed!",
                   payload_erased_at IS NOT NULL AS "erased!"
            FROM dead_letters WHERE id = $1"#,

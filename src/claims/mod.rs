@@ -8,6 +8,9 @@
 pub mod conflicts;
 pub mod dead_letters;
 pub mod deliveries;
+mod stored;
+
+pub use stored::{lock, lock_due, StoredClaim};
 
 use crate::db::JsonText;
 use crate::effect::DeferPolicy;
@@ -177,13 +180,15 @@ pub async fn fail(
         .map(|f| f.event.payload_json.get())
         .collect();
     let policies = policies(failures.iter().map(|f| &f.policy));
+    let attributes = attributes(failures.iter().map(|f| f.event));
     sqlx::query!(
         r#"UPDATE processed_events AS p
            SET status = 'failed', attempts = u.attempts, last_error = u.err,
                payload = u.payload::jsonb, completed_at = NULL, effect_spec = $5::jsonb,
-               defer_policy = u.policy::jsonb
-           FROM unnest($1::text[], $2::int4[], $3::text[], $4::text[], $6::text[], $7::text[])
-               AS u(k, attempts, err, payload, policy, rk)
+               defer_policy = u.policy::jsonb, attributes = u.attrs
+           FROM unnest($1::text[], $2::int4[], $3::text[], $4::text[], $6::text[], $7::text[],
+                       $8::jsonb[])
+               AS u(k, attempts, err, payload, policy, rk, attrs)
            WHERE p.event_key = u.k AND p.route_key = u.rk"#,
         &keys as _,
         &attempts,
@@ -192,10 +197,23 @@ pub async fn fail(
         effect_spec,
         &policies,
         &routes as _,
+        &attributes as _,
     )
     .execute(conn)
     .await?;
     Ok(())
+}
+
+/// Each event's attributes as stored, when it has any ([`Event::attributes`]).
+pub(crate) fn attributes<'e>(
+    events: impl Iterator<Item = &'e Event>,
+) -> Vec<Option<serde_json::Value>> {
+    events
+        .map(|e| {
+            e.attributes()
+                .and_then(crate::envelope::Attributes::to_json)
+        })
+        .collect()
 }
 
 /// A claimed event whose effect said "not yet": its claim becomes `deferred` until `due`.
@@ -235,14 +253,15 @@ pub async fn defer(
     let due: Vec<DateTime<Utc>> = deferrals.iter().map(|d| d.due).collect();
     let deadlines: Vec<DateTime<Utc>> = deferrals.iter().map(|d| d.deadline).collect();
     let policies = policies(deferrals.iter().map(|d| &d.policy));
+    let attributes = attributes(deferrals.iter().map(|d| d.event));
     sqlx::query!(
         r#"UPDATE processed_events AS p
            SET status = 'deferred', deferred_reason = u.reason, payload = u.payload::jsonb,
                due_at = u.due, deadline_at = u.deadline, completed_at = NULL,
-               effect_spec = $6::jsonb, defer_policy = u.policy::jsonb
+               effect_spec = $6::jsonb, defer_policy = u.policy::jsonb, attributes = u.attrs
            FROM unnest($1::text[], $2::text[], $3::text[], $4::timestamptz[], $5::timestamptz[],
-                       $7::text[], $8::text[])
-               AS u(k, reason, payload, due, deadline, policy, rk)
+                       $7::text[], $8::text[], $9::jsonb[])
+               AS u(k, reason, payload, due, deadline, policy, rk, attrs)
            WHERE p.event_key = u.k AND p.route_key = u.rk"#,
         &keys as _,
         &reasons as _,
@@ -252,6 +271,7 @@ pub async fn defer(
         effect_spec,
         &policies,
         &routes as _,
+        &attributes as _,
     )
     .execute(conn)
     .await?;
@@ -307,24 +327,6 @@ pub async fn deferred_overview(
     .fetch_one(pool)
     .await?;
     Ok((row.n, row.oldest, row.next_due))
-}
-
-/// A due deferred claim, locked until the caller's transaction ends; None when it is not
-/// deferred and due any more, or another worker holds it (`SKIP LOCKED`): that worker applies
-/// it.
-pub async fn lock_due(conn: &mut PgConnection, key: &str) -> sqlx::Result<Option<StoredClaim>> {
-    sqlx::query_as!(
-        StoredClaim,
-        r#"SELECT source, event_type, received_at, payload AS "payload: JsonText", payload_sha256,
-                  status AS "status: ClaimStatus", effect_spec, attempts, deadline_at, defer_policy,
-                  route_key, deferred_reason
-           FROM processed_events
-           WHERE event_key = $1 AND status = 'deferred' AND due_at <= now()
-           FOR UPDATE SKIP LOCKED"#,
-        key
-    )
-    .fetch_optional(conn)
-    .await
 }
 
 /// Defers a claim again (or, from `failed`, for the first time): one more attempt, the new due
@@ -462,83 +464,6 @@ pub async fn find(pool: &PgPool, key: &str) -> sqlx::Result<Option<ClaimRow>> {
     .await
 }
 
-/// A claim as stored, for running its effect again.
-#[derive(Debug)]
-pub struct StoredClaim {
-    pub source: String,
-    pub event_type: Option<String>,
-    pub received_at: Option<DateTime<Utc>>,
-    /// None on a claim settled `done`, which keeps only the hash.
-    pub payload: Option<JsonText>,
-    pub payload_sha256: Vec<u8>,
-    pub status: ClaimStatus,
-    pub effect_spec: Option<serde_json::Value>,
-    /// Effect attempts so far (deferrals included).
-    pub attempts: i32,
-    /// A deferred claim's deadline.
-    pub deadline_at: Option<DateTime<Utc>>,
-    /// The deferral policy stored when the claim was first deferred or failed.
-    pub defer_policy: Option<serde_json::Value>,
-    /// The route key the claim was stored by; the event is applied again under it.
-    pub route_key: String,
-    /// Why a deferred claim waits.
-    pub deferred_reason: Option<String>,
-}
-
-impl StoredClaim {
-    /// Whether the claim waits only because its source was paused ([`crate::sources`]): its
-    /// effect has not run, so its first deferral by the effect is still to come.
-    pub fn held(&self) -> bool {
-        self.status == ClaimStatus::Deferred
-            && self
-                .deferred_reason
-                .as_deref()
-                .is_some_and(|r| r.starts_with(crate::sources::HELD_REASON))
-    }
-
-    /// The deferral policy stored on the claim; None on a claim settled before policies were
-    /// stored.
-    pub fn defer_policy(&self) -> Option<DeferPolicy> {
-        serde_json::from_value(self.defer_policy.clone()?).ok()
-    }
-
-    /// The event the claim was made for, as stored.
-    pub fn event(&self, key: &str) -> anyhow::Result<Event> {
-        use anyhow::Context as _;
-        let payload = self
-            .payload
-            .as_ref()
-            .map(|json| json.0.clone())
-            .with_context(|| format!("the claim of {key} did not keep its payload"))?;
-        Ok(Event::stored(
-            crate::envelope::EventKey::try_from(key.to_owned())?,
-            self.source.clone(),
-            self.event_type.clone(),
-            self.received_at,
-            payload,
-            self.payload_sha256
-                .clone()
-                .try_into()
-                .map_err(|_| anyhow::anyhow!("a stored payload hash is not 32 bytes"))?,
-        )
-        .routed(&self.route_key)?)
-    }
-}
-
-/// Reads a claim and locks it until the caller's transaction ends.
-pub async fn lock(conn: &mut PgConnection, key: &str) -> sqlx::Result<Option<StoredClaim>> {
-    sqlx::query_as!(
-        StoredClaim,
-        r#"SELECT source, event_type, received_at, payload AS "payload: JsonText", payload_sha256,
-                  status AS "status: ClaimStatus", effect_spec, attempts, deadline_at, defer_policy,
-                  route_key, deferred_reason
-           FROM processed_events WHERE event_key = $1 FOR UPDATE"#,
-        key
-    )
-    .fetch_optional(conn)
-    .await
-}
-
 /// Records one more attempt at a claim's effect: `error` None settles it `done` (keeping only
 /// the payload's hash, as every `done` claim), otherwise it becomes `failed` with the error.
 pub async fn record_attempt(
@@ -552,6 +477,7 @@ pub async fn record_attempt(
                status = CASE WHEN $2::text IS NULL THEN 'done' ELSE 'failed' END,
                completed_at = CASE WHEN $2::text IS NULL THEN now() END,
                payload = CASE WHEN $2::text IS NULL THEN NULL ELSE payload END,
+               attributes = CASE WHEN $2::text IS NULL THEN NULL ELSE attributes END,
                due_at = NULL
            WHERE event_key = $1"#,
         key,

@@ -60,7 +60,8 @@ fn section_of(command_path: &[String], long: &str) -> Option<FileKey> {
         Some("console") => match long {
             "listen" => Some(("console", key)),
             "effect" | "target-url" | "reconcile-url" | "max-attempts" | "effect-attempts"
-            | "operation-key" | "output-topic" => Some(("consume", key)),
+            | "operation-key" | "output-topic" | "input" | "source-name" | "route-attribute"
+            | "outbox-type-header" => Some(("consume", key)),
             _ if long.starts_with("defer-") => Some(("consume", key)),
             _ => None,
         },

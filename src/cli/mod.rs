@@ -505,6 +505,7 @@ mod tests {
             .expect("consume");
         let headings = [
             "Kafka",
+            "Input",
             "Database",
             "Effects",
             "Batches",

@@ -59,6 +59,10 @@ pub struct ConsoleArgs {
     /// How an event deferred in a replay by time waits, as `consume`'s `--defer-*`.
     #[command(flatten)]
     pub defer: crate::consume::defer_args::DeferArgs,
+
+    /// How a replay by time reads the topic, as `consume --input` (and from `[consume]`).
+    #[command(flatten)]
+    pub input: crate::consume::input_args::InputArgs,
 }
 
 #[derive(Debug, Clone, Subcommand)]
@@ -114,6 +118,7 @@ impl ConsoleArgs {
             ..Default::default()
         };
         settings.defer = self.defer.settings()?;
+        settings.input = self.input.input();
         if let Some(file) = file {
             self.same_effects_as_consume(file)?;
         }

@@ -123,6 +123,8 @@ pub struct ConsoleSettings {
     pub effect_retry: crate::consume::EffectRetry,
     /// How an event deferred in a replay by time waits, as `consume`'s `--defer-*`.
     pub defer: crate::consume::DeferSettings,
+    /// How a replay by time reads the topic, as `consume --input`.
+    pub input: crate::inputs::Input,
 }
 
 impl ConsoleSettings {
@@ -175,6 +177,7 @@ impl ConsoleSettings {
             kafka_output: None,
             effect_retry: crate::consume::EffectRetry::default(),
             defer: crate::consume::DeferSettings::default(),
+            input: crate::inputs::Input::default(),
         })
     }
 }
@@ -224,6 +227,7 @@ pub fn router(
             kafka: settings.kafka_output.clone(),
             retry: settings.effect_retry,
             defer: settings.defer.clone(),
+            input: settings.input.clone(),
         }),
     })?;
     let state = State(Arc::new(Inner {

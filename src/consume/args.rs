@@ -28,9 +28,13 @@ pub struct ConsumeArgs {
     #[command(flatten)]
     pub kafka: KafkaArgs,
 
-    /// The topic the envelopes are written to.
+    /// The topic the events are written to.
     #[arg(help_heading = "Kafka", long, env = "REPLAYPROOF_TOPIC", default_value = DEFAULT_TOPIC)]
     pub topic: String,
+
+    /// How the topic's messages are read: the envelope, CloudEvents or Debezium's outbox.
+    #[command(flatten)]
+    pub input: super::input_args::InputArgs,
 
     /// The consumer group; start more consumers with the same group to share the partitions.
     #[arg(help_heading = "Kafka", long, env = "REPLAYPROOF_GROUP", default_value = DEFAULT_GROUP)]
@@ -342,7 +346,8 @@ impl ConsumeArgs {
                     attempts: self.effect_attempts,
                     ..EffectRetry::default()
                 })
-                .with_defer(self.defer_settings()?),
+                .with_defer(self.defer_settings()?)
+                .with_input(self.input.input()),
         )
     }
 
@@ -407,6 +412,14 @@ impl ToArgs for ConsumeArgs {
         let mut flag = |name: &str, value: String| args.extend([format!("--{name}"), value]);
         flag("topic", self.topic.clone());
         flag("group", self.group.clone());
+        flag("input", self.input.format.name().into());
+        if let Some(name) = &self.input.source_name {
+            flag("source-name", name.clone());
+        }
+        if let Some(name) = &self.input.route_attribute {
+            flag("route-attribute", name.clone());
+        }
+        flag("outbox-type-header", self.input.outbox_type_header.clone());
         flag("assignor", self.assignor.strategy().into());
         if let Some(id) = &self.group_instance_id {
             flag("group-instance-id", id.clone());
@@ -520,6 +533,14 @@ mod tests {
         "member-1",
         "--effect",
         "ledger,http",
+        "--input",
+        "debezium-outbox",
+        "--source-name",
+        "orders",
+        "--route-attribute",
+        "partitionkey",
+        "--outbox-type-header",
+        "type",
         "--output-topic",
         "clean-events",
         "--target-url",

@@ -70,6 +70,7 @@ impl PartitionFeed {
                     key: copy(m.key, m.key_len),
                     value: copy(m.payload, m.len),
                     traceparent: traceparent(message),
+                    headers: headers(message),
                 })
             } else {
                 Err(KafkaError::MessageConsumption(m.err.into()))
@@ -103,6 +104,37 @@ unsafe fn traceparent(message: *mut rdkafka::bindings::rd_kafka_message_t) -> Op
     }
     let bytes = std::slice::from_raw_parts(value as *const u8, size);
     std::str::from_utf8(bytes).ok().map(str::to_owned)
+}
+
+/// Every header of the message, in order.
+///
+/// # Safety
+/// `message` is a live message of librdkafka's.
+unsafe fn headers(message: *mut rdkafka::bindings::rd_kafka_message_t) -> crate::inputs::Headers {
+    use rdkafka::bindings as rd;
+    let mut all = crate::inputs::Headers::new();
+    let mut headers: *mut rd::rd_kafka_headers_t = std::ptr::null_mut();
+    if rd::rd_kafka_message_headers(message, &mut headers)
+        != rd::rd_kafka_resp_err_t::RD_KAFKA_RESP_ERR_NO_ERROR
+    {
+        return all;
+    }
+    let mut index = 0;
+    loop {
+        let mut name: *const std::ffi::c_char = std::ptr::null();
+        let mut value: *const std::ffi::c_void = std::ptr::null();
+        let mut size: usize = 0;
+        if rd::rd_kafka_header_get_all(headers, index, &mut name, &mut value, &mut size)
+            != rd::rd_kafka_resp_err_t::RD_KAFKA_RESP_ERR_NO_ERROR
+        {
+            return all;
+        }
+        let name = std::ffi::CStr::from_ptr(name).to_string_lossy();
+        let value = (!value.is_null())
+            .then(|| std::slice::from_raw_parts(value as *const u8, size).to_vec());
+        all.push(name, value);
+        index += 1;
+    }
 }
 
 impl Drop for PartitionFeed {

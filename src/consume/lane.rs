@@ -23,6 +23,7 @@ impl RawMessage {
             + self.key.as_ref().map_or(0, Vec::len)
             + self.value.as_ref().map_or(0, Vec::len)
             + self.traceparent.as_ref().map_or(0, String::len)
+            + self.headers.byte_len()
     }
 }
 
@@ -326,6 +327,7 @@ mod tests {
             key: None,
             value: Some(format!("m{offset}").into_bytes()),
             traceparent: None,
+            headers: Default::default(),
         };
         let rewound: Vec<bool> = [0, 1, 2, 0, 1, 2, 3]
             .into_iter()

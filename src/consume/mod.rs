@@ -22,6 +22,8 @@ mod ffi;
 mod health;
 #[cfg(feature = "cli")]
 pub mod http_args;
+#[cfg(feature = "cli")]
+pub mod input_args;
 mod internal_events;
 #[cfg(feature = "cli")]
 pub mod kafka_args;

@@ -70,8 +70,19 @@ impl From<&BorrowedMessage<'_>> for RawMessage {
                     .and_then(|h| std::str::from_utf8(h.value?).ok())
                     .map(str::to_owned)
             }),
+            headers: headers_of(message),
         }
     }
+}
+
+/// Every header of `message`, in order.
+fn headers_of(message: &BorrowedMessage<'_>) -> crate::inputs::Headers {
+    use rdkafka::message::Headers as _;
+    let mut headers = crate::inputs::Headers::new();
+    for h in message.headers().into_iter().flat_map(|h| h.iter()) {
+        headers.push(h.key, h.value.map(<[u8]>::to_vec));
+    }
+    headers
 }
 
 /// Starts the poll thread: it polls until `stop`, then leaves the group. The receiver hears

@@ -305,6 +305,7 @@ mod tests {
             defer_policy: None,
             route_key: "k".into(),
             deferred_reason: Some(reason.into()),
+            attributes: None,
         };
         let held = format!("{} (by ops: incident)", crate::sources::HELD_REASON);
         assert_eq!(Standing::stored(&claim(&held), 1), Standing::fresh(1));

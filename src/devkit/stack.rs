@@ -85,6 +85,7 @@ impl Stack {
     /// Puts a raw record on the topic, bypassing the ingress (the demo's misbehaving producer).
     pub async fn produce_raw(&self, key: &[u8], value: &[u8]) -> anyhow::Result<()> {
         let producer = crate::kafka::producer(&self.brokers, &[])?;
-        crate::kafka::produce_raw(&producer, &self.topic, Some(key), Some(value)).await
+        let none = crate::inputs::Headers::new();
+        crate::kafka::produce_raw(&producer, &self.topic, Some(key), Some(value), &none).await
     }
 }

@@ -32,7 +32,9 @@ impl LetterProducer {
     pub async fn produce(&self, letter: RawLetter) -> anyhow::Result<String> {
         let topic = self.topic.clone().unwrap_or(letter.topic);
         let (key, value) = (letter.key.as_deref(), letter.value.as_deref());
-        crate::kafka::produce_raw(&self.producer, &topic, key, value).await?;
+        let headers =
+            crate::inputs::Headers::from_stored(letter.headers.as_deref().unwrap_or_default());
+        crate::kafka::produce_raw(&self.producer, &topic, key, value, &headers).await?;
         Ok(topic)
     }
 }

@@ -25,6 +25,8 @@ pub struct ReplayEffects {
     pub kafka: Option<KafkaOutput>,
     pub retry: EffectRetry,
     pub defer: DeferSettings,
+    /// How the topic's messages are read, as `consume --input` reads them.
+    pub input: crate::inputs::Input,
 }
 
 /// What a desk is built from.
@@ -85,7 +87,8 @@ impl Desk {
                     )?,
                 )
                 .with_retry(r.retry)
-                .with_defer(r.defer),
+                .with_defer(r.defer)
+                .with_input(r.input),
             ),
             _ => None,
         };

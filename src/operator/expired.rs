@@ -95,5 +95,10 @@ fn event_of(row: &Locked) -> Result<Event, OperatorError> {
         hash,
     )
     .routed(&row.route_key)
+    .map(|event| {
+        event.with_attributes(crate::envelope::Attributes::from_json(
+            row.attributes.as_ref(),
+        ))
+    })
     .map_err(|e| anyhow::anyhow!(e).into())
 }

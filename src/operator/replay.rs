@@ -91,6 +91,8 @@ pub struct ReplayReport {
     pub failed: usize,
     pub deferred: usize,
     pub expired: usize,
+    /// Messages that carry no event (Debezium's tombstones): passed over.
+    pub skipped: usize,
 }
 
 impl ReplayReport {
@@ -102,11 +104,12 @@ impl ReplayReport {
         self.failed += r.failed;
         self.deferred += r.deferred;
         self.expired += r.expired;
+        self.skipped += r.skipped;
     }
 
     fn summary(&self) -> String {
         format!(
-            "read {}, already applied {}, newly applied {}, dead-lettered {}, conflicts {}, failed {}, deferred {}, expired {}",
+            "read {}, already applied {}, newly applied {}, dead-lettered {}, conflicts {}, failed {}, deferred {}, expired {}, skipped {}",
             self.read,
             self.already_applied,
             self.newly_applied,
@@ -114,7 +117,8 @@ impl ReplayReport {
             self.conflicts,
             self.failed,
             self.deferred,
-            self.expired
+            self.expired,
+            self.skipped
         )
     }
 }
@@ -408,8 +412,9 @@ async fn apply(
     }
     let mut keys = Vec::new();
     for m in batch {
-        match crate::envelope::Event::parse(m.key.as_deref(), m.value.as_deref()) {
-            Ok(event) => keys.push(event.key.as_str().to_owned()),
+        match processor.input.read(&m.as_input(&window.topic)) {
+            Ok(crate::inputs::Reading::Event(event)) => keys.push(event.key.as_str().to_owned()),
+            Ok(crate::inputs::Reading::Skipped { .. }) => report.skipped += 1,
             Err(_) => report.dead_lettered += 1,
         }
     }

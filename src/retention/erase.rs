@@ -212,7 +212,8 @@ async fn unsettled(conn: &mut PgConnection, key: &str) -> sqlx::Result<Option<St
 /// Erases every payload kept for `key`, and returns its claim's status.
 async fn erase_one(conn: &mut PgConnection, key: &str) -> sqlx::Result<String> {
     let row = sqlx::query!(
-        r#"WITH claim AS (UPDATE processed_events SET payload = NULL, payload_erased_at = now()
+        r#"WITH claim AS (UPDATE processed_events SET payload = NULL, attributes = NULL,
+                                                 payload_erased_at = now()
                           WHERE event_key = $1 RETURNING status),
                 ledger AS (UPDATE ledger SET payload = 'null'::jsonb, payload_erased_at = now()
                            WHERE event_key = $1 RETURNING 1),
@@ -225,7 +226,7 @@ async fn erase_one(conn: &mut PgConnection, key: &str) -> sqlx::Result<String> {
                 conflicts AS (UPDATE key_conflicts
                               SET payload = 'null'::jsonb, payload_erased_at = now()
                               WHERE event_key = $1 RETURNING 1),
-                expired AS (UPDATE expired_replays SET payload = NULL
+                expired AS (UPDATE expired_replays SET payload = NULL, attributes = NULL
                             WHERE event_key = $1 RETURNING 1)
            SELECT (SELECT status FROM claim) AS "status!",
                   (SELECT count(*) FROM ledger) + (SELECT count(*) FROM ops)

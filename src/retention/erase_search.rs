@@ -114,7 +114,7 @@ pub async fn dead_letters_of(pool: &PgPool, key: &str) -> sqlx::Result<Vec<i64>>
 /// hash of the bytes, so a redelivery of the message is still the stored letter); how many.
 pub async fn erase_dead_letters(pool: &PgPool, ids: &[i64]) -> sqlx::Result<u64> {
     let done = sqlx::query!(
-        "UPDATE dead_letters SET erased_sha256 = message_sha256, raw_value = NULL, \
+        "UPDATE dead_letters SET erased_sha256 = message_sha256, raw_value = NULL, raw_headers = NULL, \
          payload_erased_at = now() WHERE id = ANY($1) AND payload_erased_at IS NULL",
         ids
     )

@@ -86,14 +86,16 @@ pub async fn record(
     let hashes: Vec<&[u8]> = caught.iter().map(|c| &c.event.payload_sha256[..]).collect();
     let payloads: Vec<&str> = caught.iter().map(|c| c.event.payload_json.get()).collect();
     let offsets: Vec<i64> = caught.iter().map(|c| c.offset).collect();
+    let attributes = crate::claims::attributes(caught.iter().map(|c| c.event));
     sqlx::query!(
         r#"INSERT INTO expired_replays AS x (event_key, source, event_type, occurred_at,
                 received_at, pruned_before, payload_sha256, payload, effect_spec, kafka_topic,
-                kafka_partition, kafka_offset, route_key)
-           SELECT k, s, t, o, r, h, sha, p::jsonb, $10::jsonb, $11, $12, off, rk
+                kafka_partition, kafka_offset, route_key, attributes)
+           SELECT k, s, t, o, r, h, sha, p::jsonb, $10::jsonb, $11, $12, off, rk, a
            FROM unnest($1::text[], $2::text[], $3::text[], $4::timestamptz[], $5::timestamptz[],
-                       $6::timestamptz[], $7::bytea[], $8::text[], $9::int8[], $13::text[])
-               AS u(k, s, t, o, r, h, sha, p, off, rk)
+                       $6::timestamptz[], $7::bytea[], $8::text[], $9::int8[], $13::text[],
+                       $14::jsonb[])
+               AS u(k, s, t, o, r, h, sha, p, off, rk, a)
            ORDER BY k COLLATE "C", rk COLLATE "C"
            ON CONFLICT (event_key, payload_sha256, route_key) DO UPDATE
            SET times_seen = x.times_seen + 1, last_seen_at = now()"#,
@@ -110,6 +112,7 @@ pub async fn record(
         origin.topic,
         origin.partition,
         &routes as _,
+        &attributes as _,
     )
     .execute(conn)
     .await?;
@@ -192,6 +195,8 @@ pub struct Locked {
     pub kafka_offset: i64,
     /// The route key it would have been claimed by.
     pub route_key: String,
+    /// What the message said of the event beyond the envelope.
+    pub attributes: Option<serde_json::Value>,
 }
 
 /// The unresolved expired replays of `key`, locked; an operator acts on them together.
@@ -200,7 +205,7 @@ pub async fn lock_open(conn: &mut PgConnection, key: &str) -> sqlx::Result<Vec<L
         Locked,
         r#"SELECT id, event_key, source, event_type, occurred_at, received_at, payload_sha256,
                   payload AS "payload: JsonText", effect_spec, kafka_topic, kafka_partition,
-                  kafka_offset, route_key
+                  kafka_offset, route_key, attributes
            FROM expired_replays WHERE event_key = $1 AND resolution IS NULL
            ORDER BY id FOR UPDATE"#,
         key

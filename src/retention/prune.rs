@@ -311,7 +311,7 @@ const RULES: &[Rule] = &[
     },
     Rule {
         name: "expired_replays.payload",
-        change: "UPDATE expired_replays SET payload = NULL",
+        change: "UPDATE expired_replays SET payload = NULL, attributes = NULL",
         key: "id",
         select: "SELECT id FROM expired_replays WHERE resolution IS NOT NULL \
                  AND payload IS NOT NULL AND resolved_at < now() - make_interval(secs => $1)",

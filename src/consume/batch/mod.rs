@@ -56,6 +56,9 @@ pub struct RawMessage {
     pub value: Option<Vec<u8>>,
     /// Its `traceparent` header: the trace of the ingress request that wrote it.
     pub traceparent: Option<String>,
+    /// Its headers, all of them, in order: a CloudEvent's attributes in binary mode, an outbox
+    /// message's event id; kept with a dead letter so a replay writes them again.
+    pub headers: crate::inputs::Headers,
 }
 
 /// Attempts made so far at each event of a pass, by offset; absent means none.
@@ -87,6 +90,8 @@ pub struct BatchProcessor {
     pub retry: EffectRetry,
     /// How long deferred events wait, and when they are given up.
     pub defer: DeferSettings,
+    /// The format of the topic's messages.
+    pub input: crate::inputs::Input,
 }
 
 impl BatchProcessor {
@@ -99,7 +104,14 @@ impl BatchProcessor {
             effect,
             retry: EffectRetry::default(),
             defer: DeferSettings::default(),
+            input: crate::inputs::Input::default(),
         }
+    }
+
+    /// Reading the topic's messages as `input` says.
+    pub fn with_input(mut self, input: crate::inputs::Input) -> Self {
+        self.input = input;
+        self
     }
 
     /// With these retries of a failing effect.
@@ -188,7 +200,7 @@ impl BatchProcessor {
             true => Paused::none(),
             false => Paused::read(self.shards.first()).await?,
         };
-        let reads = plan::Read::all(&part);
+        let reads = plan::Read::all(&self.input, topic, &part);
         let reads: Vec<&plan::Read<'_>> = reads.iter().collect();
         let run = Run {
             pool: self.shards.first(),
@@ -269,6 +281,7 @@ impl BatchProcessor {
                     offset: m.offset,
                     key: m.key.as_deref(),
                     value: m.value.as_deref(),
+                    headers: &m.headers,
                     reason: d.reason.clone(),
                 })
             })
@@ -379,6 +392,9 @@ impl BatchProcessor {
             for _ in &plan.dead {
                 report.tally(UNKNOWN_SOURCE, Outcome::DeadLetter);
             }
+        }
+        for source in &plan.skipped {
+            report.tally(source, Outcome::Skipped);
         }
         let mut firsts: Vec<(i64, &Event)> = plan.firsts.iter().map(|(o, e)| (*o, e)).collect();
         if !firsts.is_empty() {

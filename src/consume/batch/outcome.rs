@@ -17,11 +17,13 @@ pub enum Outcome {
     Deferred,
     /// Its key unknown and older than its source's prune horizon.
     ExpiredReplay,
+    /// A message that carries no event, passed over: a Debezium tombstone.
+    Skipped,
 }
 
 impl Outcome {
     /// Every outcome, in the order of [`super::BatchReport::by_source`]'s counts.
-    pub const ALL: [Outcome; 7] = [
+    pub const ALL: [Outcome; 8] = [
         Outcome::Applied,
         Outcome::Duplicate,
         Outcome::Conflict,
@@ -29,6 +31,7 @@ impl Outcome {
         Outcome::Failed,
         Outcome::Deferred,
         Outcome::ExpiredReplay,
+        Outcome::Skipped,
     ];
 
     /// The `outcome` label.
@@ -41,6 +44,7 @@ impl Outcome {
             Outcome::Failed => "failed",
             Outcome::Deferred => "deferred",
             Outcome::ExpiredReplay => "expired_replay",
+            Outcome::Skipped => "skipped",
         }
     }
 }

@@ -7,6 +7,7 @@ use crate::claims::dead_letters::DeadLetter;
 use crate::claims::Origin;
 use crate::effect::{Deferred, EffectError};
 use crate::envelope::Event;
+use crate::inputs::{Input, Message, Reading};
 use crate::shard::Shards;
 use crate::sources::Paused;
 use std::collections::{BTreeMap, HashSet};
@@ -20,6 +21,8 @@ pub(super) struct Plan<'m> {
     /// Later copies of a key within this batch.
     pub(super) copies: Vec<(i64, Event)>,
     pub(super) dead: Vec<DeadLetter<'m>>,
+    /// The source of each message that carries no event (a tombstone), passed over.
+    pub(super) skipped: Vec<String>,
     /// The sources paused when the pass began.
     paused: Paused,
 }
@@ -31,19 +34,22 @@ impl<'m> Plan<'m> {
             firsts: Vec::with_capacity(reads.len()),
             copies: Vec::new(),
             dead: Vec::new(),
+            skipped: Vec::new(),
             paused: Paused::none(),
         };
         let mut events = Vec::with_capacity(reads.len());
         for Read { message: m, event } in reads.iter().copied() {
             match event {
                 // Each event's span, when traces are exported, is open while the batch runs.
-                Ok(event) => {
+                Parsed::Event(event) => {
                     events.push((m.offset, event.clone().in_trace(m.traceparent.as_deref())))
                 }
-                Err(reason) => plan.dead.push(DeadLetter {
+                Parsed::Skipped(source) => plan.skipped.push(source.clone()),
+                Parsed::Malformed(reason) => plan.dead.push(DeadLetter {
                     offset: m.offset,
                     key: m.key.as_deref(),
                     value: m.value.as_deref(),
+                    headers: &m.headers,
                     reason: reason.clone(),
                 }),
             }
@@ -96,29 +102,56 @@ impl<'m> Plan<'m> {
     }
 }
 
-/// A message of a pass with what the envelope's parser read from it: each message is parsed
-/// once a pass, and both the split by shard and the plan take its event from here.
+/// A message of a pass with what the input read from it: each message is read once a pass,
+/// and both the split by shard and the plan take its event from here.
 pub(super) struct Read<'m> {
     pub(super) message: &'m RawMessage,
-    event: Result<Event, String>,
+    event: Parsed,
+}
+
+/// What a message is.
+enum Parsed {
+    Event(Box<Event>),
+    /// Passed over (a tombstone), counted under this source.
+    Skipped(String),
+    /// A dead letter, for this reason.
+    Malformed(String),
 }
 
 impl<'m> Read<'m> {
-    /// Each of `messages`, parsed.
-    pub(super) fn all(messages: &[&'m RawMessage]) -> Vec<Self> {
+    /// Each of `messages` of `topic`, read as `input` says.
+    pub(super) fn all(input: &Input, topic: &str, messages: &[&'m RawMessage]) -> Vec<Self> {
         messages
             .iter()
             .map(|&message| Read {
                 message,
-                event: Event::parse(message.key.as_deref(), message.value.as_deref())
-                    .map_err(|reason| reason.to_string()),
+                event: match input.read(&message.as_input(topic)) {
+                    Ok(Reading::Event(event)) => Parsed::Event(event),
+                    Ok(Reading::Skipped { source }) => Parsed::Skipped(source),
+                    Err(reason) => Parsed::Malformed(reason.to_string()),
+                },
             })
             .collect()
     }
 
     /// The route key of its event ([`Event::route_key`]); None for what is not an event.
     fn route(&self) -> Option<&str> {
-        self.event.as_ref().ok().map(Event::route_key)
+        match &self.event {
+            Parsed::Event(event) => Some(event.route_key()),
+            _ => None,
+        }
+    }
+}
+
+impl RawMessage {
+    /// The message as an input reads it.
+    pub fn as_input<'a>(&'a self, topic: &'a str) -> Message<'a> {
+        Message {
+            topic,
+            key: self.key.as_deref(),
+            value: self.value.as_deref(),
+            headers: &self.headers,
+        }
     }
 }
 
@@ -148,6 +181,7 @@ mod tests {
             key: Some(key.as_bytes().to_vec()),
             value: Some(value.as_bytes().to_vec()),
             traceparent: None,
+            headers: Default::default(),
         }
     }
 
@@ -178,7 +212,7 @@ mod tests {
             let m = message("evt-1", &value);
             let event = Event::parse(m.key.as_deref(), m.value.as_deref()).unwrap();
             assert_eq!(event.route_key(), tenant);
-            let read = Read::all(&[&m]);
+            let read = Read::all(&Input::default(), "t", &[&m]);
             assert_eq!(read[0].route(), Some(tenant.as_str()), "{value}");
             let plan = Plan::new(
                 Origin {
@@ -194,7 +228,7 @@ mod tests {
             );
         }
         let junk = message("evt-1", "not json");
-        let read = Read::all(&[&junk]);
+        let read = Read::all(&Input::default(), "t", &[&junk]);
         assert_eq!(read[0].route(), None);
         let plan = Plan::new(
             Origin {

@@ -71,6 +71,7 @@ impl BatchProcessor {
             offset: message.offset,
             key: message.key.as_deref(),
             value: message.value.as_deref(),
+            headers: &message.headers,
             reason: reason.replace('\0', ""),
         };
         // Every dead letter is on the first shard (the only one, unless there are several).

@@ -33,6 +33,8 @@ pub struct BatchReport {
     /// Events whose key is unknown and that are older than their source's prune horizon:
     /// recorded in `expired_replays`, not applied.
     pub expired: usize,
+    /// Messages that carry no event (Debezium's tombstones), passed over.
+    pub skipped: usize,
     /// The same events by source, for the events counter's labels; a dead letter, which may
     /// not be an envelope at all, counts under the source `unknown`. The counts are in the
     /// order of [`Outcome::ALL`].
@@ -56,6 +58,7 @@ impl BatchReport {
         self.deferred += other.deferred;
         self.effect_errors += other.effect_errors;
         self.expired += other.expired;
+        self.skipped += other.skipped;
         for (keyed, n) in other.keyed {
             *self.keyed.entry(keyed).or_default() += n;
         }
@@ -78,6 +81,7 @@ impl BatchReport {
             Outcome::Failed => Some(&mut self.failed),
             Outcome::Deferred => Some(&mut self.deferred),
             Outcome::ExpiredReplay => Some(&mut self.expired),
+            Outcome::Skipped => Some(&mut self.skipped),
         };
         if let Some(total) = total {
             *total += 1;

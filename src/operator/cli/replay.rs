@@ -68,6 +68,7 @@ impl ReplayArgs {
                 ..crate::consume::EffectRetry::default()
             },
             defer: consume.defer_settings()?,
+            input: consume.input.input(),
         };
         let kafka = KafkaTarget {
             brokers: consume.kafka.brokers.clone(),
@@ -115,8 +116,8 @@ fn report_text(r: &ReplayReport) -> String {
         ""
     };
     out.push_str(&format!(
-                "read {}, already applied {}, newly applied {}, dead-lettered {}, conflicts {}, failed {}, deferred {}, expired replays {}{would}\n",
-                r.read, r.already_applied, r.newly_applied, r.dead_lettered, r.conflicts, r.failed, r.deferred, r.expired
+                "read {}, already applied {}, newly applied {}, dead-lettered {}, conflicts {}, failed {}, deferred {}, expired replays {}, skipped {}{would}\n",
+                r.read, r.already_applied, r.newly_applied, r.dead_lettered, r.conflicts, r.failed, r.deferred, r.expired, r.skipped
             ));
     out
 }
