@@ -153,11 +153,22 @@ start_nisshi() {
   export REPLAYPROOF_NISSHI="$bin"
 }
 
-# The compose file is validated against the Compose specification's JSON schema in Python.
+# The compose file and the envelope's schema are validated in Python (jsonschema); the input
+# tests write CloudEvents with the CloudEvents SDK's own Kafka binding over confluent-kafka, as
+# docs/inputs.md's producer does.
+CLOUDEVENTS_VERSION=2.2.0
+CONFLUENT_KAFKA_VERSION=2.16.2
+
 ensure_python_modules() {
-  if ! python3 -c 'import yaml, jsonschema' 2>/dev/null; then
-    log "Installing PyYAML and jsonschema for the compose file's validation"
-    python3 -m pip install --quiet pyyaml jsonschema
+  # rfc3339-validator: without it jsonschema passes every date-time unchecked.
+  if ! python3 -c 'import yaml, jsonschema, rfc3339_validator' 2>/dev/null; then
+    log "Installing PyYAML, jsonschema and rfc3339-validator for the compose file's and the envelope's schemas"
+    python3 -m pip install --quiet pyyaml jsonschema rfc3339-validator
+  fi
+  if ! python3 -m pip show cloudevents 2>/dev/null | grep -q "^Version: $CLOUDEVENTS_VERSION" \
+    || ! python3 -m pip show confluent-kafka 2>/dev/null | grep -q "^Version: $CONFLUENT_KAFKA_VERSION"; then
+    log "Installing cloudevents $CLOUDEVENTS_VERSION and confluent-kafka $CONFLUENT_KAFKA_VERSION (once)"
+    python3 -m pip install --quiet "cloudevents==$CLOUDEVENTS_VERSION" "confluent-kafka==$CONFLUENT_KAFKA_VERSION"
   fi
 }
 
@@ -182,6 +193,25 @@ check_kubernetes_manifests() {
   # shellcheck disable=SC2086
   python3 -m kubernetes_validate --strict --quiet $manifests
   python3 -m checkov.main -d deploy/kubernetes --framework kubernetes --quiet --compact --skip-download
+}
+
+# ------------------------------------------------------------------------------------ AsyncAPI
+# docs/asyncapi.yaml through the official parser (@asyncapi/parser, pinned with its lock file in
+# scripts/asyncapi/): its references resolved, its errors and warnings fatal, its examples
+# checked against their schemas. Node.js and npm come from Debian when missing; the packages are
+# installed again only when the package files changed, without install scripts (none is needed).
+check_asyncapi() {
+  local dir=scripts/asyncapi
+  if ! command -v node >/dev/null || ! command -v npm >/dev/null; then
+    log "Installing Debian's nodejs and npm (the AsyncAPI parser runs on Node.js; once)"
+    apt_install nodejs npm
+  fi
+  if ! cat "$dir/package.json" "$dir/package-lock.json" | cmp -s - "$dir/node_modules/.installed-from"; then
+    log "Installing the AsyncAPI parser (npm ci in $dir)"
+    npm ci --prefix "$dir" --no-audit --no-fund --ignore-scripts --loglevel=error
+    cat "$dir/package.json" "$dir/package-lock.json" >"$dir/node_modules/.installed-from"
+  fi
+  node "$dir/validate.mjs" docs/asyncapi.yaml
 }
 
 # ------------------------------------------------------------------------------------ promtool
@@ -295,6 +325,9 @@ promtool test rules deploy/alerts.test.yml
 
 log "The Kubernetes manifests (kubernetes-validate, checkov)"
 check_kubernetes_manifests
+
+log "The AsyncAPI document (@asyncapi/parser)"
+check_asyncapi
 
 check_advisories
 

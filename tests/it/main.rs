@@ -22,6 +22,13 @@ mod dispatch;
 /// The business boundary: operations keyed by their obligation, and the downstream's
 /// idempotency window, through the binaries.
 mod obligations;
+/// The consumer's inputs: replayproof's envelope and its schema, CloudEvents and Debezium's
+/// outbox messages, each read through the binary.
+mod inputs {
+    mod cloudevents;
+    mod debezium;
+    mod envelope_schema;
+}
 /// The HTTP ingress: requests, their answers and what reaches the topic; each signature scheme.
 mod ingest {
     mod overload;

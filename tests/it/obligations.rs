@@ -331,6 +331,7 @@ async fn a_fulfil_and_a_notify_of_one_order_are_both_sent_once() {
         key: Some(key.as_bytes().to_vec()),
         value: Some(envelope(key, json!({"order": order}))),
         traceparent: None,
+        headers: Default::default(),
     };
     let messages: Vec<RawMessage> = orders.iter().enumerate().map(message).collect();
     processor.process("t", 0, &messages[..2]).await.unwrap();
@@ -528,6 +529,7 @@ async fn the_console_names_the_event_that_fulfils_and_why_a_held_operation_waits
             key: Some(key.as_bytes().to_vec()),
             value: Some(envelope(key, json!({"order": "o-5"}))),
             traceparent: None,
+            headers: Default::default(),
         })
         .collect();
     processor.process("t", 0, &messages).await.unwrap();

@@ -95,6 +95,7 @@ async fn a_shard_list_reordered_shortened_or_recounted_is_refused_before_anythin
         key: Some(key.as_bytes().to_vec()),
         value: Some(envelope(&key, serde_json::json!({ "n": 1 }))),
         traceparent: None,
+        headers: Default::default(),
     };
     BatchProcessor::new(shards, Arc::new(Ledger))
         .process("t", 0, std::slice::from_ref(&event))
@@ -238,6 +239,7 @@ fn old_event(offset: i64, key: &str) -> RawMessage {
         key: Some(key.as_bytes().to_vec()),
         value: Some(value),
         traceparent: None,
+        headers: Default::default(),
     }
 }
 
@@ -391,6 +393,7 @@ fn message_for(offset: i64, key: &str) -> RawMessage {
         key: Some(key.as_bytes().to_vec()),
         value: Some(envelope(key, serde_json::json!({ "n": offset }))),
         traceparent: None,
+        headers: Default::default(),
     }
 }
 
@@ -460,6 +463,7 @@ async fn one_event_key_under_two_routes_is_one_effect_and_a_route_changed_confli
                 key: r.key,
                 value: Some(r.value),
                 traceparent: None,
+                headers: Default::default(),
             }
         })
         .collect();

@@ -96,6 +96,7 @@ fn message(offset: i64, key: &str, route: Option<&str>) -> RawMessage {
             serde_json::json!({ "n": offset }),
         )),
         traceparent: None,
+        headers: Default::default(),
     }
 }
 
@@ -508,6 +509,7 @@ async fn adding_partitions_moves_no_key_between_databases_where_partition_routin
                 key: Some(key.clone().into_bytes()),
                 value: Some(value.clone()),
                 traceparent: None,
+                headers: Default::default(),
             };
             let pool = control.dbs[by_partition(*partition, count)].pool.clone();
             BatchProcessor::new(pool, Arc::new(Ledger))

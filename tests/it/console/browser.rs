@@ -148,6 +148,7 @@ async fn an_operator_finds_an_event_reads_its_story_and_retries_it_in_a_browser(
                 json!({"amount": 1200 + i, "currency": "eur"}),
             )),
             traceparent: None,
+            headers: Default::default(),
         })
         .collect();
     BatchProcessor::new(db.pool.clone(), effect)

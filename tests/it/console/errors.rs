@@ -45,6 +45,7 @@ async fn errors_quoting_payloads(db: &TestDb) -> i64 {
         key: Some(b"f".to_vec()),
         value: Some(b"not json".to_vec()),
         traceparent: None,
+        headers: Default::default(),
     };
     BatchProcessor::new(db.pool.clone(), Arc::new(Ledger))
         .process(TOPIC, 0, &[bad])

@@ -263,6 +263,7 @@ async fn each_action_writes_its_audit_row_with_the_logged_in_user() {
         key: Some(b"junk".to_vec()),
         value: Some(format!("not json {offset}").into_bytes()),
         traceparent: None,
+        headers: Default::default(),
     };
     BatchProcessor::new(db.pool.clone(), Arc::new(Ledger))
         .process(&topic, 0, &[bad(10), bad(11)])
@@ -575,6 +576,7 @@ async fn an_event_s_story_has_its_message_claim_attempts_conflicts_and_dead_lett
         key: Some(b"stripe:evt_1".to_vec()),
         value: Some(b"{not json".to_vec()),
         traceparent: None,
+        headers: Default::default(),
     };
     process(&db, Arc::new(Ledger), &[bad]).await;
     // The first payload delivered again: a duplicate, the key's third delivery.

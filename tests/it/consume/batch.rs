@@ -16,6 +16,7 @@ fn message(offset: i64, key: &str, payload: serde_json::Value) -> RawMessage {
         key: Some(key.as_bytes().to_vec()),
         value: Some(envelope(key, payload)),
         traceparent: None,
+        headers: Default::default(),
     }
 }
 
@@ -96,6 +97,7 @@ async fn same_key_with_another_payload_is_recorded_as_a_conflict() {
         key: Some(b"k".to_vec()),
         value: Some(br#"{"payload": {"v" : 1}, "source": "test", "key": "k"}"#.to_vec()),
         traceparent: None,
+        headers: Default::default(),
     };
     let report = p.process("t", 0, &[same]).await.unwrap();
     assert_eq!((report.duplicates, report.conflicts), (1, 0));
@@ -113,30 +115,35 @@ async fn malformed_messages_become_dead_letters_with_their_bytes() {
             key: Some(b"junk".to_vec()),
             value: Some(b"\xffnot json".to_vec()),
             traceparent: None,
+            headers: Default::default(),
         },
         RawMessage {
             offset: 2,
             key: None,
             value: Some(br#"{"source":"s","payload":1}"#.to_vec()),
             traceparent: None,
+            headers: Default::default(),
         },
         RawMessage {
             offset: 3,
             key: None,
             value: Some(format!(r#"{{"key":"{too_long}","source":"s","payload":1}}"#).into_bytes()),
             traceparent: None,
+            headers: Default::default(),
         },
         RawMessage {
             offset: 4,
             key: None,
             value: Some(br#"{"key":"k","source":"s"}"#.to_vec()),
             traceparent: None,
+            headers: Default::default(),
         },
         RawMessage {
             offset: 5,
             key: None,
             value: None,
             traceparent: None,
+            headers: Default::default(),
         },
         message(6, "good-2", json!(2)),
     ];
@@ -528,6 +535,7 @@ async fn a_new_bad_message_at_a_reused_offset_is_a_second_dead_letter() {
         key: Some(b"k".to_vec()),
         value: Some(value.to_vec()),
         traceparent: None,
+        headers: Default::default(),
     };
     p.process("t", 0, &[bad(b"first")]).await.unwrap();
     p.process("t", 0, &[bad(b"first")]).await.unwrap();
@@ -550,6 +558,7 @@ async fn numbers_reach_the_effect_and_the_database_byte_for_byte() {
         key: Some(b"big".to_vec()),
         value: Some(raw.to_vec()),
         traceparent: None,
+        headers: Default::default(),
     };
     assert_eq!(p.process("t", 0, &[m]).await.unwrap().applied, 1);
     let (amount, rate): (String, String) = sqlx::query_as(
@@ -700,6 +709,7 @@ async fn a_key_no_header_can_carry_is_dead_lettered_and_the_batch_goes_on() {
                 .into_bytes(),
         ),
         traceparent: None,
+        headers: Default::default(),
     };
     let batch = [
         message(0, "before", json!(1)),
@@ -732,6 +742,7 @@ async fn a_payload_nested_deeper_than_any_document_is_dead_lettered_without_a_cr
             key: Some(b"deep".to_vec()),
             value: Some(deep.into_bytes()),
             traceparent: None,
+            headers: Default::default(),
         },
         message(2, "after", json!(3)),
     ];

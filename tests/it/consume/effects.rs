@@ -484,6 +484,7 @@ async fn one_objects_events_racing_on_two_partitions_end_in_the_newest_state() {
                         key: Some(e.key.as_str().as_bytes().to_vec()),
                         value: Some(e.to_bytes()),
                         traceparent: None,
+                        headers: Default::default(),
                     }
                 })
                 .collect()

@@ -236,6 +236,7 @@ async fn dispatcher_killed_mid_request_is_taken_over_and_its_late_completion_cha
         key: Some(b"evt-d".to_vec()),
         value: Some(envelope("evt-d", json!({"amount": 5}))),
         traceparent: None,
+        headers: Default::default(),
     };
     processor.process("t", 0, &[message]).await.unwrap();
 

@@ -16,10 +16,10 @@ async fn metrics_and_health_are_served() {
             offset: 7,
             reason: "the message has no value".into(),
         }],
-        // applied, duplicate, conflict, dead letter, failed, deferred, expired replay
+        // applied, duplicate, conflict, dead letter, failed, deferred, expired replay, skipped
         by_source: [
-            ("github".to_owned(), [3, 2, 0, 0, 0, 0, 0]),
-            ("unknown".to_owned(), [0, 0, 0, 1, 0, 0, 0]),
+            ("github".to_owned(), [3, 2, 0, 0, 0, 0, 0, 0]),
+            ("unknown".to_owned(), [0, 0, 0, 1, 0, 0, 0, 0]),
         ]
         .into(),
         ..BatchReport::default()

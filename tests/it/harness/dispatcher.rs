@@ -413,6 +413,7 @@ pub async fn enqueue_to(
             key: Some(k.as_bytes().to_vec()),
             value: Some(envelope(k, serde_json::json!({"n": i}))),
             traceparent: None,
+            headers: Default::default(),
         })
         .collect();
     for chunk in messages.chunks(100) {

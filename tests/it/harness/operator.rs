@@ -18,6 +18,7 @@ pub fn message(offset: i64, key: &str, payload: serde_json::Value) -> RawMessage
         key: Some(key.as_bytes().to_vec()),
         value: Some(envelope(key, payload)),
         traceparent: None,
+        headers: Default::default(),
     }
 }
 

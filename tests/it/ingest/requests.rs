@@ -794,6 +794,7 @@ fn as_messages(records: &[(String, serde_json::Value)]) -> Vec<replayproof::cons
             key: Some(key.as_bytes().to_vec()),
             value: Some(serde_json::to_vec(value).unwrap()),
             traceparent: None,
+            headers: Default::default(),
         })
         .collect()
 }

@@ -269,6 +269,7 @@ async fn a_replay_holds_no_lock_while_producing_and_marks_nothing_when_producing
         key: Some(b"k".to_vec()),
         value: Some(b"oops".to_vec()),
         traceparent: None,
+        headers: Default::default(),
     };
     process(&db, Arc::new(Ledger), &[poison]).await;
     let id = dead_letters::list(&db.pool, 10).await.unwrap()[0].id;
@@ -312,6 +313,7 @@ async fn dead_letters_are_listed_shown_and_replayed() {
             key: Some(b"k".to_vec()),
             value: Some(b"oops".to_vec()),
             traceparent: None,
+            headers: Default::default(),
         }],
     )
     .await;
@@ -589,6 +591,7 @@ async fn dead_letters_replay_in_bulk_takes_only_the_letters_selected_and_a_dry_r
         key: None,
         value: Some(value.as_bytes().to_vec()),
         traceparent: None,
+        headers: Default::default(),
     };
     // Three that are not JSON, one JSON that is no envelope.
     process(

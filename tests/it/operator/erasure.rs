@@ -185,6 +185,7 @@ async fn an_erased_dead_letter_stays_erased_when_its_message_is_delivered_again(
         key: Some(b"junk-key".to_vec()),
         value: Some(b"not an envelope, cus_subject_9".to_vec()),
         traceparent: None,
+        headers: Default::default(),
     };
     process(&db, Arc::new(Ledger), std::slice::from_ref(&poison)).await;
     assert_eq!(db.count("SELECT count(*) FROM dead_letters").await, 1);

@@ -43,6 +43,7 @@ fn raw(offset: i64, value: Vec<u8>) -> RawMessage {
         key: None,
         value: Some(value),
         traceparent: None,
+        headers: Default::default(),
     }
 }
 

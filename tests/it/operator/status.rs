@@ -37,6 +37,7 @@ async fn status_prints_the_right_counts() {
         key: Some(key.as_bytes().to_vec()),
         value: Some(value.to_vec()),
         traceparent: None,
+        headers: Default::default(),
     };
     let batch = [
         raw(0, "k1", &envelope("k1", json!(1))),

@@ -52,6 +52,7 @@ async fn claim(db: &TestDb, effect: Arc<dyn Effect>, range: std::ops::Range<usiz
                 key: Some(format!("evt-{i}").into_bytes()),
                 value: Some(raw_envelope(&format!("evt-{i}"), &payload_text(*i))),
                 traceparent: None,
+                headers: Default::default(),
             })
             .collect();
         processor.process("in", 0, &messages).await.unwrap();
