@@ -98,6 +98,7 @@ impl Workload {
                 key: Some(key.into_bytes()),
                 value: Some(envelope.to_bytes()),
                 traceparent: None,
+                headers: Default::default(),
             });
         }
         Self {

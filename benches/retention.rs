@@ -130,6 +130,7 @@ fn batch(lane: i32, n: u64, timed: bool) -> Vec<RawMessage> {
                 key: None,
                 value: Some(envelope.to_bytes()),
                 traceparent: None,
+                headers: Default::default(),
             }
         })
         .collect()

@@ -96,6 +96,7 @@ fn workload(run: usize, events: usize) -> Vec<Vec<RawMessage>> {
             key: Some(key.into_bytes()),
             value: Some(envelope.to_bytes()),
             traceparent: None,
+            headers: Default::default(),
         });
     }
     partitions
