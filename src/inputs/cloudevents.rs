@@ -111,9 +111,9 @@ fn binary_data(
     value: Option<&[u8]>,
     content_type: Option<&str>,
 ) -> Result<Box<RawValue>, Malformed> {
-    // No value, or an empty one without a content type (as the SDKs write an event without
-    // data): no data.
-    let Some(bytes) = value.filter(|v| !v.is_empty() || content_type.is_some()) else {
+    // No value, or an empty one (as the SDKs write an event without data, whatever its
+    // content type): no data.
+    let Some(bytes) = value.filter(|v| !v.is_empty()) else {
         return Ok(null());
     };
     let as_json = || {
@@ -209,23 +209,26 @@ fn structured_data(
     data: Option<Box<RawValue>>,
     data_base64: Option<Box<RawValue>>,
 ) -> Result<Box<RawValue>, Malformed> {
+    // A null `data` is no data, as an absent one.
+    let data = data.filter(|raw| raw.get() != "null");
     match (data, data_base64) {
         (Some(_), Some(_)) => Err(invalid("the event has both data and data_base64")),
+        // The bytes binary mode would carry, read as binary mode reads them: the event reads
+        // the same in both modes.
         (None, Some(raw)) => {
             let text: String = serde_json::from_str(raw.get())
                 .map_err(|_| invalid("data_base64 is not a string"))?;
             let bytes = base64::engine::general_purpose::STANDARD
                 .decode(text.as_bytes())
                 .map_err(|e| invalid(format!("data_base64 is not base64: {e}")))?;
-            Ok(encoded(content_type, &bytes))
+            binary_data(Some(&bytes), content_type)
         }
-        // Data of another type in `data` is its text: kept as the bytes binary mode would
-        // carry, so the event reads the same in both modes.
+        // Data of another type in `data` is its text, the bytes binary mode would carry.
         (Some(raw), None) => match content_type {
             Some(ct) if !is_json(ct) => {
                 let text = serde_json::from_str::<String>(raw.get())
                     .unwrap_or_else(|_| raw.get().to_owned());
-                Ok(encoded(Some(ct), text.as_bytes()))
+                binary_data(Some(text.as_bytes()), Some(ct))
             }
             _ => Ok(raw),
         },
@@ -392,7 +395,22 @@ mod tests {
         for value in [None, Some("")] {
             let none = read(&BINARY, value).unwrap();
             assert_eq!(none.payload_json.get(), "null");
+            let mut typed = BINARY.to_vec();
+            typed.push(("content-type", "application/json"));
+            assert_eq!(read(&typed, value).unwrap().payload_json.get(), "null");
         }
+        let mut json = BINARY.to_vec();
+        json.push(("content-type", "application/json"));
+        let binary = read(&json, Some(r#"{"a":1}"#)).unwrap();
+        let base64 = read(
+            &[("content-type", "application/cloudevents+json")],
+            Some(r#"{"specversion":"1.0","id":"A-1","source":"/shop/orders","type":"t","datacontenttype":"application/json","data_base64":"eyJhIjoxfQ=="}"#),
+        )
+        .unwrap();
+        assert_eq!(
+            base64.payload_sha256, binary.payload_sha256,
+            "JSON bytes in data_base64"
+        );
         let encoded = read(
             &[("content-type", "application/cloudevents+json")],
             Some(r#"{"specversion":"1.0","id":"1","source":"s","type":"t","datacontenttype":"image/png","data_base64":"iVBORw=="}"#),

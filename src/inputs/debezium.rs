@@ -63,7 +63,12 @@ fn text(what: &str, bytes: &[u8]) -> Result<String, Malformed> {
     let plain = std::str::from_utf8(bytes).map_err(|_| invalid(format!("{what} is not UTF-8")))?;
     let read = match plain.trim_start().as_bytes().first() {
         Some(b'"') => serde_json::from_str::<String>(plain).ok(),
-        Some(b'{') => unwrap(plain).and_then(|inner| serde_json::from_str(inner.get()).ok()),
+        // The wrapper's payload: a string's text, a number's (a bigint id) as written.
+        Some(b'{') => unwrap(plain).and_then(|inner| match inner.get().as_bytes().first() {
+            Some(b'"') => serde_json::from_str(inner.get()).ok(),
+            Some(b'{' | b'[') | None => None,
+            Some(_) => Some(inner.get().to_owned()),
+        }),
         _ => None,
     };
     let text = read.unwrap_or_else(|| plain.to_owned());
@@ -73,12 +78,18 @@ fn text(what: &str, bytes: &[u8]) -> Result<String, Malformed> {
     Ok(text)
 }
 
-/// The JsonConverter's `{"schema": …, "payload": …}` wrapper's payload, if `json` is one.
+/// The JsonConverter's `{"schema": …, "payload": …}` wrapper's payload, if `json` is one: two
+/// members, the schema a Connect schema (an object with a `type`) or null.
 fn unwrap(json: &str) -> Option<Box<RawValue>> {
+    #[derive(serde::Deserialize)]
+    struct ConnectSchema {
+        #[serde(rename = "type")]
+        _type: String,
+    }
     let mut members: BTreeMap<String, Box<RawValue>> = serde_json::from_str(json).ok()?;
-    let schema_like = members
-        .get("schema")
-        .is_some_and(|s| s.get().starts_with('{') || s.get() == "null");
+    let schema_like = members.get("schema").is_some_and(|s| {
+        s.get() == "null" || serde_json::from_str::<ConnectSchema>(s.get()).is_ok()
+    });
     (members.len() == 2 && schema_like)
         .then(|| members.remove("payload"))
         .flatten()
@@ -193,6 +204,23 @@ mod tests {
             read(None, Some("not json"), &[("id", "1")]),
             Err(Malformed::Outbox(_))
         ));
+        // A bigint id in the JSON converter's wrapper is its number.
+        let wrapped = event(read(
+            None,
+            Some("{}"),
+            &[(
+                "id",
+                r#"{"schema":{"type":"int64","optional":false},"payload":42}"#,
+            )],
+        ));
+        assert_eq!(wrapped.key.as_str(), "outbox:42");
+        // A payload that merely has `schema` and `payload` members is a payload.
+        let own = event(read(
+            None,
+            Some(r#"{"schema":{"v":2},"payload":1}"#),
+            &[("id", "7")],
+        ));
+        assert_eq!(own.payload_json.get(), r#"{"schema":{"v":2},"payload":1}"#);
         // A text column holding plain text is kept as the JSON string it arrived as.
         let text = event(read(None, Some(r#""hello""#), &[("id", "1")]));
         assert_eq!(text.payload_json.get(), r#""hello""#);
