@@ -194,9 +194,18 @@ pub(crate) async fn dead_letter(
     Ok(document(&format!("Dead letter {id}"), Some(&user), body).into_response())
 }
 
-/// A letter's raw key and value, each as text and as hex.
+/// A letter's raw key and value, each as text and as hex, and its headers.
 fn raw_bytes(raw: &RawLetter) -> Markup {
+    let headers = crate::inputs::Headers::from_stored(raw.headers.as_deref().unwrap_or_default());
     html! {
+        @if !headers.is_empty() {
+            h2 { "Headers" }
+            table id="raw-headers" {
+                @for (name, value) in headers.iter() {
+                    tr { th { (name) } td { (value.map_or_else(|| "null".to_owned(), as_text)) } }
+                }
+            }
+        }
         @for (name, bytes) in [("key", &raw.key), ("value", &raw.value)] {
             h2 { "Raw " (name) }
             @match bytes {

@@ -196,7 +196,9 @@ fn attribute_text(name: &str, raw: &RawValue) -> Result<Option<String>, Malforme
         Ok(serde_json::Value::Bool(b)) => Ok(Some(b.to_string())),
         // The number's text as it arrived.
         Ok(serde_json::Value::Number(_)) => Ok(Some(raw.get().to_owned())),
-        _ => Err(invalid(format!(
+        // A string serde_json cannot read (a lone surrogate escape), a number beyond its range.
+        Err(e) => Err(invalid(format!("the attribute {name} cannot be read: {e}"))),
+        Ok(_) => Err(invalid(format!(
             "the attribute {name} is an object or an array; attributes are strings, numbers or booleans"
         ))),
     }
@@ -475,6 +477,11 @@ mod tests {
                 vec![("content-type", "application/cloudevents-batch+json")],
                 Some("[]"),
                 "is not read",
+            ),
+            (
+                structured.to_vec(),
+                Some(r#"{"specversion":"1.0","id":"1","source":"s","type":"t","ext":"\ud800"}"#),
+                "ext cannot be read",
             ),
         ];
         for (headers, value, reason) in cases {

@@ -263,7 +263,7 @@ async fn each_action_writes_its_audit_row_with_the_logged_in_user() {
         key: Some(b"junk".to_vec()),
         value: Some(format!("not json {offset}").into_bytes()),
         traceparent: None,
-        headers: Default::default(),
+        headers: [("ce_id", format!("evt-{offset}"))].into_iter().collect(),
     };
     BatchProcessor::new(db.pool.clone(), Arc::new(Ledger))
         .process(&topic, 0, &[bad(10), bad(11)])
@@ -287,6 +287,11 @@ async fn each_action_writes_its_audit_row_with_the_logged_in_user() {
     let letter = ann.get(&format!("/dead-letters/{}", ids[0])).await;
     assert!(letter.body.contains("not json 10"), "{}", letter.body);
     assert!(
+        letter.body.contains("<th>ce_id</th><td>evt-10</td>"),
+        "its headers: {}",
+        letter.body
+    );
+    assert!(
         letter.body.contains("6e 6f 74 20 6a 73 6f 6e"),
         "hex: {}",
         letter.body
@@ -295,6 +300,7 @@ async fn each_action_writes_its_audit_row_with_the_logged_in_user() {
     let hidden = vic.get(&format!("/dead-letters/{}", ids[0])).await;
     assert_eq!(hidden.status, 200);
     assert!(!hidden.body.contains("not json 10"), "{}", hidden.body);
+    assert!(!hidden.body.contains("evt-10"), "{}", hidden.body);
     assert!(hidden
         .body
         .contains("Raw bytes are shown to operators only"));
