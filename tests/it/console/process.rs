@@ -215,6 +215,79 @@ async fn the_consoles_replay_by_time_applies_the_effects_of_consume() {
 }
 
 #[tokio::test]
+async fn the_consoles_replay_by_time_reads_the_topic_as_consume_reads_it() {
+    use rdkafka::message::{Header, OwnedHeaders};
+    let kafka = match std::env::var("KAFKA_BROKERS") {
+        Ok(brokers) if !brokers.is_empty() => TestKafka::External(brokers),
+        _ => {
+            eprintln!("NOT RUN: replay by time needs a broker that looks offsets up by time");
+            return;
+        }
+    };
+    let db = TestDb::new().await;
+    let topic = kafka.topic(1).await;
+    let since = (chrono::Utc::now() - chrono::Duration::seconds(5)).to_rfc3339();
+    // A CloudEvent in binary mode, its Kafka key only a partition key.
+    let headers = [
+        ("ce_specversion", "1.0"),
+        ("ce_id", "A-1"),
+        ("ce_source", "/shop"),
+        ("ce_type", "order.created"),
+    ]
+    .into_iter()
+    .fold(OwnedHeaders::new(), |h, (key, value)| {
+        h.insert(Header {
+            key,
+            value: Some(value),
+        })
+    });
+    let record = rdkafka::producer::FutureRecord::<str, str>::to(&topic)
+        .key("tenant-7")
+        .payload(r#"{"order":1}"#)
+        .headers(headers);
+    producer(&kafka.brokers())
+        .send(record, std::time::Duration::from_secs(10))
+        .await
+        .map_err(|(e, _)| e)
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let listen = format!("127.0.0.1:{}", free_port());
+    let database = format!(
+        "[database]\nurl = \"{}\"\n\n[consume]\ninput = \"cloudevents\"\n",
+        db.url
+    );
+    let config = config_file(&dir, &database, &listen, &hash_password(PASSWORD));
+    let brokers = kafka.brokers();
+    let mut argv = vec!["console", "--config", &config, "--brokers", &brokers];
+    argv.extend(["--topic", &topic]);
+    let options: Vec<String> = test_kafka_options()
+        .into_iter()
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect();
+    for option in &options {
+        argv.extend(["--kafka-option", option]);
+    }
+    let console = ConsoleProcess::listening(&argv, &[], &listen).await;
+    let alice = console.client().logged_in("alice", PASSWORD).await;
+    let token = alice.csrf("/replay").await;
+    let form = [
+        ("csrf_token", token.as_str()),
+        ("since", since.as_str()),
+        ("reason", "missed while the consumer read envelopes"),
+    ];
+    let page = alice.post("/replay", &form).await;
+    assert_eq!(page.status, 200, "{}", page.body);
+    let key = replayproof::inputs::cloudevent_key("/shop", "A-1");
+    assert_eq!(
+        db.ledger_counts().await.get(&key),
+        Some(&1),
+        "{}",
+        page.body
+    );
+    assert_eq!(db.count("SELECT count(*) FROM dead_letters").await, 0);
+}
+
+#[tokio::test]
 async fn the_console_refuses_an_effect_chain_other_than_consumes() {
     let db = TestDb::new().await;
     let dir = tempfile::tempdir().unwrap();
