@@ -426,9 +426,23 @@ mod tests {
 
     #[test]
     fn every_malformed_case_names_its_reason() {
+        for (headers, value, reason) in malformed() {
+            let e = read(&headers, value).unwrap_err();
+            assert!(matches!(e, Malformed::CloudEvent(_)), "{e}");
+            assert!(e.to_string().contains(reason), "{e} should say {reason}");
+        }
+    }
+
+    type Case = (
+        Vec<(&'static str, &'static str)>,
+        Option<&'static str>,
+        &'static str,
+    );
+
+    /// Messages that are not CloudEvents, each with what its reason must say.
+    fn malformed() -> Vec<Case> {
         let structured = [("content-type", "application/cloudevents+json")];
-        type Case<'a> = (Vec<(&'a str, &'a str)>, Option<&'a str>, &'a str);
-        let cases: Vec<Case> = vec![
+        vec![
             (BINARY[1..].to_vec(), Some("{}"), "neither a ce_specversion"),
             (
                 vec![BINARY[0], BINARY[2], BINARY[3]],
@@ -483,12 +497,7 @@ mod tests {
                 Some(r#"{"specversion":"1.0","id":"1","source":"s","type":"t","ext":"\ud800"}"#),
                 "ext cannot be read",
             ),
-        ];
-        for (headers, value, reason) in cases {
-            let e = read(&headers, value).unwrap_err();
-            assert!(matches!(e, Malformed::CloudEvent(_)), "{e}");
-            assert!(e.to_string().contains(reason), "{e} should say {reason}");
-        }
+        ]
     }
 
     #[test]
