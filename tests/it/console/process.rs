@@ -164,6 +164,27 @@ fn consume_applying_ledger_and_http(db: &TestDb) -> String {
     )
 }
 
+/// A console from `config` reading `topic` on `brokers`, as a replay by time needs it.
+async fn console_reading(config: &str, brokers: &str, topic: &str, listen: &str) -> ConsoleProcess {
+    let mut argv = vec![
+        "console",
+        "--config",
+        config,
+        "--brokers",
+        brokers,
+        "--topic",
+        topic,
+    ];
+    let options: Vec<String> = test_kafka_options()
+        .into_iter()
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect();
+    for option in &options {
+        argv.extend(["--kafka-option", option]);
+    }
+    ConsoleProcess::listening(&argv, &[], listen).await
+}
+
 #[tokio::test]
 async fn the_consoles_replay_by_time_applies_the_effects_of_consume() {
     let kafka = match std::env::var("KAFKA_BROKERS") {
@@ -182,17 +203,7 @@ async fn the_consoles_replay_by_time_applies_the_effects_of_consume() {
     let listen = format!("127.0.0.1:{}", free_port());
     let database = consume_applying_ledger_and_http(&db);
     let config = config_file(&dir, &database, &listen, &hash_password(PASSWORD));
-    let brokers = kafka.brokers();
-    let mut argv = vec!["console", "--config", &config, "--brokers", &brokers];
-    argv.extend(["--topic", &topic]);
-    let options: Vec<String> = test_kafka_options()
-        .into_iter()
-        .map(|(k, v)| format!("{k}={v}"))
-        .collect();
-    for option in &options {
-        argv.extend(["--kafka-option", option]);
-    }
-    let console = ConsoleProcess::listening(&argv, &[], &listen).await;
+    let console = console_reading(&config, &kafka.brokers(), &topic, &listen).await;
     let alice = console.client().logged_in("alice", PASSWORD).await;
     let token = alice.csrf("/replay").await;
     let form = [
@@ -257,17 +268,7 @@ async fn the_consoles_replay_by_time_reads_the_topic_as_consume_reads_it() {
         db.url
     );
     let config = config_file(&dir, &database, &listen, &hash_password(PASSWORD));
-    let brokers = kafka.brokers();
-    let mut argv = vec!["console", "--config", &config, "--brokers", &brokers];
-    argv.extend(["--topic", &topic]);
-    let options: Vec<String> = test_kafka_options()
-        .into_iter()
-        .map(|(k, v)| format!("{k}={v}"))
-        .collect();
-    for option in &options {
-        argv.extend(["--kafka-option", option]);
-    }
-    let console = ConsoleProcess::listening(&argv, &[], &listen).await;
+    let console = console_reading(&config, &kafka.brokers(), &topic, &listen).await;
     let alice = console.client().logged_in("alice", PASSWORD).await;
     let token = alice.csrf("/replay").await;
     let form = [

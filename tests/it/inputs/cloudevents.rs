@@ -198,12 +198,7 @@ async fn cloudevents_from_the_sdk_in_both_modes_on_other_partitions_apply_once_p
         24,
         "the same id under two sources is two events"
     );
-    let counts = db.ledger_counts().await;
-    assert_eq!(counts.keys().cloned().collect::<HashSet<_>>(), expected);
-    assert!(
-        counts.values().all(|n| *n == 1),
-        "one effect per (source, id): {counts:?}"
-    );
+    assert_exactly_once(&db, &expected, WAIT).await;
     assert_eq!(
         db.count("SELECT count(*) FROM key_conflicts").await,
         0,
@@ -289,9 +284,7 @@ async fn replay_applies_only_what_is_missing(
     let report: Value = serde_json::from_slice(&stdout_of(&mut cmd)).unwrap();
     assert_eq!(report["newly_applied"], 3, "{report}");
     assert_eq!(report["dead_lettered"], 6, "{report}");
-    let counts = db.ledger_counts().await;
-    assert_eq!(counts.keys().cloned().collect::<HashSet<_>>(), *expected);
-    assert!(counts.values().all(|n| *n == 1), "{counts:?}");
+    assert_exactly_once(db, expected, WAIT).await;
     assert_eq!(
         db.count("SELECT count(*) FROM dead_letters").await,
         6,
@@ -346,12 +339,10 @@ async fn cloudevents_dead_lettered_under_the_wrong_input_apply_once_replayed_wit
         &["--input", "cloudevents"],
     );
     wait_committed_total(&kafka, &group, &topic, 1, 8).await;
-    let counts = db.ledger_counts().await;
     let expected: HashSet<String> = events
         .iter()
         .map(|e| cloudevent_key(e["source"].as_str().unwrap(), e["id"].as_str().unwrap()))
         .collect();
-    assert_eq!(counts.keys().cloned().collect::<HashSet<_>>(), expected);
-    assert!(counts.values().all(|n| *n == 1), "{counts:?}");
+    assert_exactly_once(&db, &expected, WAIT).await;
     assert!(right.terminate(WAIT).await.success());
 }

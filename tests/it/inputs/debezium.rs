@@ -139,12 +139,7 @@ async fn outbox_messages_in_every_value_shape_redelivered_apply_once_per_id_and_
     wait_committed_total(&kafka, &group, &topic, 2, (N + N + 4) as i64).await;
 
     let expected: HashSet<String> = (0..N).map(|i| format!("outbox:{}", id(i))).collect();
-    let counts = db.ledger_counts().await;
-    assert_eq!(counts.keys().cloned().collect::<HashSet<_>>(), expected);
-    assert!(
-        counts.values().all(|n| *n == 1),
-        "one effect per id: {counts:?}"
-    );
+    assert_exactly_once(&db, &expected, WAIT).await;
     assert_eq!(
         db.count("SELECT count(*) FROM key_conflicts").await,
         0,
