@@ -85,7 +85,9 @@ impl PartitionFeed {
 ///
 /// # Safety
 /// `message` is a live message of librdkafka's.
-unsafe fn traceparent(message: *mut rdkafka::bindings::rd_kafka_message_t) -> Option<String> {
+pub(super) unsafe fn traceparent(
+    message: *mut rdkafka::bindings::rd_kafka_message_t,
+) -> Option<String> {
     use rdkafka::bindings as rd;
     let mut headers: *mut rd::rd_kafka_headers_t = std::ptr::null_mut();
     if rd::rd_kafka_message_headers(message, &mut headers)
@@ -110,7 +112,9 @@ unsafe fn traceparent(message: *mut rdkafka::bindings::rd_kafka_message_t) -> Op
 ///
 /// # Safety
 /// `message` is a live message of librdkafka's.
-unsafe fn headers(message: *mut rdkafka::bindings::rd_kafka_message_t) -> crate::inputs::Headers {
+pub(super) unsafe fn headers(
+    message: *mut rdkafka::bindings::rd_kafka_message_t,
+) -> crate::inputs::Headers {
     use rdkafka::bindings as rd;
     let mut all = crate::inputs::Headers::new();
     let mut headers: *mut rd::rd_kafka_headers_t = std::ptr::null_mut();

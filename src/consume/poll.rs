@@ -56,33 +56,25 @@ pub(super) fn poll_until(consumer: &BaseConsumer<LaneContext>, shutdown: &Cancel
 const IDLE_POLL: Duration = Duration::from_millis(5);
 
 impl From<&BorrowedMessage<'_>> for RawMessage {
+    /// The message's bytes and headers, read through librdkafka as a lane reads them: a header
+    /// name that is not UTF-8 is read lossily (rdkafka's own iterator panics on one).
     fn from(message: &BorrowedMessage<'_>) -> Self {
+        use rdkafka::Message as _;
+        // SAFETY: the message is alive while it is borrowed here.
+        let (traceparent, headers) = unsafe {
+            (
+                super::ffi::traceparent(message.ptr()),
+                super::ffi::headers(message.ptr()),
+            )
+        };
         RawMessage {
             offset: message.offset(),
             key: message.key().map(<[u8]>::to_vec),
             value: message.payload().map(<[u8]>::to_vec),
-            traceparent: message.headers().and_then(|headers| {
-                use rdkafka::message::Headers as _;
-                headers
-                    .iter()
-                    .filter(|h| h.key == crate::trace::TRACEPARENT)
-                    .last()
-                    .and_then(|h| std::str::from_utf8(h.value?).ok())
-                    .map(str::to_owned)
-            }),
-            headers: headers_of(message),
+            traceparent,
+            headers,
         }
     }
-}
-
-/// Every header of `message`, in order.
-fn headers_of(message: &BorrowedMessage<'_>) -> crate::inputs::Headers {
-    use rdkafka::message::Headers as _;
-    let mut headers = crate::inputs::Headers::new();
-    for h in message.headers().into_iter().flat_map(|h| h.iter()) {
-        headers.push(h.key, h.value.map(<[u8]>::to_vec));
-    }
-    headers
 }
 
 /// Starts the poll thread: it polls until `stop`, then leaves the group. The receiver hears

@@ -28,6 +28,7 @@ mod inputs {
     mod cloudevents;
     mod debezium;
     mod envelope_schema;
+    mod headers;
 }
 /// The HTTP ingress: requests, their answers and what reaches the topic; each signature scheme.
 mod ingest {
