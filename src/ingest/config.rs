@@ -201,6 +201,12 @@ impl SourceConfig {
                 .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_');
         anyhow::ensure!(valid_name, "a source name is letters, digits, '-' and '_'");
         anyhow::ensure!(
+            !crate::inputs::RESERVED_KEY_PREFIXES.contains(&format!("{}:", self.name).as_str()),
+            "the source name {:?} is reserved: the keys of the CloudEvents and Debezium outbox \
+             inputs begin with it, and an event key of this source could be one of theirs",
+            self.name
+        );
+        anyhow::ensure!(
             !self.secrets_env.is_empty(),
             "secrets_env names no variable"
         );
@@ -368,6 +374,14 @@ mod tests {
         let dup = source("a", "github", "") + &source("a", "github", "");
         assert!(sources(&dup, LONG_ENOUGH).is_err());
         assert!(sources(&source("a/b", "github", ""), LONG_ENOUGH).is_err());
+        for reserved in ["ce", "ce-sha256", "outbox"] {
+            let refused = sources(&source(reserved, "github", ""), LONG_ENOUGH).unwrap_err();
+            assert!(
+                format!("{refused:#}").contains("is reserved"),
+                "{refused:#}"
+            );
+        }
+        assert!(sources(&source("cloud", "github", ""), LONG_ENOUGH).is_ok());
     }
 
     #[test]

@@ -289,8 +289,9 @@ fn event(
         .route_attribute
         .as_deref()
         .and_then(|name| attributes.get(name))
-        .map(str::to_owned);
-    Ok(Event::from_parts(parts)?.with_attributes(attributes))
+        .and_then(super::route_text);
+    let event = Event::from_parts(parts).map_err(|e| invalid(super::as_event(&e)))?;
+    Ok(event.with_attributes(attributes))
 }
 
 #[cfg(test)]
@@ -516,5 +517,30 @@ mod tests {
         );
         let unrouted = read_with(&input, &BINARY, None).unwrap();
         assert_eq!(unrouted.route_key(), unrouted.key.as_str());
+        let mut empty = BINARY.to_vec();
+        empty.push(("ce_partitionkey", ""));
+        let by_key = read_with(&input, &empty, None).unwrap();
+        assert_eq!(
+            by_key.route_key(),
+            by_key.key.as_str(),
+            "an empty value is none"
+        );
+        // Python's SDK writes a boolean True in binary mode, JSON true in structured mode.
+        let flag = Input {
+            route_attribute: Some("flag".into()),
+            ..Input::of(Format::CloudEvents)
+        };
+        let mut binary = BINARY.to_vec();
+        binary.push(("ce_flag", "True"));
+        let structured = read_with(
+            &flag,
+            &[("content-type", "application/cloudevents+json")],
+            Some(r#"{"specversion":"1.0","id":"A-1","source":"/shop/orders","type":"t","flag":true}"#),
+        )
+        .unwrap();
+        assert_eq!(
+            read_with(&flag, &binary, None).unwrap().route_key(),
+            structured.route_key()
+        );
     }
 }

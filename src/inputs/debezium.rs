@@ -52,15 +52,18 @@ pub(super) fn read(input: &Input, message: &Message<'_>) -> Result<Reading, Malf
         None => None,
     };
     let attributes = attributes(message);
-    Ok(Reading::Event(Box::new(
-        Event::from_parts(parts)?.with_attributes(attributes),
-    )))
+    let event = Event::from_parts(parts).map_err(|e| invalid(super::as_event(&e)))?;
+    Ok(Reading::Event(Box::new(event.with_attributes(attributes))))
 }
 
 /// A header's or key's text: plain UTF-8, or a JSON string (the JSON converter's), or a string
 /// inside the JsonConverter's schema wrapper.
 fn text(what: &str, bytes: &[u8]) -> Result<String, Malformed> {
     let plain = std::str::from_utf8(bytes).map_err(|_| invalid(format!("{what} is not UTF-8")))?;
+    // The JSON converter's null (a null id or key column): no value.
+    if plain.trim() == "null" {
+        return Ok(String::new());
+    }
     let read = match plain.trim_start().as_bytes().first() {
         Some(b'"') => serde_json::from_str::<String>(plain).ok(),
         // The wrapper's payload: a string's text, a number's (a bigint id) as written.
@@ -221,6 +224,17 @@ mod tests {
             &[("id", "7")],
         ));
         assert_eq!(own.payload_json.get(), r#"{"schema":{"v":2},"payload":1}"#);
+        // The JSON converter's null id is no id; its null key no route.
+        let null = read(Some("null"), Some("{}"), &[("id", "null")]).unwrap_err();
+        assert!(null.to_string().contains("id header is empty"), "{null}");
+        let unrouted = event(read(Some("null"), Some("{}"), &[("id", "5")]));
+        assert_eq!(unrouted.route_key(), "outbox:5");
+        // The envelope's checks speak of the event.
+        let long = read(None, Some("{}"), &[("id", &"i".repeat(600))]).unwrap_err();
+        assert!(
+            long.to_string().contains("the event key is 607 bytes"),
+            "{long}"
+        );
         // A text column holding plain text is kept as the JSON string it arrived as.
         let text = event(read(None, Some(r#""hello""#), &[("id", "1")]));
         assert_eq!(text.payload_json.get(), r#""hello""#);

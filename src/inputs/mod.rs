@@ -13,6 +13,11 @@ pub use headers::Headers;
 
 use crate::envelope::{Event, Malformed};
 
+/// The beginnings of the event keys the CloudEvents and outbox inputs make: no other producer's
+/// key may begin so (the ingress refuses a source of these names), so no two formats' events
+/// can share a key in one database.
+pub const RESERVED_KEY_PREFIXES: [&str; 3] = ["ce:", "ce-sha256:", "outbox:"];
+
 /// The message formats a consumer reads (`--input`, `[consume] input`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
@@ -117,6 +122,32 @@ impl Input {
     }
 }
 
+/// A route key read from an attribute, spelled one way whichever mode or SDK wrote it: a
+/// boolean in lower case (`True`, as Python's SDK writes one in binary mode, is `true`), an
+/// integral number written with a fraction or an exponent as a plain integer (`7.0`, `7e0` are
+/// `7`); anything else as it is. None for an empty value: the event routes by its own key.
+fn route_text(value: &str) -> Option<String> {
+    if value.is_empty() {
+        return None;
+    }
+    if value.eq_ignore_ascii_case("true") || value.eq_ignore_ascii_case("false") {
+        return Some(value.to_ascii_lowercase());
+    }
+    let spelled_as_float = value.contains(['.', 'e', 'E']);
+    match value.parse::<f64>() {
+        Ok(n) if spelled_as_float && n.fract() == 0.0 && n.abs() < 9.0e15 => {
+            Some(format!("{}", n as i64))
+        }
+        _ => Some(value.to_owned()),
+    }
+}
+
+/// A reason of the envelope's checks, said of the event a CloudEvent or an outbox message
+/// makes: `the event key is 600 bytes`, not `the envelope key`.
+fn as_event(reason: &Malformed) -> String {
+    reason.to_string().replace("envelope", "event")
+}
+
 /// Whether `text` holds a character no CloudEvents string and no HTTP header may carry (the
 /// control characters, a NUL among them), which PostgreSQL's `jsonb` would refuse too.
 fn has_control(text: &str) -> bool {
@@ -137,4 +168,26 @@ fn media_type(content_type: &str) -> String {
 fn is_json(content_type: &str) -> bool {
     let essence = media_type(content_type);
     essence == "application/json" || essence == "text/json" || essence.ends_with("+json")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_route_reads_the_same_whichever_way_a_mode_spelled_it() {
+        for (a, b) in [
+            ("True", "true"),
+            ("FALSE", "false"),
+            ("7.0", "7"),
+            ("7e0", "7"),
+            ("-2.00", "-2"),
+        ] {
+            assert_eq!(route_text(a), route_text(b), "{a} and {b}");
+        }
+        for kept in ["007", "7.5", "tenant-7", "1e400", "NaN"] {
+            assert_eq!(route_text(kept).as_deref(), Some(kept));
+        }
+        assert_eq!(route_text(""), None);
+    }
 }
