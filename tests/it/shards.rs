@@ -1317,3 +1317,56 @@ async fn prune_and_replay_run_over_every_shard() {
     );
     assert_eq!(sharded.claims().await, 0, "{out}");
 }
+
+/// A CloudEvent routed by an extension one mode spells `True` (Python's SDK in binary mode) and
+/// the other `true`: both copies go to one database, and the event has one effect.
+#[tokio::test]
+async fn a_cloudevent_routed_by_an_extension_each_mode_spells_otherwise_has_one_effect() {
+    use replayproof::inputs::{Format, Input};
+    let sharded = ShardedDb::new(4).await;
+    let (binary_spelling, structured_spelling) =
+        [("True", "true"), ("7.0", "7"), ("FALSE", "false")]
+            .into_iter()
+            .find(|(a, b)| sharded.layout.shard(a) != sharded.layout.shard(b))
+            .expect("a pair of spellings the layout puts apart");
+    let input = Input {
+        route_attribute: Some("flag".into()),
+        ..Input::of(Format::CloudEvents)
+    };
+    let binary = RawMessage {
+        offset: 0,
+        key: None,
+        value: Some(br#"{"n":1}"#.to_vec()),
+        traceparent: None,
+        headers: [
+            ("ce_specversion", "1.0"),
+            ("ce_id", "F-1"),
+            ("ce_source", "/flags"),
+            ("ce_type", "t"),
+            ("ce_flag", binary_spelling),
+        ]
+        .into_iter()
+        .collect(),
+    };
+    let flag = match structured_spelling {
+        "7" | "true" | "false" => structured_spelling.to_owned(),
+        other => format!("\"{other}\""),
+    };
+    let structured = RawMessage {
+        offset: 1,
+        key: None,
+        value: Some(
+            format!(r#"{{"specversion":"1.0","id":"F-1","source":"/flags","type":"t","flag":{flag},"data":{{"n":1}}}}"#)
+                .into_bytes(),
+        ),
+        traceparent: None,
+        headers: [("content-type", "application/cloudevents+json")].into_iter().collect(),
+    };
+    let processor = sharded.processor(Arc::new(Ledger)).with_input(input);
+    processor.process("flags", 0, &[binary]).await.unwrap();
+    processor.process("flags", 1, &[structured]).await.unwrap();
+    let effects = sharded.effects_in_place().await;
+    let key = replayproof::inputs::cloudevent_key("/flags", "F-1");
+    assert_eq!(effects.get(&key), Some(&1), "{effects:?}");
+    assert_eq!(sharded.claims().await, 1);
+}
