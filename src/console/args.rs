@@ -118,7 +118,7 @@ impl ConsoleArgs {
             ..Default::default()
         };
         settings.defer = self.defer.settings()?;
-        settings.input = self.input.input();
+        settings.input = self.input.input()?;
         if let Some(file) = file {
             self.same_effects_as_consume(file)?;
         }

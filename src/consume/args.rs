@@ -310,9 +310,13 @@ impl ConsumeArgs {
 }
 
 impl ConsumeArgs {
-    /// A built-in effect named without the setting it needs (`kafka` without its output
-    /// topic): what `config check` reports, as the command would refuse it.
+    /// An input's setting under another input, or a built-in effect named without the setting
+    /// it needs (`kafka` without its output topic): what `config check` reports, as the command
+    /// would refuse it.
     pub fn built_in_problem(&self) -> Option<anyhow::Error> {
+        if let Err(e) = self.input.input() {
+            return Some(e);
+        }
         let given = |key: &str| match key {
             "target_url" => self.http.target_url.is_some(),
             "output_topic" => self.output.output_topic.is_some(),
@@ -347,7 +351,7 @@ impl ConsumeArgs {
                     ..EffectRetry::default()
                 })
                 .with_defer(self.defer_settings()?)
-                .with_input(self.input.input()),
+                .with_input(self.input.input()?),
         )
     }
 

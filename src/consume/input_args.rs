@@ -32,13 +32,28 @@ pub struct InputArgs {
 }
 
 impl InputArgs {
-    /// The input these flags describe.
-    pub fn input(&self) -> Input {
-        Input {
+    /// The input these flags describe; a flag of another format than the one read is refused,
+    /// as it would be ignored (a route attribute under `envelope` would route nothing).
+    pub fn input(&self) -> anyhow::Result<Input> {
+        if self.route_attribute.is_some() && self.format != Format::CloudEvents {
+            anyhow::bail!(
+                "route_attribute is read only with input = \"cloudevents\", not {:?}",
+                self.format.name()
+            );
+        }
+        if self.outbox_type_header != DEFAULT_OUTBOX_TYPE_HEADER
+            && self.format != Format::DebeziumOutbox
+        {
+            anyhow::bail!(
+                "outbox_type_header is read only with input = \"debezium-outbox\", not {:?}",
+                self.format.name()
+            );
+        }
+        Ok(Input {
             format: self.format,
             source_name: self.source_name.clone(),
             route_attribute: self.route_attribute.clone(),
             type_header: self.outbox_type_header.clone(),
-        }
+        })
     }
 }

@@ -68,7 +68,7 @@ impl ReplayArgs {
                 ..crate::consume::EffectRetry::default()
             },
             defer: consume.defer_settings()?,
-            input: consume.input.input(),
+            input: consume.input.input()?,
         };
         let kafka = KafkaTarget {
             brokers: consume.kafka.brokers.clone(),

@@ -116,6 +116,42 @@ fn the_kafka_effect_without_its_output_topic_and_a_relay_lease_too_short_are_pro
     has_line(&text, "dispatch: ready", "");
 }
 
+/// An input's setting under another input is a problem, not silently ignored: a route attribute
+/// under `envelope` would route nothing. `consume` refuses it at start with the same reason.
+#[test]
+fn an_inputs_setting_under_another_input_is_a_problem_and_consume_refuses_it() {
+    let base = "[kafka]\nbrokers = \"127.0.0.1:1\"\ngroup = \"g\"\n\
+                [database]\nurl = \"postgres://app@127.0.0.1:1/app\"\n";
+    let (_dir, file) = file_with(&format!(
+        "{base}[consume]\ninput = \"envelope\"\nroute_attribute = \"partitionkey\"\n"
+    ));
+    let (ok, text) = check(&file, &["--no-connect"]);
+    assert!(!ok, "{text}");
+    has_line(
+        &text,
+        "consume: problem",
+        "route_attribute is read only with input = \"cloudevents\"",
+    );
+    let out = replayproof()
+        .args(["consume", "--config"])
+        .arg(&file)
+        .env_remove("REPLAYPROOF_BROKERS")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1), "{}", printed(&out));
+    assert!(
+        printed(&out).contains("route_attribute is read only"),
+        "{}",
+        printed(&out)
+    );
+    let (_dir, file) = file_with(&format!(
+        "{base}[consume]\ninput = \"cloudevents\"\nroute_attribute = \"partitionkey\"\n{SOURCES}"
+    ));
+    let (ok, text) = check(&file, &["--no-connect"]);
+    assert!(ok, "{text}");
+    has_line(&text, "consume: ready", "");
+}
+
 /// A switch set in the file (`kafka_transactions = true`, `migrate = true`) is read as the flag,
 /// by `config check`, by the command itself and by its `--help`.
 #[test]
