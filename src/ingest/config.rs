@@ -193,7 +193,9 @@ impl FileConfig {
 }
 
 impl SourceConfig {
-    fn resolve(&self, env: &impl Fn(&str) -> Option<String>) -> anyhow::Result<Source> {
+    /// The source's name is letters, digits, '-' and '_', and not one whose keys
+    /// (`{name}:{id}`) could be another input's ([`crate::inputs::RESERVED_KEY_PREFIXES`]).
+    fn check_name(&self) -> anyhow::Result<()> {
         let valid_name = !self.name.is_empty()
             && self
                 .name
@@ -206,6 +208,11 @@ impl SourceConfig {
              inputs begin with it, and an event key of this source could be one of theirs",
             self.name
         );
+        Ok(())
+    }
+
+    fn resolve(&self, env: &impl Fn(&str) -> Option<String>) -> anyhow::Result<Source> {
+        self.check_name()?;
         anyhow::ensure!(
             !self.secrets_env.is_empty(),
             "secrets_env names no variable"
