@@ -128,7 +128,8 @@ pub enum Command {
     #[cfg(feature = "devkit")]
     Demo(crate::devkit::demo::DemoArgs),
     /// Ingest, consume and dispatch in one process for local development, on an embedded
-    /// broker and database unless real ones are configured.
+    /// broker and database unless real ones are configured, applying this binary's effects
+    /// (--effect) after its migrations.
     #[cfg(feature = "devkit")]
     Dev(crate::devkit::dev::DevArgs),
 }
@@ -284,7 +285,8 @@ impl Cli {
             Command::Demo(args) => args.run().await,
             #[cfg(feature = "devkit")]
             Command::Dev(dev) => {
-                crate::devkit::dev::run(dev, args.file.as_ref(), &self.effects).await
+                let file = args.file.as_ref();
+                crate::devkit::dev::run(dev, file, &self.effects, &self.migrations).await
             }
         }
     }
