@@ -182,17 +182,41 @@ ensure_kubernetes_checkers() {
     log "Installing kubernetes-validate $KUBERNETES_VALIDATE_VERSION and checkov $CHECKOV_VERSION (once)"
     python3 -m pip install --quiet "kubernetes-validate==$KUBERNETES_VALIDATE_VERSION" "checkov==$CHECKOV_VERSION"
   fi
+  # The manifests are checked as they are applied, rendered by kubectl's kustomize (the tests
+  # of tests/it/deploy/kustomize.rs render them too).
+  command -v kubectl >/dev/null \
+    || die "kubectl is missing: install kubectl 1.27 or later, which renders deploy/kubernetes with kustomize"
 }
 
-# The manifests, each against the schemas of its Kubernetes version (the Prometheus Operator's
-# kinds have none there: their content is checked by tests/it/deploy/kubernetes.rs), then the
-# security linter over all of them.
+# The manifests as they are applied: the base, each component over the base, and the example
+# overlay, each rendered by kubectl's kustomize. kubernetes-validate checks each rendering's
+# objects against the schemas of its Kubernetes version, but the Prometheus Operator's (whose
+# kinds have none there: their content is checked by tests/it/deploy/kubernetes.rs); checkov,
+# the security linter, reads every rendering.
 check_kubernetes_manifests() {
-  local manifests
-  manifests=$(ls deploy/kubernetes/*.yaml | grep -v -e kustomization.yaml -e servicemonitor.yaml -e prometheusrule.yaml)
-  # shellcheck disable=SC2086
-  python3 -m kubernetes_validate --strict --quiet $manifests
-  python3 -m checkov.main -d deploy/kubernetes --framework kubernetes --quiet --compact --skip-download
+  local work component name
+  work=$(mktemp -d)
+  mkdir "$work/rendered" "$work/checked"
+  cp -r deploy/kubernetes "$work/tree"
+  kubectl kustomize "$work/tree" >"$work/rendered/base.yaml"
+  kubectl kustomize "$work/tree/overlays/example" >"$work/rendered/overlay.yaml"
+  for component in "$work"/tree/components/*/; do
+    name=$(basename "$component")
+    mkdir "$work/tree/with-$name"
+    printf 'resources: [../base]\ncomponents: [../components/%s]\n' "$name" \
+      >"$work/tree/with-$name/kustomization.yaml"
+    kubectl kustomize "$work/tree/with-$name" >"$work/rendered/with-$name.yaml"
+  done
+  python3 - "$work/rendered" "$work/checked" <<'EOF'
+import pathlib, sys, yaml
+for path in sorted(pathlib.Path(sys.argv[1]).glob("*.yaml")):
+    docs = [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
+    kept = [d for d in docs if not d["apiVersion"].startswith("monitoring.coreos.com/")]
+    (pathlib.Path(sys.argv[2]) / path.name).write_text(yaml.safe_dump_all(kept))
+EOF
+  python3 -m kubernetes_validate --strict --quiet "$work"/checked/*.yaml
+  python3 -m checkov.main -d "$work/rendered" --framework kubernetes --quiet --compact --skip-download
+  rm -rf "$work"
 }
 
 # ------------------------------------------------------------------------------------ AsyncAPI
