@@ -20,16 +20,16 @@
 #![allow(clippy::too_many_lines)]
 
 use replayproof::console::{self, ConsoleFile, ConsoleSettings, HashParams, Role, UserConfig};
+use replayproof::db::Db;
 use replayproof::devkit::embedded::EmbeddedPostgres;
 use replayproof::effect::Registry;
-use sqlx::PgPool;
 use std::time::{Duration, Instant};
 
 #[allow(dead_code)]
 mod common;
 use common::env_or;
 
-async fn fill(pool: &PgPool, claims: i64) {
+async fn fill(pool: &Db, claims: i64) {
     sqlx::query(
         "INSERT INTO processed_events (event_key, route_key, source, event_type, status, \
          payload_sha256, payload, kafka_topic, kafka_partition, kafka_offset, attempts, \
@@ -99,7 +99,7 @@ fn main() {
         .map(EmbeddedPostgres::url)
         .unwrap_or_else(|| std::env::var("DATABASE_URL").unwrap());
     runtime.block_on(async {
-        let admin = PgPool::connect(&url).await.unwrap();
+        let admin = Db::from(sqlx::PgPool::connect(&url).await.unwrap());
         let base = url.rsplit_once('/').unwrap().0.to_owned();
         let name = "bench_console";
         sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))

@@ -41,10 +41,10 @@ use rdkafka::consumer::{BaseConsumer, Consumer, StreamConsumer};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::Message;
 use replayproof::consume::{BatchProcessor, ConsumeMetrics, DeferredApplier, RawMessage, Retrying};
+use replayproof::db::Db;
 use replayproof::devkit::embedded::EmbeddedKafka;
 use replayproof::effect::{Deferred, Effect, EffectError, Ledger, Tx};
 use replayproof::envelope::{Envelope, Event};
-use sqlx::PgPool;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -131,7 +131,7 @@ fn fxhash(s: &str) -> u64 {
 
 /// The PostgreSQL everything runs against: one migrated template, a fresh database per run.
 struct Database {
-    admin: PgPool,
+    admin: Db,
     base_url: String,
     next: std::sync::atomic::AtomicUsize,
     statements: bool,
@@ -139,11 +139,12 @@ struct Database {
 
 impl Database {
     async fn new(url: &str) -> Self {
-        let admin = sqlx::postgres::PgPoolOptions::new()
+        let admin: Db = sqlx::postgres::PgPoolOptions::new()
             .max_connections(2)
             .connect(url)
             .await
-            .unwrap();
+            .unwrap()
+            .into();
         let base_url = url.rsplit_once('/').unwrap().0.to_owned();
         let _ = sqlx::query("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
             .execute(&admin)
@@ -286,7 +287,7 @@ impl Counters {
     }
 }
 
-async fn pool(url: &str, connections: u32) -> PgPool {
+async fn pool(url: &str, connections: u32) -> Db {
     replayproof::db::pool(&url.parse().unwrap(), connections).unwrap()
 }
 
@@ -317,7 +318,7 @@ fn columns(messages: &[RawMessage]) -> Columns {
 }
 
 /// Claim + effect for one batch, in one transaction, with the consumer's table layout.
-async fn claim_and_apply(pool: &PgPool, c: &Columns) {
+async fn claim_and_apply(pool: &Db, c: &Columns) {
     let mut tx = pool.begin().await.unwrap();
     let sources = vec!["bench"; c.keys.len()];
     let claimed: Vec<String> = sqlx::query_scalar(
@@ -934,7 +935,7 @@ fn main() {
             let template = db.fresh("bench_template").await;
             let name = template.rsplit_once('/').unwrap().1.to_owned();
             let p = pool(&template, 1).await;
-            let mut conn = p.acquire().await.unwrap();
+            let mut conn = p.pool().acquire().await.unwrap();
             sqlx::query("SET statement_timeout = 0")
                 .execute(&mut *conn)
                 .await

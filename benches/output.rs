@@ -26,10 +26,10 @@
 
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer as _};
+use replayproof::db::Db;
 use replayproof::envelope::{Envelope, Event};
 use replayproof::output::{self, OutputMetrics, OutputRecord, Relay, RelaySettings};
 use replayproof::telemetry::Health;
-use sqlx::PgPool;
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
@@ -145,7 +145,7 @@ async fn bare(brokers: &str, topic: &str, w: &Workload) -> Duration {
 }
 
 /// The relay: from its start until every enqueued record is recorded sent.
-async fn relay(brokers: &str, pool: &PgPool, w: &Workload) -> Duration {
+async fn relay(brokers: &str, pool: &Db, w: &Workload) -> Duration {
     let mut settings = RelaySettings::new("bench-relay", brokers);
     settings.kafka_options = SHARED
         .iter()
@@ -180,7 +180,7 @@ async fn relay(brokers: &str, pool: &PgPool, w: &Workload) -> Duration {
 }
 
 /// Enqueues the workload's records as the effect does, in transactions of 500 (untimed).
-async fn enqueue(pool: &PgPool, w: &Workload) {
+async fn enqueue(pool: &Db, w: &Workload) {
     for (events, records) in w.events.chunks(500).zip(w.records.chunks(500)) {
         let all: Vec<(&Event, &OutputRecord)> = events.iter().zip(records).collect();
         let mut tx = pool.begin().await.unwrap();
@@ -206,7 +206,7 @@ fn logged(brokers: &str, topic: &str) -> i64 {
 }
 
 /// A fresh migrated database on the server of `admin`, and its name.
-async fn database(admin: &PgPool, admin_url: &str) -> (PgPool, String) {
+async fn database(admin: &Db, admin_url: &str) -> (Db, String) {
     let name = format!("rp_bench_output_{:08x}", fastrand::u32(..));
     sqlx::query(&format!("CREATE DATABASE {name}"))
         .execute(admin)
@@ -289,7 +289,7 @@ fn main() {
     );
     let mut results: BTreeMap<(&str, usize), Vec<Figures>> = BTreeMap::new();
     runtime.block_on(async {
-        let admin = PgPool::connect(&database_url).await.unwrap();
+        let admin = Db::from(sqlx::PgPool::connect(&database_url).await.unwrap());
         for repeat in 0..repeats {
             for size in SIZES {
                 // The mock cluster keeps at most 5 MiB per partition.

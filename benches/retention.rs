@@ -24,12 +24,12 @@
 //! `cargo bench --bench retention`
 
 use replayproof::consume::{BatchProcessor, RawMessage, Retrying};
+use replayproof::db::Db;
 use replayproof::effect::Ledger;
 use replayproof::envelope::Envelope;
 use replayproof::ingest::config::Kind;
 use replayproof::retention::round::{Pruner, TopicRetention};
 use replayproof::retention::{Lifetimes, SourceRetention};
-use sqlx::PgPool;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -158,7 +158,7 @@ async fn lane(processor: BatchProcessor, run: LaneRun) -> Vec<Duration> {
     times
 }
 
-fn pruner(pool: PgPool, retention: Duration) -> Pruner {
+fn pruner(pool: Db, retention: Duration) -> Pruner {
     let mut lifetimes = Lifetimes::default();
     lifetimes.sources.insert(
         "stripe".into(),
@@ -196,7 +196,7 @@ async fn prune_loop(pruner: Pruner, every: Duration, stop: Arc<AtomicBool>) -> (
     (deleted, spent)
 }
 
-async fn sample(pool: &PgPool, at: Duration) -> Sample {
+async fn sample(pool: &Db, at: Duration) -> Sample {
     let (rows, table_bytes, key_bytes): (i64, i64, i64) = sqlx::query_as(
         "SELECT n_live_tup, pg_table_size('processed_events'), \
                 pg_relation_size('processed_events_pkey') \
@@ -279,7 +279,7 @@ async fn run(url: &str, mode: Mode, seconds: u64) -> Outcome {
     }
 }
 
-async fn fresh_database(admin: &PgPool, base: &str, n: usize) -> String {
+async fn fresh_database(admin: &Db, base: &str, n: usize) -> String {
     let name = format!("bench_retention_{n}");
     sqlx::query(&format!("DROP DATABASE IF EXISTS {name}"))
         .execute(admin)
@@ -297,7 +297,7 @@ async fn fresh_database(admin: &PgPool, base: &str, n: usize) -> String {
     url
 }
 
-async fn drop_database(admin: &PgPool, n: usize) {
+async fn drop_database(admin: &Db, n: usize) {
     let name = format!("bench_retention_{n}");
     sqlx::query(&format!("DROP DATABASE {name} WITH (FORCE)"))
         .execute(admin)
@@ -372,7 +372,7 @@ fn main() {
         std::thread::available_parallelism().map_or(0, |n| n.get())
     );
     runtime.block_on(async {
-        let admin = PgPool::connect(&url).await.unwrap();
+        let admin = Db::from(sqlx::PgPool::connect(&url).await.unwrap());
         let base = url.rsplit_once('/').unwrap().0.to_owned();
         let mut outcomes = Vec::new();
         let mut n = 0;

@@ -24,10 +24,10 @@
 #![allow(clippy::too_many_lines)]
 
 use replayproof::consume::{BatchProcessor, RawMessage, Retrying};
+use replayproof::db::Db;
 use replayproof::effect::Ledger;
 use replayproof::envelope::Envelope;
 use replayproof::shard::{Layout, Shards};
-use sqlx::PgPool;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -103,8 +103,8 @@ fn workload(run: usize, events: usize) -> Vec<Vec<RawMessage>> {
 }
 
 /// Fresh migrated databases on the server of `admin`.
-async fn databases(admin: &str, n: usize) -> Vec<PgPool> {
-    let admin_pool = PgPool::connect(admin).await.unwrap();
+async fn databases(admin: &str, n: usize) -> Vec<Db> {
+    let admin_pool = Db::from(sqlx::PgPool::connect(admin).await.unwrap());
     let mut pools = Vec::new();
     for _ in 0..n {
         let name = format!("rp_bench_shards_{:08x}", fastrand::u32(..));

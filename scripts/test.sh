@@ -14,6 +14,8 @@
 #   - kubernetes-validate and checkov (pinned, from PyPI, installed when missing), to check the
 #     manifests of deploy/kubernetes/ against the Kubernetes schemas and a security linter;
 #     both run offline.
+#   - Debian's pgbouncer (installed when missing): the pooler test runs every guarantee through
+#     PgBouncer in transaction mode.
 #   - groff (Debian's groff-base, installed when missing), which renders the manual pages.
 #   - Debian's chromium and chromium-driver (installed when missing): the console's browser test
 #     drives a real browser through WebDriver.
@@ -256,6 +258,23 @@ ensure_groff() {
   fi
 }
 
+# ----------------------------------------------------------------------------------- pgbouncer
+# The pooler test (tests/it/pooler.rs) starts Debian's PgBouncer in transaction mode in front of
+# the throwaway cluster, as a managed platform's pooler stands in front of its database.
+ensure_pgbouncer() {
+  if [ -z "$(pgbouncer_bin)" ]; then
+    log "Installing Debian's pgbouncer package (the pooler test; once)"
+    apt_install pgbouncer
+    [ -n "$(pgbouncer_bin)" ] || die "pgbouncer still missing after installing it"
+  fi
+  REPLAYPROOF_PGBOUNCER=$(pgbouncer_bin)
+  export REPLAYPROOF_PGBOUNCER
+}
+
+pgbouncer_bin() {
+  command -v pgbouncer 2>/dev/null || { [ -x /usr/sbin/pgbouncer ] && echo /usr/sbin/pgbouncer; } || true
+}
+
 # ------------------------------------------------------------------------------------ chromium
 ensure_chromium() {
   if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then
@@ -340,6 +359,7 @@ ensure_sqlx_cli
 ensure_promtool
 ensure_groff
 ensure_chromium
+ensure_pgbouncer
 ensure_kubernetes_checkers
 export SQLX_OFFLINE=true
 

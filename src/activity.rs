@@ -8,8 +8,8 @@
 //! ledger: a consumer killed loses at most its last few seconds of counts, and a batch read
 //! again after a crash counts again (its events as duplicates).
 
+use crate::db::Db;
 use chrono::{DateTime, DurationRound, Utc};
-use sqlx::PgPool;
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -87,7 +87,7 @@ impl Activity {
 
     /// Adds the counts to `topic`'s rows on `first`, in one statement; kept for the next try
     /// when it fails.
-    pub async fn flush(&self, first: &PgPool, topic: &str) -> sqlx::Result<()> {
+    pub async fn flush(&self, first: &Db, topic: &str) -> sqlx::Result<()> {
         let taken = self.take();
         if taken.is_empty() {
             return Ok(());
@@ -108,7 +108,7 @@ impl Activity {
     }
 
     /// Flushes every [`FLUSH_EVERY`] until `stop`, then once more.
-    pub async fn run(self, first: PgPool, topic: String, stop: CancellationToken) {
+    pub async fn run(self, first: Db, topic: String, stop: CancellationToken) {
         loop {
             let stopped = tokio::select! {
                 _ = stop.cancelled() => true,
@@ -124,7 +124,7 @@ impl Activity {
     }
 }
 
-async fn write(first: &PgPool, topic: &str, taken: &Pending) -> sqlx::Result<()> {
+async fn write(first: &Db, topic: &str, taken: &Pending) -> sqlx::Result<()> {
     let (mut partitions, mut minutes) = (Vec::new(), Vec::new());
     let (mut applied, mut suppressed, mut dead, mut lag) =
         (Vec::new(), Vec::new(), Vec::new(), Vec::new());
@@ -180,7 +180,7 @@ pub struct Minute {
 /// `topic`'s minutes since `since` (None: every topic's), oldest first; minutes nothing was
 /// recorded in are absent.
 pub async fn since(
-    first: &PgPool,
+    first: &Db,
     topic: Option<&str>,
     since: DateTime<Utc>,
 ) -> sqlx::Result<Vec<Minute>> {

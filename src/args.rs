@@ -183,6 +183,18 @@ pub struct SessionArgs {
     /// The old spelling of `--idle-in-transaction-timeout`, in milliseconds.
     #[arg(long, env = "REPLAYPROOF_IDLE_IN_TRANSACTION_TIMEOUT_MS", value_parser = pg_ms(), hide = true)]
     pub idle_in_transaction_timeout_ms: Option<u64>,
+
+    /// What stands between replayproof and PostgreSQL: `none` (a direct connection or a
+    /// session-mode pooler) or `transaction` (PgBouncer, Supavisor, Neon's or RDS Proxy's
+    /// transaction pooling): then no session setting is relied on and every statement runs in
+    /// a transaction that sets the schema and the timeouts itself (docs/production.md).
+    #[arg(
+        long,
+        env = "REPLAYPROOF_POOLER",
+        value_name = "MODE",
+        default_value = "none"
+    )]
+    pub pooler: db::Pooler,
 }
 
 impl Default for SessionArgs {
@@ -195,14 +207,24 @@ impl Default for SessionArgs {
             lock_timeout_ms: None,
             idle_in_transaction_timeout: db::DEFAULT_IDLE_IN_TRANSACTION_TIMEOUT,
             idle_in_transaction_timeout_ms: None,
+            pooler: db::Pooler::None,
         }
     }
 }
 
 impl SessionArgs {
     /// A pool of `url` whose sessions run in the schema under the configured time limits.
-    pub fn pool(&self, url: &DatabaseUrl, max_connections: u32) -> anyhow::Result<sqlx::PgPool> {
-        db::pool_in(url, max_connections, self.limits(), &self.schema)
+    pub fn pool(&self, url: &DatabaseUrl, max_connections: u32) -> anyhow::Result<crate::db::Db> {
+        db::pool_in(url, max_connections, &self.session())
+    }
+
+    /// Every setting of the sessions the flags give.
+    pub fn session(&self) -> db::Session {
+        db::Session {
+            limits: self.limits(),
+            schema: self.schema.clone(),
+            pooler: self.pooler,
+        }
     }
 
     /// The session limits the flags give.
@@ -320,6 +342,8 @@ impl ToArgs for SessionArgs {
                 self.idle_in_transaction_timeout,
                 self.idle_in_transaction_timeout_ms,
             )),
+            "--pooler".into(),
+            self.pooler.to_string(),
         ]
     }
 }

@@ -94,7 +94,7 @@ pub struct ActionRow {
 /// The changes made to the event `key`, to its operations (`key#operation`) and to the
 /// `others` targets (its dead letters, `dead_letter:ID`), oldest first.
 pub async fn of_event(
-    pool: &sqlx::PgPool,
+    pool: &crate::db::Db,
     key: &str,
     others: &[String],
 ) -> sqlx::Result<Vec<ActionRow>> {

@@ -27,11 +27,11 @@ use crate::consume::{
     BatchProcessor, BatchReport, ConsumeMetrics, DeferSettings, DeferredApplier, EffectRetry,
     RawMessage, Round,
 };
+use crate::db::Db;
 use crate::devkit::embedded::EmbeddedPostgres;
 use crate::effect::Effect;
 use crate::envelope::{Envelope, EventKey};
 use anyhow::Context as _;
-use sqlx::PgPool;
 use std::sync::Arc;
 use tokio_util::sync::CancellationToken;
 
@@ -43,7 +43,7 @@ pub const TEST_TOPIC: &str = "replayproof-effect-test";
 /// binaries when it is not set. The cluster is removed when this is dropped.
 pub struct TestDatabase {
     /// Connections whose `search_path` finds replayproof's tables, then `public`.
-    pub pool: PgPool,
+    pub pool: Db,
     /// The database's URL, for a process.
     pub url: String,
     _cluster: Option<EmbeddedPostgres>,
@@ -65,7 +65,7 @@ impl TestDatabase {
             std::process::id(),
             fastrand::u32(..)
         );
-        let admin_pool = PgPool::connect(&admin)
+        let admin_pool = sqlx::PgPool::connect(&admin)
             .await
             .context("connecting to PostgreSQL")?;
         sqlx::query(&format!("CREATE DATABASE {name}"))
@@ -83,6 +83,7 @@ impl TestDatabase {
             .connect(&url)
             .await
             .context("connecting to the test database")?;
+        let pool = Db::from(pool);
         crate::db::migrate_with(&pool, migrations).await?;
         Ok(Self {
             pool,
@@ -119,7 +120,7 @@ pub fn envelope(key: &str, source: &str, event_type: &str, payload: serde_json::
 /// the consumer's background task over the deferred claims.
 pub struct EffectTest {
     /// The database the effect writes in.
-    pub pool: PgPool,
+    pub pool: Db,
     processor: BatchProcessor,
     next_offset: i64,
 }
@@ -127,12 +128,12 @@ pub struct EffectTest {
 impl EffectTest {
     /// A test of `effect` in the database of `pool`, with the consumer's default retries (fast
     /// backoff) and deferral settings.
-    pub fn new(pool: PgPool, effect: impl Effect) -> Self {
+    pub fn new(pool: Db, effect: impl Effect) -> Self {
         Self::with_effect(pool, Arc::new(effect))
     }
 
     /// [`EffectTest::new`] for an effect already shared.
-    pub fn with_effect(pool: PgPool, effect: Arc<dyn Effect>) -> Self {
+    pub fn with_effect(pool: Db, effect: Arc<dyn Effect>) -> Self {
         Self {
             processor: BatchProcessor::new(pool.clone(), effect).with_retry(EffectRetry {
                 backoff: std::time::Duration::from_millis(1),

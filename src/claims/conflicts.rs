@@ -2,11 +2,12 @@
 //! and the replay guard's `delivery_fingerprints`.
 
 use super::Origin;
+use crate::db::Db;
 use crate::db::JsonText;
 use crate::envelope::Event;
 use chrono::{DateTime, Utc};
 use serde::Serialize;
-use sqlx::{PgConnection, PgPool};
+use sqlx::PgConnection;
 use std::collections::HashMap;
 
 /// An event recorded in `key_conflicts` instead of applied, with why when it is not a plain
@@ -172,7 +173,7 @@ pub struct ConflictRow {
 }
 
 /// The conflicting payloads seen for `key`, oldest first.
-pub async fn of_event(pool: &PgPool, key: &str) -> sqlx::Result<Vec<ConflictRow>> {
+pub async fn of_event(pool: &Db, key: &str) -> sqlx::Result<Vec<ConflictRow>> {
     sqlx::query_as!(
         ConflictRow,
         r#"SELECT encode(payload_sha256, 'hex') AS "payload_sha256!", times_seen, reason,

@@ -1,9 +1,10 @@
 //! All SQL for `dead_letters`: messages that are not valid envelopes, kept byte for byte.
 
 use super::Origin;
+use crate::db::Db;
 use chrono::{DateTime, Utc};
 use serde::Serialize;
-use sqlx::{PgConnection, PgPool};
+use sqlx::PgConnection;
 
 /// A message that is not a valid envelope, kept byte for byte.
 #[derive(Debug, Clone)]
@@ -75,7 +76,7 @@ pub struct DeadLetterRow {
 }
 
 /// The newest dead letters first.
-pub async fn list(pool: &PgPool, limit: i64) -> sqlx::Result<Vec<DeadLetterRow>> {
+pub async fn list(pool: &Db, limit: i64) -> sqlx::Result<Vec<DeadLetterRow>> {
     sqlx::query_as!(
         DeadLetterRow,
         r#"SELECT id, created_at, kafka_topic AS topic, kafka_partition AS partition,
@@ -103,7 +104,7 @@ pub struct LetterSearch {
 }
 
 /// The newest dead letters matching `search`, by keyset on the id.
-pub async fn search(pool: &PgPool, search: &LetterSearch) -> sqlx::Result<Vec<DeadLetterRow>> {
+pub async fn search(pool: &Db, search: &LetterSearch) -> sqlx::Result<Vec<DeadLetterRow>> {
     let mut q = sqlx::QueryBuilder::new(
         "SELECT id, created_at, kafka_topic AS topic, kafka_partition AS partition, \
          kafka_offset AS offset, reason, replayed_at, encode(raw_key, 'escape') AS key, \
@@ -127,7 +128,7 @@ pub async fn search(pool: &PgPool, search: &LetterSearch) -> sqlx::Result<Vec<De
 }
 
 /// One dead letter with its value.
-pub async fn find(pool: &PgPool, id: i64) -> sqlx::Result<Option<DeadLetterRow>> {
+pub async fn find(pool: &Db, id: i64) -> sqlx::Result<Option<DeadLetterRow>> {
     sqlx::query_as!(
         DeadLetterRow,
         r#"SELECT id, created_at, kafka_topic AS topic, kafka_partition AS partition,
@@ -141,7 +142,7 @@ pub async fn find(pool: &PgPool, id: i64) -> sqlx::Result<Option<DeadLetterRow>>
 }
 
 /// The dead letters stored under an event key, oldest first.
-pub async fn of_key(pool: &PgPool, key: &str) -> sqlx::Result<Vec<DeadLetterRow>> {
+pub async fn of_key(pool: &Db, key: &str) -> sqlx::Result<Vec<DeadLetterRow>> {
     sqlx::query_as!(
         DeadLetterRow,
         r#"SELECT id, created_at, kafka_topic AS topic, kafka_partition AS partition,
@@ -169,7 +170,7 @@ pub struct RawLetter {
 
 /// Reads a dead letter's bytes without locking it: a replay must not hold a row lock while it
 /// waits on Kafka.
-pub async fn take(pool: &PgPool, id: i64) -> sqlx::Result<Option<RawLetter>> {
+pub async fn take(pool: &Db, id: i64) -> sqlx::Result<Option<RawLetter>> {
     sqlx::query_as!(
         RawLetter,
         r#"SELECT kafka_topic AS topic, raw_key AS key, raw_value AS value,
@@ -196,7 +197,7 @@ pub async fn mark_replayed(conn: &mut PgConnection, id: i64) -> sqlx::Result<boo
 
 /// How many dead letters are stored (estimated from the table's statistics, so the table is
 /// never counted whole), and how many were never replayed (counted, through their index).
-pub async fn counts(pool: &PgPool) -> sqlx::Result<(i64, i64)> {
+pub async fn counts(pool: &Db) -> sqlx::Result<(i64, i64)> {
     let row = sqlx::query!(
         r#"SELECT (SELECT count(*) FROM dead_letters WHERE replayed_at IS NULL) AS "not_replayed!",
                   (SELECT greatest(reltuples, 0)::int8 FROM pg_class

@@ -12,12 +12,13 @@ mod stored;
 
 pub use stored::{lock, lock_due, StoredClaim};
 
+use crate::db::Db;
 use crate::db::JsonText;
 use crate::effect::DeferPolicy;
 use crate::envelope::Event;
 use chrono::{DateTime, Utc};
 use serde::Serialize;
-use sqlx::{PgConnection, PgPool};
+use sqlx::PgConnection;
 use std::collections::HashMap;
 
 /// Where a message came from, stored with whatever it produced.
@@ -281,7 +282,7 @@ pub async fn defer(
 /// The keys of `topic`'s deferred claims that are due, soonest first, but for those of the
 /// `paused` sources.
 pub async fn due(
-    pool: &PgPool,
+    pool: &Db,
     topic: &str,
     limit: i64,
     paused: &[String],
@@ -300,7 +301,7 @@ pub async fn due(
 }
 
 /// Whether any claim of `source` is on `pool` (through `processed_events_age_idx`).
-pub async fn source_seen(pool: &PgPool, source: &str) -> sqlx::Result<bool> {
+pub async fn source_seen(pool: &Db, source: &str) -> sqlx::Result<bool> {
     sqlx::query_scalar!(
         r#"SELECT EXISTS (SELECT 1 FROM processed_events WHERE source = $1) AS "seen!""#,
         source
@@ -313,7 +314,7 @@ pub async fn source_seen(pool: &PgPool, source: &str) -> sqlx::Result<bool> {
 /// oldest (0 when none is), and the seconds until the next is due (negative when overdue; None
 /// when none is deferred).
 pub async fn deferred_overview(
-    pool: &PgPool,
+    pool: &Db,
     topic: Option<&str>,
 ) -> sqlx::Result<(i64, f64, Option<f64>)> {
     let row = sqlx::query!(
@@ -394,7 +395,7 @@ pub async fn release(conn: &mut PgConnection, keys: &[(&str, &str)]) -> sqlx::Re
 }
 
 /// Whether this database holds `key`: its claim, or its expired replay.
-pub async fn holds(pool: &PgPool, key: &str) -> sqlx::Result<bool> {
+pub async fn holds(pool: &Db, key: &str) -> sqlx::Result<bool> {
     sqlx::query_scalar!(
         r#"SELECT EXISTS (SELECT 1 FROM processed_events WHERE event_key = $1)
                OR EXISTS (SELECT 1 FROM expired_replays WHERE event_key = $1) AS "held!""#,
@@ -448,7 +449,7 @@ impl ClaimRow {
 }
 
 /// One claim, if the key was ever claimed.
-pub async fn find(pool: &PgPool, key: &str) -> sqlx::Result<Option<ClaimRow>> {
+pub async fn find(pool: &Db, key: &str) -> sqlx::Result<Option<ClaimRow>> {
     sqlx::query_as!(
         ClaimRow,
         r#"SELECT event_key, source, event_type, status AS "status: ClaimStatus", attempts,
@@ -504,7 +505,7 @@ pub async fn resolve(conn: &mut PgConnection, key: &str, to: ClaimStatus) -> sql
 
 /// Claims by status: those not done counted through their partial index, the done ones (nearly
 /// all) estimated from the table's statistics, so the table is never counted whole.
-pub async fn counts(pool: &PgPool) -> sqlx::Result<Vec<(String, i64)>> {
+pub async fn counts(pool: &Db) -> sqlx::Result<Vec<(String, i64)>> {
     let rows = sqlx::query!(
         r#"WITH unsettled AS (SELECT status, count(*) AS n FROM processed_events
                               WHERE status <> 'done' GROUP BY status)

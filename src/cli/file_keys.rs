@@ -32,6 +32,7 @@ fn section_of(command_path: &[String], long: &str) -> Option<FileKey> {
     }
     match long {
         "database-url" => return Some(("database", "url".into())),
+        "direct-database-url" => return Some(("database", "direct_url".into())),
         "header" => return Some(("dispatch", "headers".into())),
         "defer-source" => return Some(("consume", "defer_sources".into())),
         "schema"
@@ -42,6 +43,7 @@ fn section_of(command_path: &[String], long: &str) -> Option<FileKey> {
         | "idle-in-transaction-timeout"
         | "idle-in-transaction-timeout-ms"
         | "buckets"
+        | "pooler"
         | "citus-shards" => return Some(("database", key)),
         // A replayed dead letter goes back to its own topic unless --topic says otherwise.
         "topic" if command_path.first().is_some_and(|c| c == "dead-letters") => return None,

@@ -208,7 +208,7 @@ impl axum::extract::FromRef<State> for axum_extra::extract::cookie::Key {
     }
 }
 
-/// The console's routes, over `shards` (a `PgPool` for one database), acting with
+/// The console's routes, over `shards` (a `Db` for one database), acting with
 /// `registry`'s effects.
 pub fn router(
     settings: ConsoleSettings,

@@ -5,8 +5,8 @@
 //! no one a session.
 
 use super::UserConfig;
+use crate::db::Db;
 use sha2::{Digest, Sha256};
-use sqlx::PgPool;
 
 /// The row's id for a token.
 fn id_of(token: &str) -> Vec<u8> {
@@ -21,7 +21,7 @@ fn credential_of(user: &UserConfig) -> Vec<u8> {
 /// Opens a session for `user` until `expires` (Unix seconds), with its random `token`; the
 /// user's sessions over a day ago are forgotten on the way.
 pub(crate) async fn open(
-    pool: &PgPool,
+    pool: &Db,
     user: &UserConfig,
     token: &str,
     expires: i64,
@@ -48,7 +48,7 @@ pub(crate) async fn open(
 
 /// Whether the session `token` of `user` is live: not revoked, not expired, opened with the
 /// user's `password_hash` of now.
-pub(crate) async fn live(pool: &PgPool, user: &UserConfig, token: &str) -> sqlx::Result<bool> {
+pub(crate) async fn live(pool: &Db, user: &UserConfig, token: &str) -> sqlx::Result<bool> {
     let found: Option<i32> = sqlx::query_scalar(
         "SELECT 1 FROM console_sessions WHERE id = $1 AND user_name = $2 AND credential = $3 \
          AND revoked_at IS NULL AND expires_at > now()",
@@ -62,7 +62,7 @@ pub(crate) async fn live(pool: &PgPool, user: &UserConfig, token: &str) -> sqlx:
 }
 
 /// Ends the session `token`: its cookie, copied or not, opens nothing any more.
-pub(crate) async fn revoke(pool: &PgPool, token: &str) -> sqlx::Result<()> {
+pub(crate) async fn revoke(pool: &Db, token: &str) -> sqlx::Result<()> {
     sqlx::query(
         "UPDATE console_sessions SET revoked_at = now() WHERE id = $1 AND revoked_at IS NULL",
     )

@@ -329,7 +329,7 @@ impl ConsumeArgs {
     }
 
     /// What applies each batch: the effects, their retries and deferrals, through `shards`
-    /// (a `PgPool` for one database); the `http` effect's obligations as `file`'s sources
+    /// (a `Db` for one database); the `http` effect's obligations as `file`'s sources
     /// name them.
     pub fn processor(
         &self,
@@ -531,6 +531,8 @@ mod tests {
         "2ms",
         "--idle-in-transaction-timeout",
         "3ms",
+        "--pooler",
+        "transaction",
         "--assignor",
         "cooperative-sticky",
         "--group-instance-id",

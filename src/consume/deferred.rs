@@ -15,11 +15,11 @@ use super::internal_events::{
 use super::settle::{self, Next, Policy, Standing};
 use super::{BatchError, BatchProcessor, ConsumeMetrics};
 use crate::claims::{self, StoredClaim};
+use crate::db::Db;
 use crate::effect::{self, EffectError};
 use crate::sources::Paused;
 use crate::telemetry::{Health, Probe};
 use chrono::{DateTime, Utc};
-use sqlx::PgPool;
 use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
 
@@ -293,7 +293,7 @@ impl DeferredApplier {
 
     /// Applies one due claim in its own transaction, retrying a deterministic error like the
     /// batch does.
-    async fn apply_one(&self, pool: &PgPool, key: &str) -> Result<Applied, BatchError> {
+    async fn apply_one(&self, pool: &Db, key: &str) -> Result<Applied, BatchError> {
         let mut attempt = 1;
         loop {
             match self.try_once(pool, key, attempt).await? {
@@ -308,7 +308,7 @@ impl DeferredApplier {
 
     /// One transaction at a due claim: lock it, run the effect (a panic caught), settle it by
     /// the one rule.
-    async fn try_once(&self, pool: &PgPool, key: &str, attempt: u32) -> Result<Try, BatchError> {
+    async fn try_once(&self, pool: &Db, key: &str, attempt: u32) -> Result<Try, BatchError> {
         use futures_util::FutureExt as _;
         let p = &self.processor;
         let mut tx = pool.begin().await?;
@@ -366,7 +366,7 @@ impl DeferredApplier {
     /// one after this one rolled back).
     async fn carry_out(
         &self,
-        pool: &PgPool,
+        pool: &Db,
         mut tx: sqlx::Transaction<'static, sqlx::Postgres>,
         answer: Answer<'_>,
         next: Next,
@@ -432,12 +432,7 @@ impl DeferredApplier {
 
     /// The effect panicked: the event is settled `failed` with the panic's message, as a lane
     /// settles nothing and stops; the applier goes on with the next claim.
-    async fn settle_panic(
-        &self,
-        pool: &PgPool,
-        key: &str,
-        panic: &str,
-    ) -> Result<Applied, BatchError> {
+    async fn settle_panic(&self, pool: &Db, key: &str, panic: &str) -> Result<Applied, BatchError> {
         let error = format!("the effect panicked: {panic}");
         DeferredEffectPanicked { key, error: &error }.emit(&self.metrics);
         self.settle_alone(pool, key, Settle::Fail { error: &error })
@@ -448,7 +443,7 @@ impl DeferredApplier {
     /// that locks the claim again: Skipped when another worker took it meanwhile.
     async fn settle_alone(
         &self,
-        pool: &PgPool,
+        pool: &Db,
         key: &str,
         settle: Settle<'_>,
     ) -> Result<Applied, BatchError> {

@@ -326,7 +326,7 @@ pub(super) async fn watch(vitals: Arc<Vitals>, health: Health, settings: Consume
 /// database is gone is not ready either, not only one whose batches fail; and so the watchdog
 /// knows whether a lane without a commit is stuck or waiting for the database.
 pub(super) async fn probe_database(
-    pools: Vec<sqlx::PgPool>,
+    pools: Vec<crate::db::Db>,
     health: Health,
     vitals: Arc<Vitals>,
     unhealthy_after: Duration,
@@ -335,13 +335,15 @@ pub(super) async fn probe_database(
     // A connection of its own: lanes stuck holding every connection of the pool must not look
     // like a database that does not answer.
     // With shards, every database is asked: a batch may need any of them.
-    let pools: Vec<sqlx::PgPool> = pools
+    let pools: Vec<crate::db::Db> = pools
         .iter()
         .map(|pool| {
-            sqlx::postgres::PgPoolOptions::new()
-                .max_connections(1)
-                .acquire_timeout(Duration::from_secs(5))
-                .connect_lazy_with((*pool.connect_options()).clone())
+            pool.sibling(
+                sqlx::postgres::PgPoolOptions::new()
+                    .max_connections(1)
+                    .acquire_timeout(Duration::from_secs(5))
+                    .connect_lazy_with((*pool.connect_options()).clone()),
+            )
         })
         .collect();
     let every = (unhealthy_after / 2).clamp(Duration::from_millis(100), Duration::from_secs(5));

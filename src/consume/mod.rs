@@ -77,7 +77,7 @@ pub struct Consumer {
     vitals: Arc<Vitals>,
     health: Health,
     /// Every database the claims live in, each probed for readiness.
-    databases: Vec<sqlx::PgPool>,
+    databases: Vec<crate::db::Db>,
     /// The consumer's activity by minute, written to the first database.
     activity: crate::activity::Activity,
 }
@@ -180,7 +180,7 @@ impl Consumer {
 }
 
 /// The first database, where the consumer's activity is written.
-fn databases_first(databases: &[sqlx::PgPool]) -> sqlx::PgPool {
+fn databases_first(databases: &[crate::db::Db]) -> crate::db::Db {
     databases
         .first()
         .expect("a consumer has a database")

@@ -7,8 +7,9 @@
 use super::admission::{Breaker, Pause};
 use super::LimitsHome;
 use crate::audit::{self, Act, Change};
+use crate::db::Db;
 use chrono::{DateTime, Utc};
-use sqlx::{PgConnection, PgPool};
+use sqlx::PgConnection;
 use std::collections::BTreeMap;
 use std::time::Duration;
 
@@ -46,7 +47,7 @@ fn described(pause: Option<&Pause>, now: DateTime<Utc>) -> String {
 /// Pauses `origin` (made known if it was not) until it is resumed, or for `until`: one
 /// transaction with its audit row. Pausing a paused destination replaces its pause.
 pub async fn pause(
-    first: &PgPool,
+    first: &Db,
     origin: &str,
     until: Option<Duration>,
     act: &Act,
@@ -84,7 +85,7 @@ pub async fn pause(
 
 /// Resumes `origin`: one transaction with its audit row. None when it is not paused (or its
 /// pause already ended by itself), and then nothing is written.
-pub async fn resume(first: &PgPool, origin: &str, act: &Act) -> sqlx::Result<Option<Change>> {
+pub async fn resume(first: &Db, origin: &str, act: &Act) -> sqlx::Result<Option<Change>> {
     let mut tx = first.begin().await?;
     let (before, now) = lock_pause(&mut tx, origin).await?;
     if !before.as_ref().is_some_and(|p| p.holds(now)) {

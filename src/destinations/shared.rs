@@ -17,9 +17,10 @@ use super::admission::{
     admit, transition, Breaker, BreakerChange, DestinationState, Health, Pause,
 };
 use super::{Limits, Verdict};
+use crate::db::Db;
 use crate::outbox::{self, lease_due, Leased};
 use chrono::{DateTime, Utc};
-use sqlx::{PgConnection, PgPool};
+use sqlx::PgConnection;
 use std::time::Duration;
 
 /// Where destinations' limits live and what they count: the one row per origin on the first
@@ -27,9 +28,9 @@ use std::time::Duration;
 #[derive(Debug, Clone)]
 pub struct LimitsHome {
     /// The database holding `outbox_destinations` (the first shard).
-    pub first: PgPool,
+    pub first: Db,
     /// Every database whose outbox sends to the destinations, the first included.
-    pub every: Vec<PgPool>,
+    pub every: Vec<Db>,
     /// The loop using it leases from the first database itself: its leases are taken in the
     /// transaction that holds the destination's row, on one connection.
     pub own_is_first: bool,
@@ -37,7 +38,7 @@ pub struct LimitsHome {
 
 impl LimitsHome {
     /// One database: its limits and its operations in one place.
-    pub fn single(pool: &PgPool) -> Self {
+    pub fn single(pool: &Db) -> Self {
         Self {
             first: pool.clone(),
             every: vec![pool.clone()],
@@ -47,7 +48,7 @@ impl LimitsHome {
 
     /// Over `databases` in the order of the list, for the loop of the database `own`: the
     /// limits on the first.
-    pub fn over(databases: &[PgPool], own: usize) -> Self {
+    pub fn over(databases: &[Db], own: usize) -> Self {
         Self {
             first: databases[0].clone(),
             every: databases.to_vec(),
@@ -71,7 +72,7 @@ pub struct Admitted {
 /// across every dispatcher and every database of `home` ([`admit`]), each with when it may
 /// start.
 pub async fn lease_within_limits(
-    pool: &PgPool,
+    pool: &Db,
     home: &LimitsHome,
     origin: &str,
     limits: &Limits,
@@ -175,7 +176,9 @@ async fn lock_destination(
 async fn in_flight(held: &mut PgConnection, home: &LimitsHome, origin: &str) -> sqlx::Result<i64> {
     let mut n = outbox::count_in_flight(held, origin).await?;
     for other in home.every.iter().skip(1) {
-        n += outbox::count_in_flight(&mut *other.acquire().await?, origin).await?;
+        let mut tx = other.begin().await?;
+        n += outbox::count_in_flight(&mut tx, origin).await?;
+        tx.commit().await?;
     }
     Ok(n)
 }
@@ -214,7 +217,7 @@ async fn record_lease(
 /// the rule was one `UPDATE` computing each column from the old row. No failure is lost from the
 /// count, and of concurrent failures that reach the threshold only one opens the breaker.
 pub async fn record_health(
-    pool: &PgPool,
+    pool: &Db,
     origin: &str,
     limits: &Limits,
     verdict: Verdict,

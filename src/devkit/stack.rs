@@ -3,16 +3,16 @@
 //! `demo`.
 
 use super::embedded::{EmbeddedKafka, EmbeddedPostgres};
+use crate::db::Db;
 use crate::db::{self, DatabaseUrl};
 use anyhow::Context as _;
-use sqlx::PgPool;
 
 /// The broker and database in use, and the embedded ones to stop on drop.
 pub struct Stack {
     pub brokers: String,
     pub topic: String,
     pub database_url: String,
-    pub pool: PgPool,
+    pub pool: Db,
     /// Whether each one is embedded, for telling the user.
     pub embedded_kafka: bool,
     pub embedded_postgres: bool,

@@ -162,7 +162,7 @@ impl DispatchArgs {
             .database
             .open_shards((self.batch_size as u32).clamp(2, 64))
             .await?;
-        let databases: Vec<sqlx::PgPool> = shards.databases().map(|(_, p)| p.clone()).collect();
+        let databases: Vec<crate::db::Db> = shards.databases().map(|(_, p)| p.clone()).collect();
         // One loop per database, each leasing that database's operations, all admitted by the
         // destinations' one set of rows on the first database.
         let mut loops = Vec::new();
@@ -191,7 +191,7 @@ impl DispatchArgs {
 /// every database's backlog.
 fn relays(
     settings: crate::output::RelaySettings,
-    databases: &[sqlx::PgPool],
+    databases: &[crate::db::Db],
     process: &crate::shutdown::Process,
 ) -> anyhow::Result<Vec<Running>> {
     let metrics = crate::output::OutputMetrics::new(&process.registry)?;

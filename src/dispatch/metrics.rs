@@ -1,10 +1,10 @@
 //! The dispatcher's metrics.
 
 use super::Destinations;
+use crate::db::Db;
 use crate::destinations::{self, Breaker};
 use crate::outbox::{self, OutboxState};
 use prometheus::{Histogram, HistogramOpts, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry};
-use sqlx::PgPool;
 use std::collections::BTreeMap;
 
 /// The dispatcher's metrics; labels are outcomes and states from fixed lists.
@@ -110,7 +110,7 @@ impl DispatchMetrics {
 
     /// Reads the gauges from the outbox, the destinations labelled as `destinations` names
     /// them.
-    pub async fn refresh(&self, pools: &[PgPool], destinations: &Destinations) -> sqlx::Result<()> {
+    pub async fn refresh(&self, pools: &[Db], destinations: &Destinations) -> sqlx::Result<()> {
         let mut breakers: BTreeMap<(&str, Breaker), i64> = BTreeMap::new();
         let mut in_flight: BTreeMap<&str, i64> = BTreeMap::new();
         let gauges = match pools {

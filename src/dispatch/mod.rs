@@ -23,11 +23,11 @@ pub use credentials::{Credential, Credentials};
 pub use metrics::DispatchMetrics;
 pub use outbound::Outbound;
 
+use crate::db::Db;
 use crate::destinations::{self, BreakerChange, Verdict};
 use crate::outbox::{self, Attempt, AttemptKind, Leased, OutboxState, Outcome, Settlement};
 pub use crate::shutdown::Running;
 use crate::telemetry::Health;
-use sqlx::PgPool;
 use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
 
@@ -108,10 +108,10 @@ impl DispatchSettings {
 /// lease check of [`crate::outbox`].
 pub struct Dispatcher {
     settings: DispatchSettings,
-    pool: PgPool,
+    pool: Db,
     /// The databases whose outbox gauges this loop reports: its own; with shards, every
     /// database for the first shard's loop and none for the others.
-    gauges: Vec<PgPool>,
+    gauges: Vec<Db>,
     /// Where the destinations' limits are kept and counted: its own database alone; with
     /// shards, the first shard's rows over every database's leases.
     limits: destinations::LimitsHome,
@@ -127,7 +127,7 @@ impl Dispatcher {
     /// Checks the settings and builds the HTTP client; reports to `health` once running.
     pub fn build(
         settings: DispatchSettings,
-        pool: PgPool,
+        pool: Db,
         metrics: DispatchMetrics,
         health: Health,
     ) -> anyhow::Result<Self> {
@@ -154,7 +154,7 @@ impl Dispatcher {
 
     /// The loop of shard `shard` of `databases` (every database, in order): the first reports
     /// the gauges of them all, and each names its health checks after its shard.
-    pub fn on_shard(mut self, shard: usize, databases: &[PgPool]) -> Self {
+    pub fn on_shard(mut self, shard: usize, databases: &[Db]) -> Self {
         self.gauges = match shard {
             0 => databases.to_vec(),
             _ => Vec::new(),
@@ -626,7 +626,8 @@ mod tests {
     #[tokio::test]
     async fn a_lease_shorter_than_two_request_timeouts_is_refused() {
         let metrics = DispatchMetrics::new(&prometheus::Registry::new()).unwrap();
-        let pool = sqlx::PgPool::connect_lazy("postgres://localhost/none").unwrap();
+        let pool =
+            crate::db::Db::from(sqlx::PgPool::connect_lazy("postgres://localhost/none").unwrap());
         let settings = |lease_ms, timeout_ms| DispatchSettings {
             lease: Duration::from_millis(lease_ms),
             request_timeout: Duration::from_millis(timeout_ms),

@@ -1,13 +1,13 @@
 //! The built-in `ledger` effect and all SQL on its table.
 
 use super::{Effect, EffectError, Tx};
+use crate::db::Db;
 use crate::db::JsonText;
 use crate::envelope::Event;
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use serde::Serialize;
 use serde_json::json;
-use sqlx::PgPool;
 
 /// The built-in demo effect: one `ledger` row per applied event.
 ///
@@ -69,7 +69,7 @@ pub struct LedgerRow {
 }
 
 /// The ledger rows an event wrote.
-pub async fn of_event(pool: &PgPool, key: &str) -> sqlx::Result<Vec<LedgerRow>> {
+pub async fn of_event(pool: &Db, key: &str) -> sqlx::Result<Vec<LedgerRow>> {
     sqlx::query_as!(
         LedgerRow,
         r#"SELECT id, event_type, applied_at, payload AS "payload: JsonText"
@@ -81,7 +81,7 @@ pub async fn of_event(pool: &PgPool, key: &str) -> sqlx::Result<Vec<LedgerRow>> 
 }
 
 /// Ledger rows per event key.
-pub async fn rows_per_key(pool: &PgPool) -> sqlx::Result<std::collections::HashMap<String, i64>> {
+pub async fn rows_per_key(pool: &Db) -> sqlx::Result<std::collections::HashMap<String, i64>> {
     let rows = sqlx::query!(r#"SELECT event_key, count(*) AS "n!" FROM ledger GROUP BY event_key"#)
         .fetch_all(pool)
         .await?;
@@ -89,7 +89,7 @@ pub async fn rows_per_key(pool: &PgPool) -> sqlx::Result<std::collections::HashM
 }
 
 /// How many distinct events have a ledger row.
-pub async fn events_applied(pool: &PgPool) -> sqlx::Result<i64> {
+pub async fn events_applied(pool: &Db) -> sqlx::Result<i64> {
     sqlx::query_scalar!(r#"SELECT count(DISTINCT event_key) AS "n!" FROM ledger"#)
         .fetch_one(pool)
         .await

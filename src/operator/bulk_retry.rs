@@ -2,8 +2,8 @@
 
 use super::search::StateName;
 use super::OperatorError;
+use crate::db::Db;
 use chrono::{DateTime, Utc};
-use sqlx::PgPool;
 
 /// Which events a bulk retry takes.
 #[derive(Debug, Clone)]
@@ -18,7 +18,7 @@ pub struct RetryFilter {
 
 /// The events a bulk retry takes, oldest claim first; never one whose operations' bodies were
 /// erased, which can never be sent again.
-pub async fn to_retry(pool: &PgPool, f: &RetryFilter) -> Result<Vec<String>, OperatorError> {
+pub async fn to_retry(pool: &Db, f: &RetryFilter) -> Result<Vec<String>, OperatorError> {
     let keys = sqlx::query_scalar!(
         r#"SELECT event_key AS "event_key!" FROM event_summaries
            WHERE (claim = $1 OR $1 = ANY(operation_states))

@@ -3,8 +3,8 @@
 //! statistics, or said not analysed yet when PostgreSQL has gathered none. A small install never
 //! sees `none` or `~0` beside rows that are there.
 
+use crate::db::Db;
 use serde::Serialize;
-use sqlx::PgPool;
 
 /// Below this many rows a figure is counted, not estimated.
 pub const EXACT_BELOW: i64 = 10_000;
@@ -91,7 +91,7 @@ impl Counted {
 
     /// Its figure in `pool`: counted up to [`EXACT_BELOW`], past it estimated from the table's
     /// statistics less `others` (the table's rows not counted here, counted elsewhere).
-    pub async fn in_database(self, pool: &PgPool, others: i64) -> sqlx::Result<Count> {
+    pub async fn in_database(self, pool: &Db, others: i64) -> sqlx::Result<Count> {
         let (table, rows) = self.rows();
         // The table and condition are this enum's constants, never input.
         let capped: i64 = sqlx::query_scalar(&format!(

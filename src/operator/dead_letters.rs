@@ -6,7 +6,7 @@
 
 use super::{Act, Change, OperatorError};
 use crate::claims::dead_letters::{self, DeadLetterRow, LetterSearch, RawLetter};
-use sqlx::PgPool;
+use crate::db::Db;
 use std::future::Future;
 
 /// Puts dead letters back on a topic: their own, or the one given.
@@ -41,7 +41,7 @@ impl LetterProducer {
 
 /// The dead letters a bulk replay takes: never replayed, matching `search`, newest first.
 pub async fn to_replay(
-    pool: &PgPool,
+    pool: &Db,
     search: &LetterSearch,
 ) -> Result<Vec<DeadLetterRow>, OperatorError> {
     let search = LetterSearch {
@@ -60,12 +60,7 @@ pub struct Replayed {
 
 /// Replays each of `ids` as [`replay`] does, one at a time, each audited; one that fails is
 /// reported and the rest go on.
-pub async fn replay_many(
-    pool: &PgPool,
-    ids: &[i64],
-    act: &Act,
-    producer: &LetterProducer,
-) -> Replayed {
+pub async fn replay_many(pool: &Db, ids: &[i64], act: &Act, producer: &LetterProducer) -> Replayed {
     let mut done = Replayed::default();
     for &id in ids {
         match replay(pool, id, act, |letter| producer.produce(letter)).await {
@@ -77,12 +72,12 @@ pub async fn replay_many(
 }
 
 /// The newest dead letters first.
-pub async fn list(pool: &PgPool, limit: i64) -> Result<Vec<DeadLetterRow>, OperatorError> {
+pub async fn list(pool: &Db, limit: i64) -> Result<Vec<DeadLetterRow>, OperatorError> {
     Ok(dead_letters::list(pool, limit).await?)
 }
 
 /// One dead letter with its raw key and value.
-pub async fn show(pool: &PgPool, id: i64) -> Result<DeadLetterRow, OperatorError> {
+pub async fn show(pool: &Db, id: i64) -> Result<DeadLetterRow, OperatorError> {
     dead_letters::find(pool, id)
         .await?
         .ok_or(OperatorError::NoSuchDeadLetter(id))
@@ -91,7 +86,7 @@ pub async fn show(pool: &PgPool, id: i64) -> Result<DeadLetterRow, OperatorError
 /// Produces a dead letter again with `produce` (which answers the topic it produced to), then
 /// marks it replayed with its audit row. If producing fails, nothing is marked.
 pub async fn replay<F, Fut>(
-    pool: &PgPool,
+    pool: &Db,
     id: i64,
     act: &Act,
     produce: F,

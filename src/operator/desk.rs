@@ -9,10 +9,10 @@ use super::status::{self, KafkaTarget, Status};
 use super::story::{self, Story};
 use super::{dead_letters, expired, replay, Act, Change, OperatorError};
 use crate::consume::{BatchProcessor, DeferSettings, EffectRetry};
+use crate::db::Db;
 use crate::effect::{BuiltIns, HttpOutbox, KafkaOutput, Registry};
 use crate::shard::Shards;
 use crate::sources::SourcePause;
-use sqlx::PgPool;
 
 /// How a replay by time applies its events: as `consume` would, with these effects.
 #[derive(Clone, Default)]
@@ -34,7 +34,7 @@ pub struct DeskSettings {
     /// Every database.
     pub shards: Shards,
     /// The one database listings read instead of every shard (`--shard`).
-    pub only: Option<PgPool>,
+    pub only: Option<Db>,
     pub registry: Registry,
     /// The brokers, topic and group: the lag, dead-letter replays and replays by time. None:
     /// no lag is shown and nothing is replayed.
@@ -49,8 +49,8 @@ pub struct DeskSettings {
 pub struct Desk {
     shards: Shards,
     /// The databases a listing reads: every shard, or the one `--shard` names.
-    listed: Vec<PgPool>,
-    only: Option<PgPool>,
+    listed: Vec<Db>,
+    only: Option<Db>,
     registry: Registry,
     kafka: Option<KafkaTarget>,
     producer: Option<dead_letters::LetterProducer>,
@@ -109,12 +109,12 @@ impl Desk {
 
     /// The first database: every dead letter and the audit of a replay, and with one database
     /// everything.
-    pub fn first(&self) -> &PgPool {
+    pub fn first(&self) -> &Db {
         self.shards.first()
     }
 
     /// The databases a listing reads, in order.
-    pub fn databases(&self) -> &[PgPool] {
+    pub fn databases(&self) -> &[Db] {
         &self.listed
     }
 
@@ -138,7 +138,7 @@ impl Desk {
     }
 
     /// The database holding `key`; None when no shard does.
-    pub async fn holding(&self, key: &str) -> anyhow::Result<Option<PgPool>> {
+    pub async fn holding(&self, key: &str) -> anyhow::Result<Option<Db>> {
         match &self.only {
             Some(pool) => Ok(Some(pool.clone())),
             None => self.shards.holding(key).await,
@@ -146,14 +146,14 @@ impl Desk {
     }
 
     /// The database holding `key`, refused when no shard does.
-    pub async fn pool_for(&self, key: &str) -> anyhow::Result<PgPool> {
+    pub async fn pool_for(&self, key: &str) -> anyhow::Result<Db> {
         self.holding(key)
             .await?
             .ok_or_else(|| anyhow::anyhow!("no shard holds the event {key}"))
     }
 
     /// The database holding `key`, or the first, where it is then not found.
-    async fn pool_or_first(&self, key: &str) -> Result<PgPool, OperatorError> {
+    async fn pool_or_first(&self, key: &str) -> Result<Db, OperatorError> {
         Ok(self
             .holding(key)
             .await?
@@ -208,7 +208,7 @@ impl Desk {
     pub async fn to_retry(
         &self,
         filter: &events::RetryFilter,
-    ) -> Result<Vec<(PgPool, String)>, OperatorError> {
+    ) -> Result<Vec<(Db, String)>, OperatorError> {
         let mut keys = Vec::new();
         for pool in &self.listed {
             let found = events::to_retry(pool, filter).await?;
@@ -220,7 +220,7 @@ impl Desk {
     /// [`Desk::retry`] in the database `pool`, where a bulk retry found the event.
     pub async fn retry_in(
         &self,
-        pool: &PgPool,
+        pool: &Db,
         key: &str,
         retry: &Retry,
         act: &Act,

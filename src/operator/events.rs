@@ -7,11 +7,12 @@ use super::{Act, Change, OperatorError};
 use crate::claims::{self, conflicts, dead_letters, ClaimStatus};
 use crate::consume::settle::{self, Next, Policy, Standing};
 use crate::consume::EffectRetry;
+use crate::db::Db;
 use crate::effect::{ledger, Effect, EffectError, Registry};
 use crate::outbox::{self, OutboxState};
 use chrono::Utc;
 use serde::Serialize;
-use sqlx::{PgConnection, PgPool};
+use sqlx::PgConnection;
 use std::sync::Arc;
 
 /// Everything known about one event.
@@ -31,7 +32,7 @@ pub struct EventDetail {
 }
 
 /// An event's claim, effect rows, operations, every attempt, dead letters and key conflicts.
-pub async fn show(pool: &PgPool, key: &str) -> Result<EventDetail, OperatorError> {
+pub async fn show(pool: &Db, key: &str) -> Result<EventDetail, OperatorError> {
     let claim = claims::find(pool, key)
         .await?
         .ok_or_else(|| OperatorError::NoSuchEvent(key.into()))?;
@@ -53,7 +54,7 @@ pub async fn show(pool: &PgPool, key: &str) -> Result<EventDetail, OperatorError
 /// leaves it `deferred` (from `failed`, with a fresh deadline from that policy); a transient
 /// failure changes nothing.
 pub(super) async fn retry_local(
-    pool: &PgPool,
+    pool: &Db,
     registry: &Registry,
     key: &str,
     given: Option<Arc<dyn Effect>>,
@@ -229,7 +230,7 @@ impl Resolution {
 /// Settles an event by hand: its operations that are not done and not under a live lease, and
 /// its failed or deferred claim.
 pub async fn resolve(
-    pool: &PgPool,
+    pool: &Db,
     key: &str,
     operation: Option<&str>,
     to: Resolution,

@@ -6,16 +6,16 @@
 use super::events::run_again;
 use super::{Act, Change, OperatorError};
 use crate::claims::{self, Failure, Origin};
+use crate::db::Db;
 use crate::effect::{DeferPolicy, Effect, Registry};
 use crate::envelope::{Event, EventKey};
 use crate::retention::expired::{self, Locked};
-use sqlx::PgPool;
 use std::sync::Arc;
 
 /// Applies the expired replay of `key` once: claims the key (failing if something claimed it
 /// since) and runs the effect it was caught with, or `given`.
 pub async fn apply(
-    pool: &PgPool,
+    pool: &Db,
     registry: &Registry,
     key: &str,
     given: Option<Arc<dyn Effect>>,
@@ -55,7 +55,7 @@ pub async fn apply(
 }
 
 /// Drops the expired replays of `key`: no effect, audited.
-pub async fn drop(pool: &PgPool, key: &str, act: &Act) -> Result<Vec<Change>, OperatorError> {
+pub async fn drop(pool: &Db, key: &str, act: &Act) -> Result<Vec<Change>, OperatorError> {
     let mut tx = pool.begin().await?;
     let open = expired::lock_open(&mut tx, key).await?;
     if open.is_empty() {

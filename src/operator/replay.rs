@@ -14,11 +14,11 @@
 
 use super::{Act, Change, OperatorError};
 use crate::consume::{BatchProcessor, BatchReport, RawMessage};
+use crate::db::Db;
 use chrono::{DateTime, Utc};
 use rdkafka::consumer::{BaseConsumer, Consumer, StreamConsumer};
 use rdkafka::{Message, Offset, TopicPartitionList};
 use serde::Serialize;
-use sqlx::PgPool;
 use std::collections::BTreeMap;
 use std::time::Duration;
 
@@ -159,7 +159,7 @@ pub fn starts_before_retained(
 /// Reads `window` again and runs it through `processor`, as the consumer would; audited as
 /// `act` unless it is a dry run.
 pub async fn replay(
-    pool: &PgPool,
+    pool: &Db,
     processor: &BatchProcessor,
     window: &Window,
     act: &Act,
@@ -203,7 +203,7 @@ pub async fn replay(
 }
 
 /// Refuses a window that starts before a source's prune horizon.
-async fn check_retention(pool: &PgPool, since: DateTime<Utc>) -> Result<(), OperatorError> {
+async fn check_retention(pool: &Db, since: DateTime<Utc>) -> Result<(), OperatorError> {
     let pruned = sqlx::query!(
         r#"SELECT string_agg(source, ', ' ORDER BY source) AS sources, max(pruned_before) AS pruned_before
            FROM prune_horizons WHERE pruned_before > $1"#,
@@ -351,7 +351,7 @@ fn first_timestamp(
 
 /// Reads each range and applies it in batches, as the consumer's lanes would.
 async fn read(
-    pool: &PgPool,
+    pool: &Db,
     processor: &BatchProcessor,
     window: &Window,
     ranges: &[PartitionRange],
@@ -395,7 +395,7 @@ async fn read(
 }
 
 async fn apply(
-    pool: &PgPool,
+    pool: &Db,
     processor: &BatchProcessor,
     window: &Window,
     partition: i32,

@@ -5,9 +5,9 @@
 
 use super::events::retry_local;
 use super::{Act, Change, OperatorError};
+use crate::db::Db;
 use crate::effect::{Effect, Registry};
 use crate::outbox::{self, OutboxState};
-use sqlx::PgPool;
 use std::sync::Arc;
 
 /// What a retry runs.
@@ -28,7 +28,7 @@ pub struct Retry {
 /// effect run again, now, from its stored payload. `done` is refused, and so is an operation
 /// already on its way or whose body was erased.
 pub async fn retry(
-    pool: &PgPool,
+    pool: &Db,
     registry: &Registry,
     key: &str,
     retry: &Retry,

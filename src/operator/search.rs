@@ -4,10 +4,10 @@
 
 use super::OperatorError;
 use crate::claims::ClaimStatus;
+use crate::db::Db;
 use crate::outbox::OutboxState;
 use chrono::{DateTime, Utc};
 use serde::Serialize;
-use sqlx::PgPool;
 
 /// A state `--state` names: a claim status or an operation state (`done`, `failed` and `dead`
 /// are both, and parse as the claim's). An event is in it when its claim or any of its
@@ -84,7 +84,7 @@ pub struct EventSummary {
 }
 
 /// The newest events matching `f`: [`search`] with an age for its upper bound.
-pub async fn list(pool: &PgPool, f: &EventFilter) -> Result<Vec<EventSummary>, OperatorError> {
+pub async fn list(pool: &Db, f: &EventFilter) -> Result<Vec<EventSummary>, OperatorError> {
     let until = match f.older_than {
         Some(age) => {
             Some(Utc::now() - chrono::Duration::from_std(age).map_err(anyhow::Error::from)?)
@@ -236,7 +236,7 @@ const LAST_CHAR: char = '\u{10FFFF}';
 
 /// A page of events matching `search`, newest claim first, by keyset on
 /// `(claimed_at, event_key)`: a deep page costs what the first does.
-pub async fn search(pool: &PgPool, search: &Search) -> Result<Page, OperatorError> {
+pub async fn search(pool: &Db, search: &Search) -> Result<Page, OperatorError> {
     let limit = search.limit.max(1);
     // A narrow state or key prefix is looked up by its own index first, and its few events
     // ordered by time here: walking the time index for a few rare events scattered over
@@ -285,7 +285,7 @@ pub async fn search(pool: &PgPool, search: &Search) -> Result<Page, OperatorErro
 /// [`search`] over several databases (the shards): each is searched from the same cursor, and
 /// their pages merged in the one order, newest first, so the pages and their cursors are those
 /// one database holding every event would give.
-pub async fn search_over(pools: &[PgPool], search: &Search) -> Result<Page, OperatorError> {
+pub async fn search_over(pools: &[Db], search: &Search) -> Result<Page, OperatorError> {
     if let [pool] = pools {
         return self::search(pool, search).await;
     }
@@ -432,7 +432,7 @@ impl Candidates {
     }
 
     /// The keys, when there are at most [`FEW`]; read no further than that.
-    async fn few(&self, pool: &PgPool) -> sqlx::Result<Option<Vec<String>>> {
+    async fn few(&self, pool: &Db) -> sqlx::Result<Option<Vec<String>>> {
         let mut q = sqlx::QueryBuilder::new("SELECT event_key FROM (");
         self.push(&mut q);
         q.push(" LIMIT ").push_bind(FEW + 1).push(") AS c");

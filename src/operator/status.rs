@@ -7,11 +7,11 @@
 
 pub use super::counts::EXACT_BELOW;
 use super::counts::{Count, Counted};
+use crate::db::Db;
 use anyhow::Context as _;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::{Offset, TopicPartitionList};
 use serde::Serialize;
-use sqlx::PgPool;
 use std::time::Duration;
 
 #[derive(Debug, Clone, Serialize, PartialEq)]
@@ -76,7 +76,7 @@ pub struct KafkaTarget {
 /// Reads the screen's numbers from PostgreSQL and, given a target, the group's lag from Kafka.
 /// Reads the screen's numbers from every database (the shards, or the one database) and adds
 /// them up, and, given a target, the group's lag from Kafka.
-pub async fn gather(pools: &[PgPool], kafka: Option<KafkaTarget>) -> anyhow::Result<Status> {
+pub async fn gather(pools: &[Db], kafka: Option<KafkaTarget>) -> anyhow::Result<Status> {
     let mut status = Status::default();
     for pool in pools {
         status.add(of_database(pool).await?);
@@ -135,7 +135,7 @@ impl Status {
 
 /// The destinations whose breaker is not closed: the breakers are kept on the first database,
 /// the requests in flight counted on every one.
-async fn open_breakers(pools: &[PgPool]) -> sqlx::Result<Vec<OpenBreaker>> {
+async fn open_breakers(pools: &[Db]) -> sqlx::Result<Vec<OpenBreaker>> {
     let home = crate::destinations::LimitsHome::over(pools, 0);
     let gauges = crate::destinations::destination_gauges(&home).await?;
     Ok(gauges
@@ -150,7 +150,7 @@ async fn open_breakers(pools: &[PgPool]) -> sqlx::Result<Vec<OpenBreaker>> {
 }
 
 /// One database's numbers.
-async fn of_database(pool: &PgPool) -> anyhow::Result<Status> {
+async fn of_database(pool: &Db) -> anyhow::Result<Status> {
     let gauges = crate::outbox::gauges(pool).await?;
     let (_, not_replayed) = crate::claims::dead_letters::counts(pool).await?;
     let (deferred, oldest_deferred, next_due) =
@@ -180,7 +180,7 @@ async fn of_database(pool: &PgPool) -> anyhow::Result<Status> {
 /// Counts by state: those not done as counted through their index, and the done ones counted
 /// (or, past [`EXACT_BELOW`], estimated) as `done`.
 async fn with_done(
-    pool: &PgPool,
+    pool: &Db,
     by_state: Vec<(String, i64)>,
     done: Counted,
 ) -> sqlx::Result<Vec<(String, Count)>> {

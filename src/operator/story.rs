@@ -7,11 +7,11 @@ use crate::audit::ActionRow;
 use crate::claims::conflicts::ConflictRow;
 use crate::claims::dead_letters::DeadLetterRow;
 use crate::claims::ClaimStatus;
+use crate::db::Db;
 use crate::effect::ledger::LedgerRow;
 use crate::outbox::{AttemptRow, FulfilledRow, OperationRow, OutboxState};
 use chrono::{DateTime, Utc};
 use serde::Serialize;
-use sqlx::PgPool;
 
 /// One moment of an event's story.
 #[derive(Debug, Clone, Serialize)]
@@ -181,7 +181,7 @@ pub struct Story {
 }
 
 /// The story of `key`, with the operators' changes to it and to its dead letters.
-pub async fn of_event(pool: &PgPool, key: &str) -> Result<Story, OperatorError> {
+pub async fn of_event(pool: &Db, key: &str) -> Result<Story, OperatorError> {
     let detail = events::show(pool, key).await?;
     let letters: Vec<String> = detail
         .dead_letters

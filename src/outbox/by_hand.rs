@@ -2,9 +2,10 @@
 //! for a change by hand, requeued or resolved, and the counts `status` shows.
 
 use super::{AttemptKind, OutboxState, Outcome};
+use crate::db::Db;
 use chrono::{DateTime, Utc};
 use serde::Serialize;
-use sqlx::{PgConnection, PgPool};
+use sqlx::PgConnection;
 
 /// An operation as the operator sees it.
 #[derive(Debug, Clone, Serialize)]
@@ -40,7 +41,7 @@ pub struct OperationRow {
 
 /// An event's operations, their destinations redacted ([`crate::secrets::redact_url`]): a
 /// target URL may carry its credential.
-pub async fn of_event(pool: &PgPool, key: &str) -> sqlx::Result<Vec<OperationRow>> {
+pub async fn of_event(pool: &Db, key: &str) -> sqlx::Result<Vec<OperationRow>> {
     let mut rows = sqlx::query_as!(
         OperationRow,
         r#"SELECT operation_key, state AS "state: OutboxState",
@@ -73,7 +74,7 @@ pub struct FulfilledRow {
 }
 
 /// The operations of an event that other events' operations fulfil.
-pub async fn fulfilled_of_event(pool: &PgPool, key: &str) -> sqlx::Result<Vec<FulfilledRow>> {
+pub async fn fulfilled_of_event(pool: &Db, key: &str) -> sqlx::Result<Vec<FulfilledRow>> {
     sqlx::query_as!(
         FulfilledRow,
         "SELECT operation, operation_key, fulfilled_by, recorded_at FROM fulfilled_operations \
@@ -112,7 +113,7 @@ pub struct AttemptRow {
 }
 
 /// Every attempt at an event's operations, in order.
-pub async fn attempts_of_event(pool: &PgPool, key: &str) -> sqlx::Result<Vec<AttemptRow>> {
+pub async fn attempts_of_event(pool: &Db, key: &str) -> sqlx::Result<Vec<AttemptRow>> {
     sqlx::query_as!(
         AttemptRow,
         r#"SELECT o.operation, a.kind AS "kind: AttemptKind", a.outcome AS "outcome: Outcome",
@@ -198,14 +199,14 @@ pub async fn resolve(conn: &mut PgConnection, id: i64, to: OutboxState) -> sqlx:
 }
 
 /// Operations not yet done.
-pub async fn open_count(pool: &PgPool) -> sqlx::Result<i64> {
+pub async fn open_count(pool: &Db) -> sqlx::Result<i64> {
     sqlx::query_scalar!(r#"SELECT count(*) AS "n!" FROM outbox WHERE state <> 'done'"#)
         .fetch_one(pool)
         .await
 }
 
 /// Attempts recorded, and how many of them settled an operation by reconciliation.
-pub async fn attempt_counts(pool: &PgPool) -> sqlx::Result<(i64, i64)> {
+pub async fn attempt_counts(pool: &Db) -> sqlx::Result<(i64, i64)> {
     let row = sqlx::query!(
         r#"SELECT count(*) AS "all!",
                   count(*) FILTER (WHERE outcome = 'reconciled_done') AS "reconciled!"

@@ -3,11 +3,12 @@
 //! origin's requests in flight, its backlog, and the leases of one origin's due operations.
 
 use super::{bury_expired_last_attempts, lease_rows, Leased, OutboxState};
-use sqlx::{PgConnection, PgPool};
+use crate::db::Db;
+use sqlx::PgConnection;
 use std::time::Duration;
 
 /// The origins with due operations, or with leases that expired: one index probe each.
-pub async fn due_origins(pool: &PgPool) -> sqlx::Result<Vec<String>> {
+pub async fn due_origins(pool: &Db) -> sqlx::Result<Vec<String>> {
     bury_expired_last_attempts(pool).await?;
     sqlx::query_scalar!(
         r#"WITH RECURSIVE origins AS (
@@ -69,7 +70,7 @@ pub async fn lease_due(
 }
 
 /// The requests in flight on this database, by origin: the unexpired leases.
-pub async fn in_flight_by_origin(pool: &PgPool) -> sqlx::Result<Vec<(String, i64)>> {
+pub async fn in_flight_by_origin(pool: &Db) -> sqlx::Result<Vec<(String, i64)>> {
     let counts = sqlx::query!(
         r#"SELECT origin AS "origin!", count(*) AS "n!" FROM outbox
            WHERE state = 'in_progress' AND lease_expires_at > now() AND origin IS NOT NULL
@@ -82,7 +83,7 @@ pub async fn in_flight_by_origin(pool: &PgPool) -> sqlx::Result<Vec<(String, i64
 
 /// The operations waiting to be sent on this database, by origin: pending, retryable or
 /// uncertain, not held for an operator, due now or later.
-pub async fn backlog_by_origin(pool: &PgPool) -> sqlx::Result<Vec<(String, i64)>> {
+pub async fn backlog_by_origin(pool: &Db) -> sqlx::Result<Vec<(String, i64)>> {
     let counts = sqlx::query!(
         r#"SELECT origin AS "origin!", count(*) AS "n!" FROM outbox
            WHERE state IN ('pending', 'retryable', 'uncertain') AND held_at IS NULL

@@ -2,7 +2,7 @@
 //! leases.
 
 use super::OutboxState;
-use sqlx::PgPool;
+use crate::db::Db;
 
 /// What the metrics show of the outbox.
 #[derive(Debug, Clone, Default)]
@@ -18,7 +18,7 @@ pub struct Gauges {
 }
 
 /// The outbox's gauges: operations by state, the oldest due one, expired leases.
-pub async fn gauges(pool: &PgPool) -> sqlx::Result<Gauges> {
+pub async fn gauges(pool: &Db) -> sqlx::Result<Gauges> {
     // Done operations, nearly all, are estimated from the table's statistics; the others are
     // counted through their partial index.
     let by_state = sqlx::query!(

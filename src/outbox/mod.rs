@@ -23,8 +23,9 @@ pub use gauges::{gauges, Gauges};
 pub use state::{AttemptKind, OutboxState, Outcome};
 pub use window::{past_window_reason, IdempotencyWindow};
 
+use crate::db::Db;
 use chrono::{DateTime, Utc};
-use sqlx::{PgConnection, PgPool};
+use sqlx::PgConnection;
 use std::time::Duration;
 
 /// An operation to enqueue: one request, sent the same way on every attempt.
@@ -313,7 +314,7 @@ impl Leased {
 /// are spent, instead of taking down worker after worker. The dispatcher leases per
 /// destination instead ([`crate::destinations::lease_within_limits`]).
 pub async fn lease(
-    pool: &PgPool,
+    pool: &Db,
     worker: &str,
     limit: i64,
     lease: Duration,
@@ -376,7 +377,7 @@ async fn lease_rows(
 }
 
 /// Rows whose lease expired on their last attempt go `dead` instead of being leased again.
-async fn bury_expired_last_attempts(pool: &PgPool) -> sqlx::Result<()> {
+async fn bury_expired_last_attempts(pool: &Db) -> sqlx::Result<()> {
     let buried = sqlx::query!(
         "UPDATE outbox SET state = 'dead', lease_expires_at = NULL, updated_at = now(), \
          maybe_applied_at = coalesce(maybe_applied_at, updated_at), \
@@ -478,7 +479,7 @@ impl Settlement {
 /// when the lease had been taken over: the row is left as its new owner has it. The texts are
 /// stored as [`storable_text`] makes them.
 pub async fn complete(
-    pool: &PgPool,
+    pool: &Db,
     leased: &Leased,
     settlement: &Settlement,
     attempt: &Attempt<'_>,
@@ -496,7 +497,7 @@ pub async fn complete(
 /// record PostgreSQL refuses, so that an answered request is never sent again for want of its
 /// record. The error says what was lost.
 pub async fn complete_unrecorded(
-    pool: &PgPool,
+    pool: &Db,
     leased: &Leased,
     settlement: &Settlement,
 ) -> sqlx::Result<bool> {

@@ -2,8 +2,8 @@
 //! confirmed by a read-back, and each output partition's backlog, lag and stop.
 
 use super::store::{self, Backlog};
+use crate::db::Db;
 use prometheus::{IntCounterVec, IntGaugeVec, Opts, Registry};
-use sqlx::PgPool;
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 
@@ -79,7 +79,7 @@ impl OutputMetrics {
     /// Sets the gauges from the backlogs of `databases` (none: this relay reports nothing, a
     /// relay of another database does); a partition with nothing left drops out. Series are set
     /// in place and only the gone ones removed, so a scrape never finds them missing.
-    pub async fn refresh(&self, databases: &[PgPool]) -> sqlx::Result<()> {
+    pub async fn refresh(&self, databases: &[Db]) -> sqlx::Result<()> {
         if databases.is_empty() {
             return Ok(());
         }

@@ -4,9 +4,10 @@
 //! taken over changes nothing.
 
 use super::{Confirmation, OutputRecord};
+use crate::db::Db;
 use crate::envelope::Event;
 use chrono::{DateTime, Utc};
-use sqlx::{PgConnection, PgPool};
+use sqlx::PgConnection;
 use std::time::Duration;
 
 /// Inserts records in the caller's transaction, in the order given; a record already
@@ -57,7 +58,7 @@ pub(super) async fn insert(
 
 /// The topics with records not yet given a partition: one probe of the unassigned index per
 /// topic (a skip scan), however many records wait.
-pub async fn unassigned_topics(pool: &PgPool) -> sqlx::Result<Vec<String>> {
+pub async fn unassigned_topics(pool: &Db) -> sqlx::Result<Vec<String>> {
     sqlx::query_scalar(
         "WITH RECURSIVE t(topic) AS (
              (SELECT topic FROM output_records WHERE kafka_partition IS NULL
@@ -74,7 +75,7 @@ pub async fn unassigned_topics(pool: &PgPool) -> sqlx::Result<Vec<String>> {
 }
 
 /// The partition count the topic's records were partitioned over, if any were.
-pub async fn known_count(pool: &PgPool, topic: &str) -> sqlx::Result<Option<i32>> {
+pub async fn known_count(pool: &Db, topic: &str) -> sqlx::Result<Option<i32>> {
     sqlx::query_scalar("SELECT max(partition_count) FROM output_partitions WHERE topic = $1")
         .bind(topic)
         .fetch_one(pool)
@@ -86,7 +87,7 @@ pub async fn known_count(pool: &PgPool, topic: &str) -> sqlx::Result<Option<i32>
 /// partitions have their rows. Returns how many it partitioned. One relay at a time partitions
 /// a topic's records (a transaction lock on the topic), so the records given a partition are
 /// always the oldest: a record is never sent before an older one of its partition.
-pub async fn assign(pool: &PgPool, topic: &str, count: i32, limit: i64) -> sqlx::Result<u64> {
+pub async fn assign(pool: &Db, topic: &str, count: i32, limit: i64) -> sqlx::Result<u64> {
     let mut tx = pool.begin().await?;
     // Committed without waiting for the WAL flush: if this commit were lost, the records would
     // be partitioned again over the same count, and nothing is sent before a later commit that
@@ -143,12 +144,7 @@ pub async fn assign(pool: &PgPool, topic: &str, count: i32, limit: i64) -> sqlx:
 }
 
 /// Stops every partition of `topic` (`partition` None) or one of them, with why.
-pub async fn stop(
-    pool: &PgPool,
-    topic: &str,
-    partition: Option<i32>,
-    why: &str,
-) -> sqlx::Result<()> {
+pub async fn stop(pool: &Db, topic: &str, partition: Option<i32>, why: &str) -> sqlx::Result<()> {
     sqlx::query(
         "UPDATE output_partitions SET stopped = $3, stopped_at = now(), owner = NULL,
                 lease_until = NULL
@@ -164,7 +160,7 @@ pub async fn stop(
 
 /// Stops the partition of `lease`, if `owner` still holds it under its epoch: a relay whose
 /// lease was taken over stops nothing.
-pub async fn stop_owned(pool: &PgPool, lease: &Lease, owner: &str, why: &str) -> sqlx::Result<()> {
+pub async fn stop_owned(pool: &Db, lease: &Lease, owner: &str, why: &str) -> sqlx::Result<()> {
     sqlx::query(
         "UPDATE output_partitions SET stopped = $5, stopped_at = now(), owner = NULL,
                 lease_until = NULL
@@ -199,7 +195,7 @@ pub struct Lease {
 }
 
 /// The partitions with pending records and no live owner: candidates for a lease.
-pub async fn unowned(pool: &PgPool) -> sqlx::Result<Vec<(String, i32)>> {
+pub async fn unowned(pool: &Db) -> sqlx::Result<Vec<(String, i32)>> {
     sqlx::query_as(
         "SELECT p.topic, p.kafka_partition FROM output_partitions p
          WHERE p.stopped IS NULL AND (p.owner IS NULL OR p.lease_until < now())
@@ -214,7 +210,7 @@ pub async fn unowned(pool: &PgPool) -> sqlx::Result<Vec<(String, i32)>> {
 
 /// Takes the partition's lease if it is free or expired, under a new epoch.
 pub async fn acquire(
-    pool: &PgPool,
+    pool: &Db,
     (topic, partition): (&str, i32),
     owner: &str,
     lease: Duration,
@@ -249,7 +245,7 @@ pub async fn acquire(
 /// outcome is recorded; `from` is where its read-back would start. False when the lease was
 /// taken over, or the partition is not in the state `lease` holds.
 pub async fn begin_send(
-    pool: &PgPool,
+    pool: &Db,
     lease: &Lease,
     owner: &str,
     length: Duration,
@@ -278,7 +274,7 @@ pub async fn begin_send(
 }
 
 /// Gives the lease up; a partition in doubt stays in doubt for its next owner.
-pub async fn release(pool: &PgPool, lease: &Lease, owner: &str) -> sqlx::Result<()> {
+pub async fn release(pool: &Db, lease: &Lease, owner: &str) -> sqlx::Result<()> {
     sqlx::query(
         "UPDATE output_partitions SET owner = NULL, lease_until = NULL
          WHERE topic = $1 AND kafka_partition = $2 AND owner = $3 AND epoch = $4",
@@ -303,7 +299,7 @@ pub struct Pending {
 }
 
 /// The partition's pending records, in enqueue order.
-pub async fn pending(pool: &PgPool, lease: &Lease, limit: i64) -> sqlx::Result<Vec<Pending>> {
+pub async fn pending(pool: &Db, lease: &Lease, limit: i64) -> sqlx::Result<Vec<Pending>> {
     sqlx::query_as(
         "SELECT id, record_id, record_key, value, headers FROM output_records
          WHERE topic = $1 AND kafka_partition = $2 AND state = 'pending'
@@ -355,7 +351,7 @@ impl Settled {
 /// still be in doubt (begin_send's synchronous commit), so its next owner reads it back and
 /// finds these records; and the next begin_send's commit flushes this one.
 pub async fn record(
-    pool: &PgPool,
+    pool: &Db,
     lease: &Lease,
     owner: &str,
     found: Found<'_>,
@@ -428,7 +424,7 @@ fn record_sql(by: &str, column: &str) -> String {
 
 /// Warns when output records wait in `databases` and no relay runs (`dispatch` without
 /// `--brokers`): nothing else would say so, since the relays report the output's gauges.
-pub async fn warn_unrelayed(databases: &[PgPool]) {
+pub async fn warn_unrelayed(databases: &[Db]) {
     for pool in databases {
         let waiting: sqlx::Result<bool> = sqlx::query_scalar(
             "SELECT EXISTS (SELECT 1 FROM output_records WHERE state = 'pending')",
@@ -473,7 +469,7 @@ pub struct Backlog {
 }
 
 /// Every output partition with pending records or a stop, and the unpartitioned records.
-pub async fn backlog(pool: &PgPool) -> sqlx::Result<Vec<Backlog>> {
+pub async fn backlog(pool: &Db) -> sqlx::Result<Vec<Backlog>> {
     sqlx::query_as(
         "WITH waiting AS (
              SELECT topic, kafka_partition, count(*) AS pending, min(enqueued_at) AS oldest
@@ -505,7 +501,7 @@ pub struct EventRecord {
 }
 
 /// The output records of the event `key`, in enqueue order.
-pub async fn of_event(pool: &PgPool, key: &str) -> sqlx::Result<Vec<EventRecord>> {
+pub async fn of_event(pool: &Db, key: &str) -> sqlx::Result<Vec<EventRecord>> {
     sqlx::query_as(
         "SELECT name, topic, kafka_partition AS partition, kafka_offset AS offset, state,
                 confirmed_by

@@ -169,7 +169,7 @@ impl RetentionArgs {
     /// The pruner these flags describe, for the claims of `topic`.
     pub fn pruner(
         &self,
-        pool: sqlx::PgPool,
+        pool: crate::db::Db,
         file: Option<&ConfigFile>,
         kafka: &KafkaArgs,
         topic: &str,

@@ -8,8 +8,9 @@
 //! topic keeps the event's bytes until its own retention: erasure cannot reach them.
 
 use crate::audit::Act;
+use crate::db::Db;
 use serde::Serialize;
-use sqlx::{PgConnection, PgPool};
+use sqlx::PgConnection;
 
 /// What an erasure did.
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
@@ -29,7 +30,7 @@ pub struct Erased {
 /// `data.object.customer`), wherever a payload is kept: claims, the ledger, key conflicts,
 /// expired replays and the JSON bodies of operations.
 pub async fn matching(
-    pool: &PgPool,
+    pool: &Db,
     source: &str,
     path: &str,
     value: &str,
@@ -43,7 +44,7 @@ pub async fn matching(
 }
 
 async fn matching_payloads(
-    pool: &PgPool,
+    pool: &Db,
     source: &str,
     path: &[&str],
     value: &str,
@@ -67,8 +68,8 @@ async fn matching_payloads(
 /// `events erase --key`: `key`'s payloads in `pool`, its database (None when no database
 /// holds it), and its dead letters' bytes in `first`, where dead letters are kept.
 pub async fn erase_key(
-    pool: Option<&PgPool>,
-    first: &PgPool,
+    pool: Option<&Db>,
+    first: &Db,
     key: &str,
     act: &Act,
 ) -> sqlx::Result<Erased> {
@@ -92,8 +93,8 @@ pub async fn erase_key(
 /// matching dead letters of `first` (where every dead letter is kept), and what could not be
 /// searched.
 pub async fn erase_matching(
-    first: &PgPool,
-    databases: &[PgPool],
+    first: &Db,
+    databases: &[Db],
     source: &str,
     field: &str,
     value: &str,
@@ -131,7 +132,7 @@ pub async fn erase_matching(
 
 /// Erases the bytes of the dead letters `ids` of `first`, each audited.
 async fn erase_letters(
-    first: &PgPool,
+    first: &Db,
     ids: &[i64],
     act: &Act,
     erased: &mut Erased,
@@ -140,7 +141,7 @@ async fn erase_letters(
         return Ok(());
     }
     super::erase_search::erase_dead_letters(first, ids).await?;
-    let mut conn = first.acquire().await?;
+    let mut conn = first.begin().await?;
     for id in ids {
         let target = format!("dead_letter:{id}");
         let action = crate::audit::Action {
@@ -153,6 +154,7 @@ async fn erase_letters(
         };
         crate::audit::record(&mut conn, action).await?;
     }
+    conn.commit().await?;
     erased.dead_letters.extend_from_slice(ids);
     Ok(())
 }
@@ -161,7 +163,7 @@ async fn erase_letters(
 const NO_SUCH_EVENT: &str = "no such event";
 
 /// Erases the payloads of `keys`, each settled one in its own transaction with its audit row.
-pub async fn erase(pool: &PgPool, keys: &[String], act: &Act) -> sqlx::Result<Erased> {
+pub async fn erase(pool: &Db, keys: &[String], act: &Act) -> sqlx::Result<Erased> {
     let mut erased = Erased::default();
     for key in keys {
         let mut tx = pool.begin().await?;

@@ -2,8 +2,8 @@
 //! the `http` effect), dead letters' bytes (an envelope, or anything a producer wrote), and
 //! what it cannot search at all: settled events whose payload replayproof no longer keeps.
 
+use crate::db::Db;
 use serde_json::Value;
-use sqlx::PgPool;
 
 /// Whether `document` holds `value` at `path`, as PostgreSQL's `#>>` reads it: a string as
 /// itself, any other value as its JSON text.
@@ -33,7 +33,7 @@ pub fn holds(document: &Value, path: &[&str], value: &str) -> bool {
 /// body itself (an application's own request), or in its `payload` (the `http` effect sends
 /// the event's envelope).
 pub async fn matching_bodies(
-    pool: &PgPool,
+    pool: &Db,
     source: &str,
     path: &[&str],
     value: &str,
@@ -65,7 +65,7 @@ pub const MIN_RAW_MATCH: usize = 4;
 /// envelope) wherever its bytes contain it. With a value shorter than [`MIN_RAW_MATCH`], the
 /// letters that are no envelope are not searched: the second number, how many.
 pub async fn matching_dead_letters(
-    pool: &PgPool,
+    pool: &Db,
     source: &str,
     path: &[&str],
     value: &str,
@@ -100,7 +100,7 @@ pub async fn matching_dead_letters(
 }
 
 /// The dead letters of `key` (their Kafka key), not yet erased.
-pub async fn dead_letters_of(pool: &PgPool, key: &str) -> sqlx::Result<Vec<i64>> {
+pub async fn dead_letters_of(pool: &Db, key: &str) -> sqlx::Result<Vec<i64>> {
     sqlx::query_scalar!(
         "SELECT id FROM dead_letters WHERE raw_key = convert_to($1, 'UTF8') \
          AND payload_erased_at IS NULL ORDER BY id",
@@ -112,7 +112,7 @@ pub async fn dead_letters_of(pool: &PgPool, key: &str) -> sqlx::Result<Vec<i64>>
 
 /// Erases the bytes of the dead letters `ids`, keeping their place, reason and identity (the
 /// hash of the bytes, so a redelivery of the message is still the stored letter); how many.
-pub async fn erase_dead_letters(pool: &PgPool, ids: &[i64]) -> sqlx::Result<u64> {
+pub async fn erase_dead_letters(pool: &Db, ids: &[i64]) -> sqlx::Result<u64> {
     let done = sqlx::query!(
         "UPDATE dead_letters SET erased_sha256 = message_sha256, raw_value = NULL, raw_headers = NULL, \
          payload_erased_at = now() WHERE id = ANY($1) AND payload_erased_at IS NULL",
@@ -126,7 +126,7 @@ pub async fn erase_dead_letters(pool: &PgPool, ids: &[i64]) -> sqlx::Result<u64>
 /// The settled events of `source` of which nothing searchable is kept (a done claim keeps only
 /// its hash, an application's own tables are not searched, prune erased the rest):
 /// an erasure by field cannot tell whether they concerned the data subject.
-pub async fn unsearchable(pool: &PgPool, source: &str) -> sqlx::Result<i64> {
+pub async fn unsearchable(pool: &Db, source: &str) -> sqlx::Result<i64> {
     sqlx::query_scalar!(
         r#"SELECT count(*) AS "n!" FROM processed_events p
            WHERE p.source = $1 AND p.payload IS NULL AND p.payload_erased_at IS NULL

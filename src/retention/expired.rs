@@ -11,11 +11,12 @@
 //! deletes nothing claimed after the horizon it committed.
 
 use crate::claims::Origin;
+use crate::db::Db;
 use crate::db::JsonText;
 use crate::envelope::Event;
 use chrono::{DateTime, Utc};
 use serde::Serialize;
-use sqlx::{PgConnection, PgPool};
+use sqlx::PgConnection;
 use std::collections::{HashMap, HashSet};
 
 /// For each source of `sources` that was pruned: events that happened before this time are
@@ -134,7 +135,7 @@ pub struct ExpiredReplay {
 }
 
 /// Expired replays, newest first; only the unresolved ones unless `all`.
-pub async fn list(pool: &PgPool, all: bool, limit: i64) -> sqlx::Result<Vec<ExpiredReplay>> {
+pub async fn list(pool: &Db, all: bool, limit: i64) -> sqlx::Result<Vec<ExpiredReplay>> {
     sqlx::query_as!(
         ExpiredReplay,
         r#"SELECT id, event_key, source, event_type, occurred_at, pruned_before, times_seen,
@@ -150,7 +151,7 @@ pub async fn list(pool: &PgPool, all: bool, limit: i64) -> sqlx::Result<Vec<Expi
 }
 
 /// Unresolved expired replays, and the age in seconds of the oldest (0 when none).
-pub async fn open_overview(pool: &PgPool) -> sqlx::Result<(i64, f64)> {
+pub async fn open_overview(pool: &Db) -> sqlx::Result<(i64, f64)> {
     let row = sqlx::query!(
         r#"SELECT count(*) AS "n!",
                   coalesce(extract(epoch FROM now() - min(first_seen_at))::float8, 0) AS "oldest!"
@@ -162,11 +163,7 @@ pub async fn open_overview(pool: &PgPool) -> sqlx::Result<(i64, f64)> {
 }
 
 /// [`list`] over several databases (the shards), newest first by when each was caught.
-pub async fn list_over(
-    pools: &[PgPool],
-    all: bool,
-    limit: i64,
-) -> sqlx::Result<Vec<ExpiredReplay>> {
+pub async fn list_over(pools: &[Db], all: bool, limit: i64) -> sqlx::Result<Vec<ExpiredReplay>> {
     let mut rows = Vec::new();
     for pool in pools {
         rows.extend(list(pool, all, limit).await?);

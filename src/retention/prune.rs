@@ -10,8 +10,8 @@
 //! that is failed or deferred, or one with an operation that is not done or dead.
 
 use super::{Decided, Lifetimes};
+use crate::db::Db;
 use serde::Serialize;
-use sqlx::PgPool;
 use std::time::Duration;
 
 /// Rows one statement deletes at most: each batch holds its locks for milliseconds.
@@ -60,7 +60,7 @@ fn clock_margin(retention: Duration) -> Duration {
 }
 
 /// Every source that has claims, by a skip scan of the claims' age index.
-pub async fn sources(pool: &PgPool) -> sqlx::Result<Vec<String>> {
+pub async fn sources(pool: &Db) -> sqlx::Result<Vec<String>> {
     let rows = sqlx::query_scalar!(
         r#"WITH RECURSIVE s(source) AS (
                (SELECT source FROM processed_events ORDER BY source LIMIT 1)
@@ -78,7 +78,7 @@ pub async fn sources(pool: &PgPool) -> sqlx::Result<Vec<String>> {
 /// Moves the horizon of `source` to now minus `retention` (never back) once the batches that
 /// read the old one have ended, and returns it.
 pub async fn advance_horizon(
-    pool: &PgPool,
+    pool: &Db,
     source: &str,
     retention: Duration,
 ) -> sqlx::Result<chrono::DateTime<chrono::Utc>> {
@@ -120,7 +120,7 @@ struct Deleted {
 /// Deletes up to `batch` settled claims of `source` claimed in `[from, horizon)`, oldest first,
 /// with their ledger rows, operations and attempts.
 async fn delete_claims(
-    pool: &PgPool,
+    pool: &Db,
     source: &str,
     from: Option<chrono::DateTime<chrono::Utc>>,
     horizon: chrono::DateTime<chrono::Utc>,
@@ -168,7 +168,7 @@ async fn delete_claims(
 
 /// Prunes the claims of one source past its retention, batch after batch.
 pub async fn prune_source(
-    pool: &PgPool,
+    pool: &Db,
     decided: &Decided,
     batch: i64,
     pruned: &mut Pruned,
@@ -335,7 +335,7 @@ impl Lifetimes {
 
 /// Prunes the tables kept by age, and erases settled payloads past the payload retention.
 pub async fn prune_by_age(
-    pool: &PgPool,
+    pool: &Db,
     lifetimes: &Lifetimes,
     batch: i64,
     pruned: &mut Pruned,
@@ -361,7 +361,7 @@ pub async fn prune_by_age(
 /// What a round would prune, counted and changed nothing: claims by source (under the horizon
 /// the round would set), the other tables by age.
 pub async fn dry_run(
-    pool: &PgPool,
+    pool: &Db,
     decided: &[Decided],
     lifetimes: &Lifetimes,
 ) -> sqlx::Result<Pruned> {
@@ -391,7 +391,7 @@ pub async fn dry_run(
 }
 
 /// The age in seconds of each source's oldest claim.
-pub async fn oldest_claims(pool: &PgPool) -> sqlx::Result<Vec<(String, f64)>> {
+pub async fn oldest_claims(pool: &Db) -> sqlx::Result<Vec<(String, f64)>> {
     let mut ages = Vec::new();
     for source in sources(pool).await? {
         let age = sqlx::query_scalar!(

@@ -4,7 +4,7 @@
 
 use super::prune::{self, Pruned};
 use super::{Decided, Lifetimes, Refusal};
-use sqlx::PgPool;
+use crate::db::Db;
 use std::time::Duration;
 
 /// How the topic's own retention is known.
@@ -22,7 +22,7 @@ pub enum TopicRetention {
 /// Everything a round needs.
 #[derive(Debug, Clone)]
 pub struct Pruner {
-    pub pool: PgPool,
+    pub pool: Db,
     pub lifetimes: Lifetimes,
     /// The topic the claims' events were read from.
     pub topic: String,
@@ -99,7 +99,7 @@ impl Pruner {
 
     /// One audit row per override in force this round.
     async fn audit_overrides(&self, decided: &[Decided], below_topic: bool) -> sqlx::Result<()> {
-        let mut conn = self.pool.acquire().await?;
+        let mut conn = self.pool.begin().await?;
         for d in decided.iter().filter(|d| d.below_floor()) {
             let reason = format!(
                 "--allow-below-floor: retention {} below the {} floor",
@@ -119,7 +119,7 @@ impl Pruner {
             )
             .await?;
         }
-        Ok(())
+        conn.commit().await
     }
 
     async fn audit(

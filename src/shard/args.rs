@@ -22,6 +22,12 @@ pub struct MigrateArgs {
     /// bucket yet (without it, each database is recorded as holding its range of the list).
     #[arg(long, conflicts_with = "citus")]
     pub new_shards: bool,
+
+    /// Behind a transaction-mode pooler (`--pooler transaction`), the database's own address,
+    /// which the migrations need (they hold a session-level lock); repeated, one per
+    /// `--database-url`, in the same order.
+    #[arg(long, env = "REPLAYPROOF_DIRECT_DATABASE_URL", hide_env_values = true, value_name = "URL", action = clap::ArgAction::Append)]
+    pub direct_database_url: Vec<crate::db::DatabaseUrl>,
 }
 
 impl MigrateArgs {
@@ -31,16 +37,18 @@ impl MigrateArgs {
     pub async fn run(&self, extra: &[&str]) -> anyhow::Result<()> {
         let database = &self.database;
         let shards = database.shards(1)?;
-        for (shard, url) in database.database_url.iter().enumerate() {
-            let pool = database.session.pool(url, 1)?;
+        let (urls, session) = self.migrated()?;
+        for (shard, url) in urls.iter().enumerate() {
+            let pool = crate::db::pool_in(url, 1, &session)?;
             crate::db::migrate_with(&pool, extra).await?;
             tracing::info!(schema = %database.session.schema, shard, "Migrations applied.");
             let mut expected = database.expected(shard)?;
             if self.new_shards {
                 expected.range = 0..0;
             }
-            let mut conn = pool.acquire().await?;
-            super::holdings::check(&mut conn, &expected).await?;
+            let mut tx = pool.begin().await?;
+            super::holdings::check(&mut tx, &expected).await?;
+            tx.commit().await?;
         }
         if self.citus {
             let count = self
@@ -52,6 +60,30 @@ impl MigrateArgs {
             tracing::info!(shard_count = count, "Tables distributed by route_key.");
         }
         Ok(())
+    }
+}
+
+impl MigrateArgs {
+    /// The databases the migrations run on and how: the direct addresses when given (each
+    /// database's own, so the session's settings hold), else the pooled ones.
+    fn migrated(&self) -> anyhow::Result<(&[crate::db::DatabaseUrl], crate::db::Session)> {
+        let database = &self.database;
+        let session = database.session.session();
+        if self.direct_database_url.is_empty() {
+            return Ok((&database.database_url, session));
+        }
+        anyhow::ensure!(
+            self.direct_database_url.len() == database.database_url.len(),
+            "{} direct URLs for {} databases: give one --direct-database-url (or `[database] \
+             direct_url`) per database, in the same order",
+            self.direct_database_url.len(),
+            database.database_url.len()
+        );
+        let direct = crate::db::Session {
+            pooler: crate::db::Pooler::None,
+            ..session
+        };
+        Ok((&self.direct_database_url, direct))
     }
 }
 
@@ -101,6 +133,29 @@ pub enum ShardsCommand {
     },
 }
 
+/// `shards move`: it holds a session on each database across its steps, so it needs direct
+/// connections.
+async fn move_buckets(
+    session: &crate::args::SessionArgs,
+    (from_url, to_url): (&crate::db::DatabaseUrl, &crate::db::DatabaseUrl),
+    m: &super::reshard::Move<'_>,
+) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        session.pooler == crate::db::Pooler::None,
+        "shards move needs direct connections to both databases (it holds a session on each \
+         across its steps): give the databases' own addresses and --pooler none"
+    );
+    let (from, to) = (session.pool(from_url, 1)?, session.pool(to_url, 1)?);
+    let (mut from, mut to) = (from.pool().acquire().await?, to.pool().acquire().await?);
+    let moved = super::reshard::run(&mut from, &mut to, m).await?;
+    for (table, n) in &moved.rows {
+        println!("{table}: {n} rows");
+    }
+    let (first, last) = (m.range.start(), m.range.end());
+    println!("Buckets {first}-{last} {}.", moved.outcome.said());
+    Ok(())
+}
+
 /// `FIRST-LAST`, or one bucket.
 fn bucket_range(s: &str) -> Result<(u32, u32), String> {
     let (first, last) = s.split_once('-').unwrap_or((s, s));
@@ -127,20 +182,12 @@ impl ShardsCommand {
                 dry_run,
                 session,
             } => {
-                let from = session.pool(from_url, 1)?;
-                let to = session.pool(to_url, 1)?;
-                let (mut from, mut to) = (from.acquire().await?, to.acquire().await?);
                 let m = super::reshard::Move {
                     range: range.0..=range.1,
                     extra: tables,
                     dry_run: *dry_run,
                 };
-                let moved = super::reshard::run(&mut from, &mut to, &m).await?;
-                for (table, n) in &moved.rows {
-                    println!("{table}: {n} rows");
-                }
-                println!("Buckets {}-{} {}.", range.0, range.1, moved.outcome.said());
-                Ok(())
+                move_buckets(session, (from_url, to_url), &m).await
             }
             Self::Check { database, tables } => {
                 let shards = database.shards(1)?;

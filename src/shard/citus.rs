@@ -6,8 +6,8 @@
 //! The tables that belong to no event (the operator's audit, the prune horizons, the
 //! destinations' breakers) become reference tables, copied to every worker.
 
+use crate::db::Db;
 use anyhow::Context as _;
-use sqlx::PgPool;
 
 /// The distributed tables, referenced before referencing (Citus distributes a table's foreign
 /// keys' targets first), each co-located with `processed_events`.
@@ -66,7 +66,7 @@ pub fn statements(shard_count: usize) -> Vec<String> {
 /// Distributes the tables of a migrated database on a Citus coordinator; tables already
 /// distributed are left as they are, so it can run again. Refused, with why, where the Citus
 /// extension is not installed.
-pub async fn distribute(pool: &PgPool, shard_count: usize) -> anyhow::Result<()> {
+pub async fn distribute(pool: &Db, shard_count: usize) -> anyhow::Result<()> {
     let version: Option<String> =
         sqlx::query_scalar("SELECT extversion FROM pg_extension WHERE extname = 'citus'")
             .fetch_optional(pool)

@@ -154,15 +154,15 @@ pub struct Refused {
 pub fn pool(
     url: &crate::db::DatabaseUrl,
     max_connections: u32,
-    limits: crate::db::Limits,
-    schema: &crate::db::Schema,
+    session: &crate::db::Session,
     expected: Expected,
-) -> anyhow::Result<sqlx::PgPool> {
-    let (options, pool) = crate::db::pool_options(url, max_connections, limits, schema)?;
+) -> anyhow::Result<crate::db::Db> {
+    let (options, pool) = crate::db::pool_options(url, max_connections, session)?;
+    let on_connect = session.clone();
     let pool = pool.after_connect(move |conn, _| {
-        let expected = expected.clone();
+        let (expected, session) = (expected.clone(), on_connect.clone());
         Box::pin(async move {
-            check(conn, &expected)
+            check_on(conn, &session, &expected)
                 .await
                 .map_err(|e| {
                     tracing::error!(error = %format!("{e:#}"), "A database connection was refused: it does not hold the buckets this process's list gives it.");
@@ -170,7 +170,20 @@ pub fn pool(
                 })
         })
     });
-    Ok(pool.connect_lazy_with(options))
+    Ok(session.wrap(pool.connect_lazy_with(options)))
+}
+
+/// [`check`] in a transaction of its own, as `session` begins them (behind a pooler, a
+/// statement outside a transaction may reach another server connection halfway).
+pub async fn check_on(
+    conn: &mut PgConnection,
+    session: &crate::db::Session,
+    expected: &Expected,
+) -> anyhow::Result<()> {
+    let mut tx = session.begin_on(conn).await?;
+    check(&mut tx, expected).await?;
+    tx.commit().await?;
+    Ok(())
 }
 
 /// What the database records; None when nothing was recorded yet, or when it has not been

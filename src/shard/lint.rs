@@ -4,7 +4,7 @@
 //! by byte (`COLLATE "C"`), so that a row's shard and its uniqueness never depend on anything
 //! but its route key and the bytes of its keys.
 
-use sqlx::PgPool;
+use crate::db::Db;
 
 /// One rule a table breaks.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
@@ -26,7 +26,7 @@ const KEY_COLUMNS: &[&str] = &["event_key", "route_key"];
 
 /// The findings on replayproof's distributed tables in the session's schema, then on `extra`
 /// (an application's effect tables, `schema.table` or a name on the search path).
-pub async fn check(pool: &PgPool, extra: &[String]) -> anyhow::Result<Vec<Finding>> {
+pub async fn check(pool: &Db, extra: &[String]) -> anyhow::Result<Vec<Finding>> {
     let schema: String = sqlx::query_scalar("SELECT current_schema()")
         .fetch_one(pool)
         .await?;
@@ -43,7 +43,7 @@ pub async fn check(pool: &PgPool, extra: &[String]) -> anyhow::Result<Vec<Findin
 }
 
 /// The findings on one table.
-async fn check_table(pool: &PgPool, table: &str) -> anyhow::Result<Vec<Finding>> {
+async fn check_table(pool: &Db, table: &str) -> anyhow::Result<Vec<Finding>> {
     let problems = match unshardable(pool, table).await? {
         Some(problem) => vec![problem],
         None => key_problems(pool, table).await?,
@@ -58,7 +58,7 @@ async fn check_table(pool: &PgPool, table: &str) -> anyhow::Result<Vec<Finding>>
 }
 
 /// Why the table cannot be sharded at all: there is no such table, or it has no `route_key`.
-async fn unshardable(pool: &PgPool, table: &str) -> sqlx::Result<Option<String>> {
+async fn unshardable(pool: &Db, table: &str) -> sqlx::Result<Option<String>> {
     let exists: bool = sqlx::query_scalar("SELECT to_regclass($1) IS NOT NULL")
         .bind(table)
         .fetch_one(pool)
@@ -82,7 +82,7 @@ async fn unshardable(pool: &PgPool, table: &str) -> sqlx::Result<Option<String>>
 
 /// What keeps a table with a `route_key` from holding its keys shard by shard: unique indexes
 /// and foreign keys without it, and key columns not compared byte by byte.
-async fn key_problems(pool: &PgPool, table: &str) -> sqlx::Result<Vec<String>> {
+async fn key_problems(pool: &Db, table: &str) -> sqlx::Result<Vec<String>> {
     let mut problems = Vec::new();
     for index in unique_without_route(pool, table).await? {
         problems.push(format!(
@@ -106,7 +106,7 @@ async fn key_problems(pool: &PgPool, table: &str) -> sqlx::Result<Vec<String>> {
 }
 
 /// The table's unique indexes (its primary key included) that leave out `route_key`.
-async fn unique_without_route(pool: &PgPool, table: &str) -> sqlx::Result<Vec<String>> {
+async fn unique_without_route(pool: &Db, table: &str) -> sqlx::Result<Vec<String>> {
     sqlx::query_scalar(
         r#"SELECT i.relname::text FROM pg_index x JOIN pg_class i ON i.oid = x.indexrelid
            WHERE x.indrelid = to_regclass($1) AND x.indisunique
@@ -121,7 +121,7 @@ async fn unique_without_route(pool: &PgPool, table: &str) -> sqlx::Result<Vec<St
 }
 
 /// The table's foreign keys that do not pair its `route_key` with the referenced table's.
-async fn foreign_keys_without_route(pool: &PgPool, table: &str) -> sqlx::Result<Vec<String>> {
+async fn foreign_keys_without_route(pool: &Db, table: &str) -> sqlx::Result<Vec<String>> {
     sqlx::query_scalar(
         r#"SELECT c.conname::text FROM pg_constraint c
            WHERE c.conrelid = to_regclass($1) AND c.contype = 'f'
@@ -138,7 +138,7 @@ async fn foreign_keys_without_route(pool: &PgPool, table: &str) -> sqlx::Result<
 }
 
 /// The table's key columns ([`KEY_COLUMNS`]) whose collation is not `"C"`.
-async fn not_c_collated(pool: &PgPool, table: &str) -> sqlx::Result<Vec<(String, String)>> {
+async fn not_c_collated(pool: &Db, table: &str) -> sqlx::Result<Vec<(String, String)>> {
     sqlx::query_as(
         r#"SELECT a.attname::text, coalesce(co.collname, 'none')::text
            FROM pg_attribute a LEFT JOIN pg_collation co ON co.oid = a.attcollation

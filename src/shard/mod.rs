@@ -17,7 +17,7 @@ pub mod lint;
 mod open;
 pub mod reshard;
 
-use sqlx::PgPool;
+use crate::db::Db;
 use std::ops::Range;
 use std::sync::Arc;
 
@@ -177,7 +177,7 @@ impl Layout {
 #[derive(Clone)]
 pub struct Shards {
     layout: Layout,
-    pools: Arc<[PgPool]>,
+    pools: Arc<[Db]>,
     /// The shards whose pool is a distinct database (all of them, or only the first with
     /// Citus).
     distinct: Arc<[usize]>,
@@ -192,9 +192,9 @@ impl std::fmt::Debug for Shards {
     }
 }
 
-impl From<PgPool> for Shards {
+impl From<Db> for Shards {
     /// A single database.
-    fn from(pool: PgPool) -> Self {
+    fn from(pool: Db) -> Self {
         Self {
             layout: Layout::default(),
             pools: Arc::from(vec![pool]),
@@ -205,7 +205,7 @@ impl From<PgPool> for Shards {
 
 impl Shards {
     /// One pool per shard, in the layout's order.
-    pub fn new(layout: Layout, pools: Vec<PgPool>) -> Result<Self, LayoutError> {
+    pub fn new(layout: Layout, pools: Vec<Db>) -> Result<Self, LayoutError> {
         if pools.len() != layout.shards() {
             return Err(LayoutError::Uneven {
                 shards: pools.len(),
@@ -222,11 +222,7 @@ impl Shards {
     /// Citus: `shard_count` shards of the distributed tables, all reached through the
     /// coordinator's pool. Each part of a batch is then one shard's transaction, which Citus
     /// routes to one worker without two-phase commit.
-    pub fn citus(
-        coordinator: PgPool,
-        buckets: u32,
-        shard_count: usize,
-    ) -> Result<Self, LayoutError> {
+    pub fn citus(coordinator: Db, buckets: u32, shard_count: usize) -> Result<Self, LayoutError> {
         let layout = Layout::new(buckets, shard_count)?;
         Ok(Self {
             layout,
@@ -249,12 +245,12 @@ impl Shards {
     }
 
     /// The pool of shard `i`.
-    pub fn pool(&self, i: usize) -> &PgPool {
+    pub fn pool(&self, i: usize) -> &Db {
         &self.pools[i]
     }
 
     /// The first shard's pool: it also holds every dead letter.
-    pub fn first(&self) -> &PgPool {
+    pub fn first(&self) -> &Db {
         &self.pools[0]
     }
 
@@ -265,7 +261,7 @@ impl Shards {
 
     /// Each distinct database once, with the first shard it serves (with Citus, only the
     /// coordinator): what a fan-out reads or a migration runs on.
-    pub fn databases(&self) -> impl Iterator<Item = (usize, &PgPool)> + '_ {
+    pub fn databases(&self) -> impl Iterator<Item = (usize, &Db)> + '_ {
         self.distinct.iter().map(|&i| (i, &self.pools[i]))
     }
 
@@ -277,7 +273,7 @@ impl Shards {
     /// The database holding `key`'s claim (or its expired replay), asking each: a key routed by
     /// a tenant field lives on its tenant's shard. With one database, that one. Refused when more
     /// than one holds it (its source's route was changed); None when none does.
-    pub async fn holding(&self, key: &str) -> anyhow::Result<Option<PgPool>> {
+    pub async fn holding(&self, key: &str) -> anyhow::Result<Option<Db>> {
         if !self.is_multi_primary() {
             return Ok(Some(self.first().clone()));
         }
@@ -297,7 +293,7 @@ impl Shards {
     }
 
     /// Every distinct database's pool, in order.
-    pub fn pools(&self) -> Vec<PgPool> {
+    pub fn pools(&self) -> Vec<Db> {
         self.databases().map(|(_, pool)| pool.clone()).collect()
     }
 

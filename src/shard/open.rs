@@ -14,15 +14,15 @@ impl SessionArgs {
         url: &DatabaseUrl,
         max_connections: u32,
         expected: holdings::Expected,
-    ) -> anyhow::Result<sqlx::PgPool> {
-        holdings::pool(url, max_connections, self.limits(), &self.schema, expected)
+    ) -> anyhow::Result<crate::db::Db> {
+        holdings::pool(url, max_connections, &self.session(), expected)
     }
 }
 
 impl DatabaseArgs {
     /// A pool of the database, for commands that run on one: with several databases, the one
     /// `--shard` names (a command that reads a single database must be told which).
-    pub fn pool(&self, max_connections: u32) -> anyhow::Result<sqlx::PgPool> {
+    pub fn pool(&self, max_connections: u32) -> anyhow::Result<crate::db::Db> {
         let n = self.database_url.len();
         let i = match (n, self.shard) {
             (1, None | Some(0)) => 0,
@@ -44,7 +44,7 @@ impl DatabaseArgs {
 
     /// [`DatabaseArgs::pool`], once the database was checked to hold the buckets the list
     /// gives it ([`DatabaseArgs::check_holdings`]).
-    pub async fn open_pool(&self, max_connections: u32) -> anyhow::Result<sqlx::PgPool> {
+    pub async fn open_pool(&self, max_connections: u32) -> anyhow::Result<crate::db::Db> {
         let pool = self.pool(max_connections)?;
         self.check_holdings().await?;
         Ok(pool)
@@ -91,7 +91,7 @@ impl DatabaseArgs {
                     continue;
                 }
             };
-            holdings::check(&mut conn, &expected).await?;
+            holdings::check_on(&mut conn, &self.session.session(), &expected).await?;
             let _ = conn.close().await;
         }
         Ok(())
@@ -104,7 +104,7 @@ impl DatabaseArgs {
         &self,
         key: &str,
         max_connections: u32,
-    ) -> anyhow::Result<sqlx::PgPool> {
+    ) -> anyhow::Result<crate::db::Db> {
         self.pool_holding_key(key, max_connections)
             .await?
             .ok_or_else(|| anyhow::anyhow!("no shard holds the event {key}"))
@@ -115,7 +115,7 @@ impl DatabaseArgs {
         &self,
         key: &str,
         max_connections: u32,
-    ) -> anyhow::Result<Option<sqlx::PgPool>> {
+    ) -> anyhow::Result<Option<crate::db::Db>> {
         if self.database_url.len() == 1 || self.shard.is_some() {
             return Ok(Some(self.open_pool(max_connections).await?));
         }

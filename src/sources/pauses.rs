@@ -9,8 +9,8 @@
 //! deferred applier's next round.
 
 use crate::audit::{self, Act, Change};
+use crate::db::Db;
 use chrono::{DateTime, Utc};
-use sqlx::PgPool;
 use std::sync::Arc;
 
 /// The reason a held event's claim carries, followed by who paused its source and why.
@@ -31,7 +31,7 @@ pub struct Paused(Arc<Vec<SourcePause>>);
 
 impl Paused {
     /// The paused sources on `first` now.
-    pub async fn read(first: &PgPool) -> sqlx::Result<Self> {
+    pub async fn read(first: &Db) -> sqlx::Result<Self> {
         Ok(Self(Arc::new(list(first).await?)))
     }
 
@@ -69,7 +69,7 @@ fn target(source: &str) -> String {
 
 /// Pauses `source`: one transaction with its audit row. Pausing a paused source replaces who
 /// and why.
-pub async fn pause(first: &PgPool, source: &str, act: &Act) -> sqlx::Result<Change> {
+pub async fn pause(first: &Db, source: &str, act: &Act) -> sqlx::Result<Change> {
     let mut tx = first.begin().await?;
     let before = sqlx::query_scalar!(
         "SELECT paused_by FROM source_pauses WHERE source = $1 FOR UPDATE",
@@ -99,7 +99,7 @@ pub async fn pause(first: &PgPool, source: &str, act: &Act) -> sqlx::Result<Chan
 
 /// Resumes `source`: one transaction with its audit row. None when it is not paused, and then
 /// nothing is written.
-pub async fn resume(first: &PgPool, source: &str, act: &Act) -> sqlx::Result<Option<Change>> {
+pub async fn resume(first: &Db, source: &str, act: &Act) -> sqlx::Result<Option<Change>> {
     let mut tx = first.begin().await?;
     let gone = sqlx::query!("DELETE FROM source_pauses WHERE source = $1", source)
         .execute(&mut *tx)
@@ -114,7 +114,7 @@ pub async fn resume(first: &PgPool, source: &str, act: &Act) -> sqlx::Result<Opt
 }
 
 /// Every paused source, by name.
-pub async fn list(first: &PgPool) -> sqlx::Result<Vec<SourcePause>> {
+pub async fn list(first: &Db) -> sqlx::Result<Vec<SourcePause>> {
     let rows = sqlx::query!(
         "SELECT source, paused_by, reason, paused_at FROM source_pauses ORDER BY source"
     )

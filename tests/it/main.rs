@@ -42,6 +42,8 @@ mod ingest {
 mod output;
 /// An operator's pauses of destinations and sources, through the binaries and the console.
 mod pauses;
+/// The database reached through a transaction-mode pooler (PgBouncer): every guarantee holds.
+mod pooler;
 /// Which buckets each database holds: lists that disagree are refused, moves cut off finish.
 mod shard_layout;
 /// Claims and effects spread over several databases by route key, as Citus would shard them.
@@ -73,6 +75,7 @@ mod deploy {
     mod config_check;
     mod dev_and_demo;
     mod kubernetes;
+    mod kustomize;
     mod schema;
     mod secrets;
     mod telemetry;

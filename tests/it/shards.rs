@@ -680,7 +680,7 @@ async fn a_claim_in_a_prepared_transaction_blocks_its_competitor_until_resolved(
         let hash = hex::encode(event.payload_sha256);
         // What a Citus coordinator leaves on a worker between PREPARE and its decision: the
         // claim and its effect, written, locked and in doubt.
-        let mut coordinator = db.pool.acquire().await.unwrap();
+        let mut coordinator = db.pool.pool().acquire().await.unwrap();
         sqlx::raw_sql(&format!(
             "BEGIN;
              INSERT INTO processed_events (event_key, route_key, source, status, payload_sha256,
@@ -1165,7 +1165,7 @@ async fn splitting_two_shards_into_four_moves_each_bucket_range_once_even_when_c
 
     // Fence: a replayproof process still connected to the source stops the move.
     let straggler = replayproof::db::pool(&a.url.parse().unwrap(), 1).unwrap();
-    let held = straggler.acquire().await.unwrap();
+    let held = straggler.pool().acquire().await.unwrap();
     let (ok, said) = move_buckets(&a, &c, "256-511", None);
     assert!(
         !ok && said.contains("stop the consumers and dispatchers"),

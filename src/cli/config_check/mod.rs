@@ -133,9 +133,9 @@ fn literal(text: &str) -> String {
 /// header values and signing secret.
 fn redact_setting(section: &str, key: &str, value: &str) -> String {
     match (section, key) {
-        ("database", "url") | ("consume", "target_url") | ("consume", "reconcile_url") => {
-            redact_url(value)
-        }
+        ("database", "url" | "direct_url")
+        | ("consume", "target_url")
+        | ("consume", "reconcile_url") => redact_url(value),
         ("dispatch", "header") | ("dispatch", "headers") => "<redacted>".into(),
         _ => redacted(key, value),
     }

@@ -31,6 +31,7 @@ pub use retrying::{EffectRetry, Retrying, MAX_EFFECT_ATTEMPTS, MAX_EFFECT_BACKOF
 
 use super::settle::DeferSettings;
 use crate::claims::{self, conflicts, dead_letters, Origin};
+use crate::db::Db;
 use crate::effect::Effect;
 use crate::envelope::Event;
 use crate::shard::Shards;
@@ -40,7 +41,7 @@ use guarded::EffectFailure;
 use plan::Plan;
 use report::{Applied, Pass};
 use retrying::{Held, GUARDED_PASSES};
-use sqlx::{PgPool, Postgres, Transaction};
+use sqlx::{Postgres, Transaction};
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
@@ -68,7 +69,7 @@ type Attempts = HashMap<i64, u32>;
 #[derive(Clone, Copy)]
 struct Run<'a> {
     /// The shard's database.
-    pool: &'a PgPool,
+    pool: &'a Db,
     attempts: &'a Attempts,
     /// Whether the effect runs in savepoints from the start.
     guarded: bool,
@@ -95,7 +96,7 @@ pub struct BatchProcessor {
 }
 
 impl BatchProcessor {
-    /// A processor applying `effect` through `shards` (a `PgPool` for a single database), with
+    /// A processor applying `effect` through `shards` (a `Db` for a single database), with
     /// the default retries ([`EffectRetry::default`]) and deferral settings
     /// ([`DeferSettings::default`]).
     pub fn new(shards: impl Into<Shards>, effect: Arc<dyn Effect>) -> Self {
@@ -348,7 +349,7 @@ impl BatchProcessor {
 
     async fn transaction(
         &self,
-        pool: &PgPool,
+        pool: &Db,
         plan: &Plan<'_>,
         attempts: &Attempts,
         guarded: bool,

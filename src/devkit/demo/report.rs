@@ -26,7 +26,7 @@ pub struct Run<'a> {
 }
 
 impl Report {
-    pub async fn gather(pool: &sqlx::PgPool, run: Run<'_>) -> anyhow::Result<Self> {
+    pub async fn gather(pool: &crate::db::Db, run: Run<'_>) -> anyhow::Result<Self> {
         let rows = crate::effect::ledger::rows_per_key(pool).await?;
         let keys: Vec<String> = (0..run.options.events).map(event_key).collect();
         let effects = run.downstream.effects();

@@ -18,11 +18,11 @@ use super::readback::{self, Unreadable};
 use super::settings::{reader_tuning, RelaySettings};
 use super::store::{self, Found, Lease, Settled};
 use super::{transactions, OutputMetrics};
+use crate::db::Db;
 use crate::kafka::{client_config, Role};
 use crate::telemetry::Health;
 use anyhow::Context as _;
 use rdkafka::producer::{FutureProducer, Producer as _};
-use sqlx::PgPool;
 use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
@@ -61,7 +61,7 @@ enum Turn {
 /// The relay of one database's output records.
 pub struct Relay {
     settings: RelaySettings,
-    pool: PgPool,
+    pool: Db,
     producer: FutureProducer,
     /// With `--kafka-transactions`: the configuration each partition's producer is made of.
     transactional: Option<rdkafka::ClientConfig>,
@@ -69,7 +69,7 @@ pub struct Relay {
     reader: rdkafka::ClientConfig,
     metrics: OutputMetrics,
     /// The databases whose backlogs this relay reports as gauges.
-    gauges: Vec<PgPool>,
+    gauges: Vec<Db>,
     /// What was last said of each topic whose records cannot be partitioned: said once, not
     /// every round.
     said: std::sync::Mutex<HashMap<String, String>>,
@@ -80,7 +80,7 @@ impl Relay {
     /// Checks the settings and builds the producer.
     pub fn build(
         settings: RelaySettings,
-        pool: PgPool,
+        pool: Db,
         metrics: OutputMetrics,
         health: Health,
     ) -> anyhow::Result<Self> {
@@ -116,7 +116,7 @@ impl Relay {
     }
 
     /// Reports the gauges of `databases` (the first shard's relay reports every database's).
-    pub fn reporting(mut self, databases: Vec<PgPool>) -> Self {
+    pub fn reporting(mut self, databases: Vec<Db>) -> Self {
         self.gauges = databases;
         self
     }

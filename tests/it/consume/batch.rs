@@ -25,7 +25,7 @@ fn processor(db: &TestDb, effect: Arc<dyn Effect>) -> BatchProcessor {
 }
 
 /// A processor writing through `pool`, with quick retries.
-fn processor_on(pool: sqlx::PgPool, effect: Arc<dyn Effect>) -> BatchProcessor {
+fn processor_on(pool: replayproof::db::Db, effect: Arc<dyn Effect>) -> BatchProcessor {
     BatchProcessor::new(pool, effect).with_retry(EffectRetry {
         attempts: 3,
         backoff: Duration::from_millis(5),
@@ -461,7 +461,7 @@ async fn read_only_database_fails_the_batch_and_settles_nothing() {
     .execute(&mut admin)
     .await
     .unwrap();
-    let read_only = sqlx::PgPool::connect(&db.url).await.unwrap();
+    let read_only = replayproof::db::Db::from(sqlx::PgPool::connect(&db.url).await.unwrap());
     let p = processor_on(read_only, Arc::new(Ledger));
     let batch = [message(0, "a", json!(1))];
     let result = p.process("t", 0, &batch).await;
@@ -481,7 +481,7 @@ async fn read_only_database_fails_the_batch_and_settles_nothing() {
     .await
     .unwrap();
     let writable = processor_on(
-        sqlx::PgPool::connect(&db.url).await.unwrap(),
+        replayproof::db::Db::from(sqlx::PgPool::connect(&db.url).await.unwrap()),
         Arc::new(Ledger),
     );
     assert_eq!(writable.process("t", 0, &batch).await.unwrap().applied, 1);

@@ -1,14 +1,14 @@
 //! A fresh, migrated database per test, and what tests read from it.
 
 use super::*;
+use replayproof::db::Db;
 use replayproof::devkit::embedded::EmbeddedPostgres;
-use sqlx::PgPool;
 use std::collections::HashMap;
 use std::time::Duration;
 
 /// A migrated database of its own for one test.
 pub struct TestDb {
-    pub pool: PgPool,
+    pub pool: Db,
     pub url: String,
     /// The cluster behind it when the test started one (no `DATABASE_URL`, or a restart test).
     pub cluster: Option<EmbeddedPostgres>,
@@ -88,7 +88,9 @@ impl TestDb {
 /// Creates a database of a unique name on the server `admin` points at; returns its URL.
 async fn create_database(admin: &str) -> String {
     let name = unique("rp_test");
-    let admin_pool = PgPool::connect(admin).await.expect("connect to PostgreSQL");
+    let admin_pool = sqlx::PgPool::connect(admin)
+        .await
+        .expect("connect to PostgreSQL");
     sqlx::query(&format!("CREATE DATABASE {name}"))
         .execute(&admin_pool)
         .await
@@ -99,13 +101,14 @@ async fn create_database(admin: &str) -> String {
     url.to_string()
 }
 
-async fn connect(url: &str) -> PgPool {
+async fn connect(url: &str) -> Db {
     sqlx::postgres::PgPoolOptions::new()
         .max_connections(8)
         .acquire_timeout(Duration::from_secs(5))
         .connect(url)
         .await
         .expect("connect to the test database")
+        .into()
 }
 
 /// Waits until every row of `expected` keys is in the ledger, then checks one row per key and

@@ -3,8 +3,8 @@
 
 use super::*;
 use replayproof::consume::{self, BatchProcessor, ConsumeMetrics, ConsumerSettings, EffectRetry};
+use replayproof::db::Db;
 use replayproof::effect::{Effect, Ledger};
-use sqlx::PgPool;
 use std::process::Stdio;
 use std::sync::Arc;
 use std::time::Duration;
@@ -18,11 +18,11 @@ pub struct InProcessConsumer {
 }
 
 impl InProcessConsumer {
-    pub fn start(settings: ConsumerSettings, pool: PgPool) -> Self {
+    pub fn start(settings: ConsumerSettings, pool: Db) -> Self {
         Self::with_effect(settings, pool, Arc::new(Ledger))
     }
 
-    pub fn with_effect(settings: ConsumerSettings, pool: PgPool, effect: Arc<dyn Effect>) -> Self {
+    pub fn with_effect(settings: ConsumerSettings, pool: Db, effect: Arc<dyn Effect>) -> Self {
         let processor = BatchProcessor::new(pool, effect).with_retry(EffectRetry {
             attempts: 3,
             backoff: Duration::from_millis(10),

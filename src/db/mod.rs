@@ -8,6 +8,9 @@ use std::fmt;
 use std::str::FromStr;
 use std::time::Duration;
 
+mod pooled;
+pub use pooled::{Db, Pooler};
+
 /// The buckets a deployment is split into unless it says otherwise (`[database] buckets`):
 /// fixed for the life of the data, and a power of two so that any power-of-two number of
 /// shards up to it splits them evenly ([`crate::shard::Layout`]).
@@ -115,28 +118,55 @@ impl Limits {
 /// A pool that connects lazily, so a process starts while PostgreSQL is down and carries on by
 /// itself once it is back. Acquiring a connection gives up after a few seconds, so a batch
 /// fails and is retried rather than hanging. Sessions run under the default [`Limits`].
-pub fn pool(url: &DatabaseUrl, max_connections: u32) -> anyhow::Result<PgPool> {
+pub fn pool(url: &DatabaseUrl, max_connections: u32) -> anyhow::Result<Db> {
     pool_with(url, max_connections, Limits::default())
 }
 
 /// Like [`pool`], with the given time limits.
-pub fn pool_with(
-    url: &DatabaseUrl,
-    max_connections: u32,
-    limits: Limits,
-) -> anyhow::Result<PgPool> {
-    pool_in(url, max_connections, limits, &Schema::default())
+pub fn pool_with(url: &DatabaseUrl, max_connections: u32, limits: Limits) -> anyhow::Result<Db> {
+    let session = Session {
+        limits,
+        ..Session::default()
+    };
+    pool_in(url, max_connections, &session)
 }
 
-/// Like [`pool_with`], with replayproof's tables in `schema`.
-pub fn pool_in(
-    url: &DatabaseUrl,
-    max_connections: u32,
-    limits: Limits,
-    schema: &Schema,
-) -> anyhow::Result<PgPool> {
-    let (options, pool) = pool_options(url, max_connections, limits, schema)?;
-    Ok(pool.connect_lazy_with(options))
+/// Like [`pool_with`], with every setting of the session.
+pub fn pool_in(url: &DatabaseUrl, max_connections: u32, session: &Session) -> anyhow::Result<Db> {
+    let (options, pool) = pool_options(url, max_connections, session)?;
+    Ok(session.wrap(pool.connect_lazy_with(options)))
+}
+
+/// What every session of a process runs under: its time limits, the schema of replayproof's
+/// tables, and whether a transaction-mode pooler stands in front of PostgreSQL.
+#[derive(Debug, Clone, Default)]
+pub struct Session {
+    pub limits: Limits,
+    pub schema: Schema,
+    pub pooler: Pooler,
+}
+
+impl Session {
+    /// `pool`, built from [`pool_options`] with this session, as the handle commands use.
+    pub(crate) fn wrap(&self, pool: PgPool) -> Db {
+        Db::new(pool, self.pooler, self.limits, &self.schema)
+    }
+
+    /// A transaction on a connection of its own (not from a [`Db`]), carrying the session's
+    /// settings behind a pooler as [`Db::begin`] does.
+    pub(crate) async fn begin_on<'c>(
+        &self,
+        conn: &'c mut sqlx::PgConnection,
+    ) -> sqlx::Result<sqlx::Transaction<'c, sqlx::Postgres>> {
+        use sqlx::Connection as _;
+        match self.pooler {
+            Pooler::None => conn.begin().await,
+            Pooler::Transaction => {
+                conn.begin_with(pooled::begin_statement(self.limits, &self.schema))
+                    .await
+            }
+        }
+    }
 }
 
 /// Where a URL points, for messages: host, port and database, never a password.
@@ -153,20 +183,29 @@ pub fn describe(url: &DatabaseUrl) -> String {
 }
 
 /// The connection and pool options [`pool_in`] uses, for pools that add their own hooks.
+///
+/// Behind a transaction-mode pooler no session setting is sent (the pooler refuses the
+/// `options` startup parameter; each transaction sets them instead, see [`Db`]) and sqlx's
+/// statement cache is off, since a statement prepared in one transaction may be missing, or be
+/// another client's, in the next.
 pub(crate) fn pool_options(
     url: &DatabaseUrl,
     max_connections: u32,
-    limits: Limits,
-    schema: &Schema,
+    session: &Session,
 ) -> anyhow::Result<(PgConnectOptions, PgPoolOptions)> {
     let options = PgConnectOptions::from_str(url.expose())?;
     if let Some(warning) = unverified_tls(&options) {
         tracing::warn!(warning, "The database connection is not verified.");
     }
-    let options = options
-        .application_name("replayproof")
-        .options(limits.settings())
-        .options([("search_path", schema.search_path())]);
+    let options = options.application_name("replayproof");
+    let options = match session.pooler {
+        Pooler::None => options
+            .options(session.limits.settings())
+            .options([("search_path", session.schema.search_path())]),
+        Pooler::Transaction => options
+            .statement_cache_capacity(0)
+            .extra_float_digits(None::<i8>),
+    };
     // No ping before each acquire (a round trip per transaction): a connection that died while
     // idle fails its first statement instead, and the batch is retried on a fresh one.
     let pool = PgPoolOptions::new()
@@ -259,7 +298,7 @@ impl fmt::Display for Schema {
 }
 
 impl Schema {
-    fn search_path(&self) -> String {
+    pub(crate) fn search_path(&self) -> String {
         if self.0 == "public" {
             "public".into()
         } else {
@@ -271,7 +310,7 @@ impl Schema {
 /// An error from a pool, with the reason when it is only "timed out": the pool keeps no
 /// connection's error, so one direct connection asks PostgreSQL why (refused, no such host, a
 /// password it did not take). For a command's first statement, so its error names the cause.
-pub async fn with_cause(pool: &PgPool, error: sqlx::Error) -> anyhow::Error {
+pub async fn with_cause(pool: &Db, error: sqlx::Error) -> anyhow::Error {
     use sqlx::Connection as _;
     if matches!(error, sqlx::Error::PoolTimedOut) {
         let options = pool.connect_options();
@@ -283,7 +322,18 @@ pub async fn with_cause(pool: &PgPool, error: sqlx::Error) -> anyhow::Error {
 }
 
 /// Creates the pool's schema when missing and applies every pending migration there.
-pub async fn migrate(pool: &PgPool) -> anyhow::Result<()> {
+///
+/// Refused behind a transaction-mode pooler: the migrations hold a session-level lock (so that
+/// two runs at once apply each migration once) that such a pooler cannot keep.
+pub async fn migrate(pool: &Db) -> anyhow::Result<()> {
+    if pool.pooler() == Pooler::Transaction {
+        anyhow::bail!(
+            "migrate needs a direct connection to PostgreSQL, not the transaction-mode pooler \
+             `[database] pooler` names: set `[database] direct_url` (or \
+             --direct-database-url, REPLAYPROOF_DIRECT_DATABASE_URL) to the database's own \
+             address (docs/production.md, \"Connection poolers\")"
+        );
+    }
     let search_path: String = match sqlx::query_scalar("SELECT current_setting('search_path')")
         .fetch_one(pool)
         .await
@@ -302,11 +352,14 @@ pub async fn migrate(pool: &PgPool) -> anyhow::Result<()> {
         .execute(pool)
         .await
         .with_context(|| format!("creating the schema {schema}"))?;
-    MIGRATOR.run(pool).await.context("applying migrations")
+    MIGRATOR
+        .run(pool.pool())
+        .await
+        .context("applying migrations")
 }
 
 /// [`migrate`], then an application's own `extra` SQL (each safe to run again), in order.
-pub async fn migrate_with(pool: &PgPool, extra: &[&str]) -> anyhow::Result<()> {
+pub async fn migrate_with(pool: &Db, extra: &[&str]) -> anyhow::Result<()> {
     migrate(pool).await?;
     for sql in extra {
         sqlx::raw_sql(sql)
