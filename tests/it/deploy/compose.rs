@@ -1,7 +1,7 @@
 //! The deployment files: the compose file against the Compose specification's JSON schema
 //! (tests/fixtures/compose-spec.json), and everything they configure against the code.
 
-use crate::harness::stdout_of;
+use crate::harness::{stdout_of, TestDb};
 use std::collections::BTreeSet;
 use std::process::Command;
 
@@ -80,7 +80,7 @@ fn every_setting_a_service_gets_is_one_its_command_reads() {
     let names: BTreeSet<&str> = services.iter().map(|(n, _, _)| n.as_str()).collect();
     assert_eq!(
         names,
-        BTreeSet::from(["consume", "dispatch", "ingest", "migrate"])
+        BTreeSet::from(["console", "consume", "dispatch", "ingest", "migrate"])
     );
     for (name, command, env) in &services {
         let help = Command::new(env!("CARGO_BIN_EXE_replayproof"))
@@ -110,21 +110,25 @@ fn every_setting_a_service_gets_is_one_its_command_reads() {
 }
 
 #[test]
-fn ingest_gets_every_secret_its_sources_file_names() {
-    let services = replayproof_services();
-    let (_, _, env) = services.iter().find(|(n, _, _)| n == "ingest").unwrap();
-    let file = replayproof::ingest::config::FileConfig::load(std::path::Path::new(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/replayproof.example.toml"
-    )))
-    .unwrap();
-    let sources = file
-        .sources_with(|var| {
-            env.contains(&var.to_owned())
-                .then(|| "whsec_c2VjcmV0LW9mLWF0LWxlYXN0LTE2LWJ5dGVz".to_owned())
-        })
-        .unwrap();
+fn ingest_gets_every_secret_its_sources_file_names_with_development_values() {
+    let services = resolved_compose(&compose_text(), &[]).doc;
+    let env = &services["services"]["ingest"]["environment"];
+    let secret = |var: &str| env[var].as_str().map(str::to_owned);
+    let example = || {
+        replayproof::ingest::config::FileConfig::load(std::path::Path::new(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/replayproof.example.toml"
+        )))
+        .unwrap()
+    };
+    // The values compose gives, once interpolated, are secrets each source's kind accepts.
+    let sources = example().sources_with(secret).unwrap();
     assert_eq!(sources.len(), 6);
+    // And each one is needed: without it, the ingress would not start.
+    for name in ["STRIPE_WEBHOOK_SECRET", "ACME_WEBHOOK_SECRET"] {
+        let without = example().sources_with(|var| (var != name).then(|| secret(var)).flatten());
+        assert!(without.is_err(), "{name}");
+    }
 }
 
 /// Runs a Python script (PyYAML at hand) in the crate's folder and parses what it prints.
@@ -135,17 +139,6 @@ fn python_json<T: serde::de::DeserializeOwned>(script: &str) -> T {
             .current_dir(env!("CARGO_MANIFEST_DIR")),
     );
     serde_json::from_slice(&stdout).unwrap()
-}
-
-/// The ingest service's environment as written, before interpolation.
-fn ingest_environment() -> Vec<(String, String)> {
-    let script = r#"
-import json, yaml
-doc = yaml.safe_load(open("docker-compose.yml"))
-env = doc["services"]["ingest"]["environment"]
-print(json.dumps(sorted([k, str(v)] for k, v in env.items())))
-"#;
-    python_json(script)
 }
 
 #[test]
@@ -160,7 +153,7 @@ for name, s in doc["services"].items():
 print(json.dumps(out))
 "#;
     let services: std::collections::BTreeMap<String, (String, Vec<String>)> = python_json(script);
-    for role in ["ingest", "consume", "dispatch"] {
+    for role in ["ingest", "consume", "dispatch", "console"] {
         // Passed through, empty when unset: nothing is exported then.
         assert_eq!(
             services[role].0, "${OTEL_EXPORTER_OTLP_ENDPOINT:-}",
@@ -173,24 +166,384 @@ print(json.dumps(out))
     assert!(header.contains("docker compose --profile tracing up"));
 }
 
-#[test]
-fn compose_refuses_to_start_without_real_secrets() {
-    let secrets: Vec<(String, String)> = ingest_environment()
-        .into_iter()
-        .filter(|(k, _)| k.contains("SECRET"))
-        .collect();
-    assert_eq!(secrets.len(), 6, "{secrets:?}");
-    for (name, value) in secrets {
-        // `${VAR:?message}`: Compose stops with the message when VAR is unset or empty.
-        let required = format!("${{{name}:?");
-        assert!(
-            value.starts_with(&required)
-                && value.ends_with('}')
-                && value.len() > required.len() + 1,
-            "{name} must be required with a message, not defaulted: {value}"
-        );
-        assert!(value.contains(&name), "the message names {name}: {value}");
+/// Compose's interpolation of a compose file, as `docker compose` does it before anything
+/// runs: `$$` is a `$`; `${VAR}` and `$VAR` need VAR set; `${VAR:-default}` and
+/// `${VAR-default}` fall back; `${VAR:?message}` and `${VAR?message}` stop compose when VAR is
+/// unset; `${VAR:+text}` and `${VAR+text}` give text when it is set. Applied to every string
+/// value (keys and comments are not interpolated) with only `env` set, as with nothing exported
+/// and no .env file.
+const INTERPOLATE: &str = r#"
+import json, re, sys, yaml
+env = dict(json.loads(sys.argv[1]))
+errors, variables = [], {}
+NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+def interpolate(s):
+    out, i = [], 0
+    while i < len(s):
+        if s[i] != "$":
+            out.append(s[i]); i += 1; continue
+        rest = s[i + 1:]
+        if rest.startswith("$"):
+            out.append("$"); i += 2; continue
+        if rest.startswith("{"):
+            end = s.find("}", i)
+            body = s[i + 2:end] if end > 0 else ""
+            m = re.fullmatch(r"([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?+])(.*))?", body, re.S)
+            if end < 0 or not m or "$" in (m.group(3) or ""):
+                errors.append("not an interpolation compose reads here: " + s[i:end + 1])
+                return s
+            name, op, arg = m.groups()
+            i = end + 1
+        else:
+            m = NAME.match(rest)
+            if not m:
+                errors.append("a lone $ (write $$): " + s)
+                return s
+            name, op, arg = m.group(0), None, None
+            i += 1 + len(name)
+        value = env.get(name)
+        variables.setdefault(name, arg if op in (":-", "-") else None)
+        if op is None and value is None:
+            errors.append(name + " is unset and has no default")
+        elif op in (":?", "?") and not (value or (op == "?" and value is not None)):
+            errors.append(name + " is required: " + (arg or ""))
+        elif op == ":-":
+            out.append(value if value else arg)
+        elif op == "-":
+            out.append(value if value is not None else arg)
+        elif op == ":+":
+            out.append(arg if value else "")
+        elif op == "+":
+            out.append(arg if value is not None else "")
+        else:
+            out.append(value or "")
+    return "".join(out)
+def walk(node):
+    if isinstance(node, dict):
+        return {k: walk(v) for k, v in node.items()}
+    if isinstance(node, list):
+        return [walk(v) for v in node]
+    if isinstance(node, str):
+        return interpolate(node)
+    return node
+doc = walk(yaml.safe_load(sys.stdin.read()))
+print(json.dumps({"errors": errors, "variables": variables, "doc": doc}))
+"#;
+
+/// A compose file as Compose runs it with only `env` set.
+#[derive(serde::Deserialize)]
+struct Resolved {
+    /// Why Compose would refuse to start.
+    errors: Vec<String>,
+    /// Every variable it reads, with its default when it has one.
+    variables: std::collections::BTreeMap<String, Option<String>>,
+    /// The file with every value interpolated (anchors and merge keys resolved).
+    doc: serde_json::Value,
+}
+
+fn resolved_compose(yaml: &str, env: &[(&str, &str)]) -> Resolved {
+    let env = serde_json::to_string(env).unwrap();
+    let mut child = Command::new("python3")
+        .args(["-c", INTERPOLATE, &env])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("python3");
+    use std::io::Write as _;
+    let mut stdin = child.stdin.take().unwrap();
+    stdin.write_all(yaml.as_bytes()).unwrap();
+    drop(stdin);
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "the interpolation did not run");
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// `.env.example`'s variables and values, as Compose reads a `.env` file.
+fn env_example(text: &str) -> std::collections::BTreeMap<String, String> {
+    text.lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && !l.starts_with('#'))
+        .map(|l| {
+            let (name, value) = l
+                .split_once('=')
+                .unwrap_or_else(|| panic!("not NAME=value: {l}"));
+            (name.trim().to_owned(), value.trim().to_owned())
+        })
+        .collect()
+}
+
+fn env_example_text() -> String {
+    std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/.env.example")).unwrap()
+}
+
+/// What is wrong between a compose file and an .env.example: a variable Compose would stop
+/// on, one without a default, one .env.example does not list, or lists with another value.
+fn env_problems(compose: &str, example: &str) -> Vec<String> {
+    let resolved = resolved_compose(compose, &[]);
+    let listed = env_example(example);
+    let mut problems = resolved.errors;
+    for (name, default) in &resolved.variables {
+        match (default, listed.get(name)) {
+            (_, None) => problems.push(format!("{name} is not in .env.example")),
+            (Some(default), Some(value)) if default != value => problems.push(format!(
+                "{name}: .env.example says {value:?}, the compose file's default is {default:?}"
+            )),
+            _ => {}
+        }
     }
+    for name in listed.keys() {
+        if !resolved.variables.contains_key(name) {
+            problems.push(format!(
+                "{name} is in .env.example but the compose file never reads it"
+            ));
+        }
+    }
+    problems
+}
+
+#[test]
+fn compose_starts_with_nothing_exported_and_env_example_lists_its_defaults() {
+    let (compose, example) = (compose_text(), env_example_text());
+    assert_eq!(env_problems(&compose, &example), Vec::<String>::new());
+    // Every value is plain text: a `$` in .env would be interpolated again.
+    assert!(!example
+        .lines()
+        .any(|l| !l.starts_with('#') && l.contains('$')));
+    // The secrets are `replayproof dev`'s, so one signer serves both; the others and the
+    // console's password say they are development ones.
+    for (name, value) in env_example(&example) {
+        let dev = replayproof::devkit::sources::DEV_SOURCES
+            .iter()
+            .find(|source| source.secret_env == name);
+        match dev {
+            Some(source) => assert_eq!(value, source.fallback, "{name}"),
+            None if name.contains("SECRET") || name.starts_with("CONSOLE_") => {
+                assert!(
+                    value.contains("dev"),
+                    "{name}={value} is not plainly for development"
+                )
+            }
+            None => {}
+        }
+    }
+    // A required variable, one without a default, one .env.example lacks or disagrees
+    // with: each is caught.
+    let required = compose.replace(
+        "${GITHUB_WEBHOOK_SECRET:-dev-secret-for-replayproof}",
+        "${GITHUB_WEBHOOK_SECRET:?set it}",
+    );
+    assert_ne!(required, compose);
+    let problems = env_problems(&required, &example);
+    assert!(
+        problems
+            .iter()
+            .any(|p| p.contains("GITHUB_WEBHOOK_SECRET is required")),
+        "{problems:?}"
+    );
+    let bare = compose.replace(
+        "${CONSOLE_PASSWORD:-dev-password-not-secret}",
+        "${CONSOLE_PASSWORD}",
+    );
+    let problems = env_problems(&bare, &example);
+    assert!(
+        problems
+            .iter()
+            .any(|p| p.contains("CONSOLE_PASSWORD is unset")),
+        "{problems:?}"
+    );
+    let lacking: String = example
+        .lines()
+        .filter(|l| !l.starts_with("SLACK_SIGNING_SECRET="))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    let problems = env_problems(&compose, &lacking);
+    assert_eq!(problems, ["SLACK_SIGNING_SECRET is not in .env.example"]);
+    let other = example.replace(
+        "CONSOLE_PASSWORD=dev-password-not-secret",
+        "CONSOLE_PASSWORD=x",
+    );
+    assert_eq!(env_problems(&compose, &other).len(), 1);
+    let lone = compose.replace("exec replayproof \"$$@\"", "exec replayproof \"$@\"");
+    assert_ne!(lone, compose);
+    assert!(!resolved_compose(&lone, &[]).errors.is_empty());
+}
+
+/// The console service as Compose would start it: its entrypoint, command and environment,
+/// interpolated with nothing exported.
+fn console_service() -> (Vec<String>, Vec<(String, String)>, Vec<String>) {
+    let doc = resolved_compose(&compose_text(), &[]).doc;
+    let console = &doc["services"]["console"];
+    let strings = |v: &serde_json::Value| -> Vec<String> {
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|s| s.as_str().unwrap().to_owned())
+            .collect()
+    };
+    let mut argv = strings(&console["entrypoint"]);
+    argv.extend(strings(&console["command"]));
+    let env = console["environment"]
+        .as_object()
+        .unwrap()
+        .iter()
+        .map(|(k, v)| (k.clone(), v.as_str().unwrap_or_default().to_owned()))
+        .collect();
+    (argv, env, strings(&console["ports"]))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_console_service_starts_with_its_compose_settings_and_prints_a_login_that_works() {
+    let (argv, env, ports) = console_service();
+    assert_eq!(ports, ["127.0.0.1:9480:9480"]);
+    let listen = env
+        .iter()
+        .find(|(k, _)| k == "REPLAYPROOF_CONSOLE_LISTEN")
+        .unwrap();
+    assert_eq!(listen.1, "0.0.0.0:9480", "the published port");
+    // The service's own command and environment, with only the addresses of the compose
+    // network replaced by the test's: the database, the broker and a free port.
+    let db = TestDb::new().await;
+    let kafka = crate::harness::TestKafka::for_processes();
+    let port = crate::harness::free_port();
+    let tmp = tempfile::tempdir().unwrap();
+    let bin = std::path::Path::new(env!("CARGO_BIN_EXE_replayproof"))
+        .parent()
+        .unwrap();
+    let mut cmd = tokio::process::Command::new(&argv[0]);
+    cmd.args(&argv[1..])
+        .env_clear()
+        .envs(env.iter().cloned())
+        .env("DATABASE_URL", &db.url)
+        .env("REPLAYPROOF_BROKERS", kafka.brokers())
+        .env("REPLAYPROOF_CONSOLE_LISTEN", format!("127.0.0.1:{port}"))
+        // The image has replayproof on its PATH, in /usr/local/bin.
+        .env("PATH", format!("{}:/usr/bin:/bin", bin.display()))
+        .env("TMPDIR", tmp.path())
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .kill_on_drop(true);
+    let mut console = cmd.spawn().expect("the console's entrypoint");
+    let mut stdout = tokio::io::BufReader::new(console.stdout.take().unwrap());
+    let mut printed = String::new();
+    use tokio::io::AsyncBufReadExt as _;
+    tokio::time::timeout(
+        std::time::Duration::from_secs(30),
+        stdout.read_line(&mut printed),
+    )
+    .await
+    .expect("the console prints its login")
+    .unwrap();
+    assert!(
+        printed.starts_with("Console: http://localhost:9480/ user dev, password "),
+        "{printed}"
+    );
+    let password = printed
+        .split("password ")
+        .nth(1)
+        .and_then(|rest| rest.split_whitespace().next())
+        .unwrap();
+    assert_eq!(password, "dev-password-not-secret");
+    let base = format!("http://127.0.0.1:{port}");
+    let http = reqwest::Client::builder()
+        .redirect(reqwest::redirect::Policy::none())
+        .build()
+        .unwrap();
+    crate::harness::wait_for(
+        "the login page",
+        std::time::Duration::from_secs(30),
+        || async {
+            http.get(format!("{base}/login"))
+                .send()
+                .await
+                .is_ok_and(|r| r.status() == 200)
+        },
+    )
+    .await;
+    let login = |password: &'static str| {
+        http.post(format!("{base}/login"))
+            .form(&[("username", "dev"), ("password", password)])
+            .send()
+    };
+    assert_eq!(
+        login("dev-password-not-secret").await.unwrap().status(),
+        303
+    );
+    assert_ne!(login("another-password").await.unwrap().status(), 303);
+    // Its health check asks the page the test just read; its lag is the consumers' group's,
+    // and a replay by time from it applies what they apply.
+    let doc = resolved_compose(&compose_text(), &[]).doc;
+    for setting in [
+        "REPLAYPROOF_GROUP",
+        "REPLAYPROOF_EFFECT",
+        "REPLAYPROOF_TOPIC",
+    ] {
+        let of = |service: &str| doc["services"][service]["environment"][setting].clone();
+        assert_eq!(of("console"), of("consume"), "{setting}");
+        assert!(of("console").is_string(), "{setting}");
+    }
+    let check = doc["services"]["console"]["healthcheck"]["test"].to_string();
+    assert!(
+        check.contains("probe") && check.contains("127.0.0.1:9480/login"),
+        "{check}"
+    );
+    console.start_kill().unwrap();
+    console.wait().await.unwrap();
+}
+
+#[test]
+fn every_role_with_a_metrics_port_is_a_prometheus_target_each_replica_of_it() {
+    let script = r#"
+import json, yaml
+doc = yaml.safe_load(open("deploy/prometheus.yml"))
+jobs = {}
+for job in doc["scrape_configs"]:
+    targets = [t for c in job.get("static_configs", []) for t in c["targets"]]
+    dns = [(n, c.get("type"), c["port"]) for c in job.get("dns_sd_configs", []) for n in c["names"]]
+    jobs[job["job_name"]] = [targets, dns]
+print(json.dumps(jobs))
+"#;
+    type Jobs = std::collections::BTreeMap<String, (Vec<String>, Vec<(String, String, u16)>)>;
+    let jobs: Jobs = python_json(script);
+    let doc = resolved_compose(&compose_text(), &[]).doc;
+    let mut scraped = BTreeSet::new();
+    for (name, command, _) in replayproof_services() {
+        let service = &doc["services"][&name];
+        if service["restart"] == "no" {
+            continue; // one-shot: migrate
+        }
+        let help = stdout_of(
+            Command::new(env!("CARGO_BIN_EXE_replayproof"))
+                .args(&command)
+                .arg("--help"),
+        );
+        if !String::from_utf8_lossy(&help).contains("env: REPLAYPROOF_METRICS_ADDR") {
+            continue; // serves no metrics
+        }
+        let addr = service["environment"]["REPLAYPROOF_METRICS_ADDR"]
+            .as_str()
+            .unwrap_or_else(|| {
+                panic!("{name} serves its metrics on 127.0.0.1, out of Prometheus' reach")
+            });
+        let (host, port) = addr.rsplit_once(':').unwrap();
+        assert_eq!(
+            host, "0.0.0.0",
+            "{name}: Prometheus reaches it from another container"
+        );
+        let port: u16 = port.parse().unwrap();
+        let job = format!("replayproof-{name}");
+        let (targets, dns) = jobs.get(&job).unwrap_or_else(|| panic!("no job {job}"));
+        // By name, every replica: the service's A records, or a target for a single one.
+        let by_dns = dns.contains(&(name.clone(), "A".to_owned(), port));
+        let by_target = targets.contains(&format!("{name}:{port}"));
+        assert!(
+            by_dns || (by_target && name != "consume"),
+            "{job}: {targets:?} {dns:?}"
+        );
+        scraped.insert(job);
+    }
+    assert!(scraped.len() >= 3, "{scraped:?}");
+    // No job watches a target that does not exist: the alert on `up` would page for it.
+    assert_eq!(jobs.keys().cloned().collect::<BTreeSet<_>>(), scraped);
 }
 
 #[test]
