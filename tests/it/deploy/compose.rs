@@ -627,3 +627,171 @@ fn the_image_ships_a_stripped_binary_with_oci_labels_of_this_version() {
         assert!(dockerfile.contains(&label), "{label}");
     }
 }
+
+/// The shell of each `RUN` of the Dockerfile's `stage`, continuation lines joined.
+fn dockerfile_runs(dockerfile: &str, stage: &str) -> Vec<String> {
+    let mut runs = Vec::new();
+    let (mut current, mut instruction) = (String::new(), String::new());
+    for line in dockerfile.lines() {
+        if line.trim_start().starts_with('#') {
+            continue;
+        }
+        instruction.push_str(line.trim_end().trim_end_matches('\\'));
+        instruction.push(' ');
+        if line.trim_end().ends_with('\\') {
+            continue;
+        }
+        let whole = std::mem::take(&mut instruction);
+        if let Some(from) = whole.strip_prefix("FROM ") {
+            current = from.split(" AS ").nth(1).unwrap_or("").trim().to_owned();
+        } else if let Some(run) = whole.strip_prefix("RUN ") {
+            if current == stage {
+                runs.push(run.trim().to_owned());
+            }
+        }
+    }
+    runs
+}
+
+/// What the Dockerfile's plan and build stages run for `bin` (None: the ARG's default) in a
+/// crate whose examples are `examples`: every cargo command, and the file it installs. cargo is
+/// a stand-in that writes each binary where cargo's release build leaves it.
+fn dockerfile_build(bin: Option<&str>, examples: &[&str]) -> (Vec<String>, Result<String, String>) {
+    let dockerfile =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/Dockerfile")).unwrap();
+    let default = dockerfile
+        .lines()
+        .find_map(|l| l.strip_prefix("ARG BIN="))
+        .expect("ARG BIN=<default> before the first FROM");
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::create_dir_all(dir.path().join("examples")).unwrap();
+    for example in examples {
+        std::fs::write(dir.path().join(format!("examples/{example}.rs")), "").unwrap();
+    }
+    let stub = dir.path().join("stub");
+    std::fs::create_dir_all(&stub).unwrap();
+    let cargo = r#"#!/bin/sh
+echo "$*" >> cargo.log
+[ "$1 $2" = "chef prepare" ] && echo '{}' > recipe.json
+if [ "$1" = build ]; then
+  out=""
+  while [ $# -gt 0 ]; do
+    case "$1" in --example) out="target/release/examples/$2";; --bin) out="target/release/$2";; esac
+    shift
+  done
+  mkdir -p "$(dirname "$out")" && echo "$out" > "$out"
+fi
+exit 0
+"#;
+    std::fs::write(stub.join("cargo"), cargo).unwrap();
+    use std::os::unix::fs::PermissionsExt as _;
+    std::fs::set_permissions(stub.join("cargo"), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let path = format!("{}:{}", stub.display(), std::env::var("PATH").unwrap());
+    let mut outcome = Ok(String::new());
+    for run in dockerfile_runs(&dockerfile, "plan")
+        .into_iter()
+        .chain(dockerfile_runs(&dockerfile, "build"))
+    {
+        let out = Command::new("sh")
+            .args(["-c", &run])
+            .current_dir(dir.path())
+            .env("PATH", &path)
+            .env("BIN", bin.unwrap_or(default))
+            .output()
+            .unwrap();
+        if !out.status.success() {
+            outcome = Err(String::from_utf8_lossy(&out.stderr).into_owned());
+            break;
+        }
+    }
+    let log = std::fs::read_to_string(dir.path().join("cargo.log")).unwrap_or_default();
+    let installed = outcome.and_then(|_| {
+        std::fs::read_to_string(dir.path().join("image-binary")).map_err(|e| e.to_string())
+    });
+    (
+        log.lines().map(str::to_owned).collect(),
+        installed.map(|s| s.trim().to_owned()),
+    )
+}
+
+/// The crate's targets as cargo names them: (kind, name).
+fn cargo_targets() -> BTreeSet<(String, String)> {
+    let out = stdout_of(
+        Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+            .args([
+                "metadata",
+                "--no-deps",
+                "--format-version",
+                "1",
+                "--offline",
+            ])
+            .current_dir(env!("CARGO_MANIFEST_DIR")),
+    );
+    let metadata: serde_json::Value = serde_json::from_slice(&out).unwrap();
+    metadata["packages"][0]["targets"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|t| {
+            let name = t["name"].as_str().unwrap().to_owned();
+            t["kind"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(move |k| (k.as_str().unwrap().to_owned(), name.clone()))
+        })
+        .collect()
+}
+
+#[test]
+fn the_image_builds_the_binary_bin_names_and_cooks_what_that_build_needs() {
+    let examples: Vec<String> = std::fs::read_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/examples"))
+        .unwrap()
+        .filter_map(|e| {
+            e.unwrap()
+                .file_name()
+                .to_str()?
+                .strip_suffix(".rs")
+                .map(str::to_owned)
+        })
+        .collect();
+    let examples: Vec<&str> = examples.iter().map(String::as_str).collect();
+    let targets = cargo_targets();
+    // The default: replayproof, a [[bin]], cooked and built alike.
+    let (cargo, installed) = dockerfile_build(None, &examples);
+    assert_eq!(
+        cargo,
+        [
+            "chef prepare --recipe-path recipe.json",
+            "chef cook --release --locked --bin replayproof --recipe-path recipe.json",
+            "build --release --locked --bin replayproof",
+        ]
+    );
+    assert_eq!(installed.unwrap(), "target/release/replayproof");
+    assert!(targets.contains(&("bin".into(), "replayproof".into())));
+    // The orders example: built with --example, its dependencies (dev-dependencies included)
+    // cooked with --examples.
+    let (cargo, installed) = dockerfile_build(Some("orders"), &examples);
+    assert_eq!(
+        cargo[1..],
+        [
+            "chef cook --release --locked --examples --recipe-path recipe.json",
+            "build --release --locked --example orders",
+        ]
+    );
+    assert_eq!(installed.unwrap(), "target/release/examples/orders");
+    assert!(targets.contains(&("example".into(), "orders".into())));
+    // An application's own crate, with no example of that name: its [[bin]].
+    let (cargo, installed) = dockerfile_build(Some("payments"), &[]);
+    assert_eq!(cargo[2], "build --release --locked --bin payments");
+    assert_eq!(installed.unwrap(), "target/release/payments");
+    // What cannot be a target's name is refused before anything is built.
+    let (cargo, installed) = dockerfile_build(Some("orders\"; echo"), &examples);
+    assert!(installed.unwrap_err().contains("is not a target's name"));
+    assert_eq!(cargo.len(), 1, "{cargo:?}");
+    // Installed where the entrypoint and the health checks look.
+    let dockerfile =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/Dockerfile")).unwrap();
+    assert!(dockerfile.contains("COPY --from=build /src/image-binary /usr/local/bin/replayproof"));
+    assert!(dockerfile.contains("ENTRYPOINT [\"/usr/local/bin/replayproof\"]"));
+}
