@@ -14,6 +14,8 @@
 #   - kubernetes-validate and checkov (pinned, from PyPI, installed when missing), to check the
 #     manifests of deploy/kubernetes/ against the Kubernetes schemas and a security linter;
 #     both run offline.
+#   - kubectl (1.27 or later, not installed by this script) renders deploy/kubernetes with
+#     kustomize for those checkers and for tests/it/deploy/kustomize.rs.
 #   - Debian's pgbouncer (installed when missing): the pooler test runs every guarantee through
 #     PgBouncer in transaction mode.
 #   - groff (Debian's groff-base, installed when missing), which renders the manual pages.
