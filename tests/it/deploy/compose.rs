@@ -795,3 +795,79 @@ fn the_image_builds_the_binary_bin_names_and_cooks_what_that_build_needs() {
     assert!(dockerfile.contains("COPY --from=build /src/image-binary /usr/local/bin/replayproof"));
     assert!(dockerfile.contains("ENTRYPOINT [\"/usr/local/bin/replayproof\"]"));
 }
+
+/// docs/library.md's fenced blocks of `lang`.
+fn library_blocks(lang: &str) -> Vec<String> {
+    let doc =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/library.md")).unwrap();
+    let fence = format!("```{lang}\n");
+    doc.split(&fence)
+        .skip(1)
+        .map(|rest| rest.split("```").next().unwrap().to_owned())
+        .collect()
+}
+
+#[test]
+fn the_library_guide_depends_on_this_version_and_its_path_form_resolves() {
+    let manifest = library_blocks("toml")
+        .into_iter()
+        .find(|b| b.contains("[dependencies]") && b.contains("replayproof = "))
+        .expect("a Cargo.toml with replayproof among its dependencies");
+    let git = format!(
+        "replayproof = {{ git = \"https://github.com/replayproof/replayproof\", tag = \"v{}\" }}",
+        env!("CARGO_PKG_VERSION")
+    );
+    assert!(manifest.lines().any(|l| l == git), "{manifest}");
+    let path = "# replayproof = { path = \"../replayproof\" }";
+    assert!(manifest.lines().any(|l| l == path), "{manifest}");
+    // The crate as written, with the path form: replayproof checked out next to it.
+    let dir = tempfile::tempdir().unwrap();
+    std::os::unix::fs::symlink(env!("CARGO_MANIFEST_DIR"), dir.path().join("replayproof")).unwrap();
+    let name: toml::Table = toml::from_str(&manifest).unwrap();
+    let name = name["package"]["name"].as_str().unwrap().to_owned();
+    let crate_dir = dir.path().join(&name);
+    std::fs::create_dir_all(crate_dir.join("src")).unwrap();
+    std::fs::write(crate_dir.join("src/main.rs"), "fn main() {}\n").unwrap();
+    let with_path = manifest.replace(&git, "").replace(path, &path[2..]);
+    std::fs::write(crate_dir.join("Cargo.toml"), with_path).unwrap();
+    let metadata = stdout_of(
+        Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+            .args(["metadata", "--format-version", "1", "--offline"])
+            .current_dir(&crate_dir),
+    );
+    let metadata: serde_json::Value = serde_json::from_slice(&metadata).unwrap();
+    let resolved: Vec<&str> = metadata["packages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|p| p["name"] == "replayproof")
+        .map(|p| p["version"].as_str().unwrap())
+        .collect();
+    assert_eq!(resolved, [env!("CARGO_PKG_VERSION")]);
+    // Its image is built with the same name, through the Dockerfile's BIN.
+    let shell = library_blocks("sh").join("\n");
+    assert!(
+        shell.contains(&format!("docker build --build-arg BIN={name} ")),
+        "{shell}"
+    );
+    assert!(
+        shell.contains("docker build --build-arg BIN=orders "),
+        "{shell}"
+    );
+    assert!(
+        shell.contains(&format!("cargo run -- dev --effect {name}")),
+        "{shell}"
+    );
+    let dockerfile =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/Dockerfile")).unwrap();
+    assert!(dockerfile.lines().any(|l| l.starts_with("ARG BIN=")));
+    // The lines to replace are the Dockerfile's own.
+    for copy in library_blocks("dockerfile").concat().lines() {
+        let file = copy.split_whitespace().nth(1).unwrap();
+        assert!(dockerfile.contains(&format!("COPY {file}")), "{copy}");
+    }
+    // Prometheus finds dev where dev serves its metrics.
+    let scrape = library_blocks("yaml").concat();
+    let target = format!("[\"{}\"]", replayproof::devkit::dev::DEFAULT_METRICS_ADDR);
+    assert!(scrape.contains(&target), "{scrape}");
+}
