@@ -871,3 +871,62 @@ fn the_library_guide_depends_on_this_version_and_its_path_form_resolves() {
     let target = format!("[\"{}\"]", replayproof::devkit::dev::DEFAULT_METRICS_ADDR);
     assert!(scrape.contains(&target), "{scrape}");
 }
+
+#[test]
+fn the_licenses_are_the_ones_cargo_toml_and_the_image_name() {
+    let read = |file: &str| {
+        std::fs::read_to_string(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(file))
+            .unwrap_or_else(|e| panic!("{file}: {e}"))
+    };
+    assert_eq!(env!("CARGO_PKG_LICENSE"), "MIT OR Apache-2.0");
+    let dockerfile = read("Dockerfile");
+    assert!(dockerfile.contains(&format!(
+        "org.opencontainers.image.licenses=\"{}\"",
+        env!("CARGO_PKG_LICENSE")
+    )));
+    let license = read("LICENSE");
+    for named in ["LICENSE-APACHE", "LICENSE-MIT", "MIT OR Apache-2.0"] {
+        assert!(license.contains(named), "LICENSE names {named}");
+    }
+    assert!(read("LICENSE-MIT").contains("Permission is hereby granted, free of charge"));
+    // The Apache License's own text, as the crates we build on ship it (serde's).
+    let metadata = stdout_of(
+        Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+            .args(["metadata", "--format-version", "1", "--offline"])
+            .current_dir(env!("CARGO_MANIFEST_DIR")),
+    );
+    let metadata: serde_json::Value = serde_json::from_slice(&metadata).unwrap();
+    let serde = metadata["packages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["name"] == "serde")
+        .unwrap();
+    let dir = std::path::Path::new(serde["manifest_path"].as_str().unwrap())
+        .parent()
+        .unwrap();
+    let apache = std::fs::read_to_string(dir.join("LICENSE-APACHE")).unwrap();
+    assert!(apache.contains("Apache License") && apache.contains("Version 2.0, January 2004"));
+    assert_eq!(read("LICENSE-APACHE"), apache);
+}
+
+#[test]
+fn the_changelog_has_an_unreleased_section_and_one_for_this_version() {
+    let changelog =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/CHANGELOG.md")).unwrap();
+    let headings: Vec<&str> = changelog.lines().filter(|l| l.starts_with("## ")).collect();
+    assert_eq!(headings[0], "## [Unreleased]");
+    let version = format!("## [{}] - ", env!("CARGO_PKG_VERSION"));
+    assert!(
+        headings.iter().any(|h| h.starts_with(&version)),
+        "{headings:?}"
+    );
+    // Each heading's link is given, as Keep a Changelog writes them.
+    for heading in &headings {
+        let name = heading[3..].split(']').next().unwrap();
+        assert!(
+            changelog.contains(&format!("\n{name}]: https://")),
+            "{name}"
+        );
+    }
+}
