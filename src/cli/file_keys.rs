@@ -60,7 +60,7 @@ fn section_of(command_path: &[String], long: &str) -> Option<FileKey> {
         },
         // A replay by time applies as `consume` does, from the same settings.
         Some("console") => match long {
-            "listen" => Some(("console", key)),
+            "listen" | "metrics-addr" => Some(("console", key)),
             "effect" | "target-url" | "reconcile-url" | "max-attempts" | "effect-attempts"
             | "operation-key" | "output-topic" | "input" | "source-name" | "route-attribute"
             | "outbox-type-header" => Some(("consume", key)),

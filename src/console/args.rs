@@ -18,6 +18,11 @@ pub struct ConsoleArgs {
     #[arg(long, env = "REPLAYPROOF_CONSOLE_LISTEN", default_value = DEFAULT_LISTEN)]
     pub listen: SocketAddr,
 
+    /// Where to serve Prometheus `/metrics` (the process's own), `/livez` and `/readyz`, apart
+    /// from the pages; none unless given.
+    #[arg(long, env = "REPLAYPROOF_METRICS_ADDR")]
+    pub metrics_addr: Option<SocketAddr>,
+
     /// Required unless a subcommand runs (`subcommand_negates_reqs`): `hash-password` needs
     /// no database.
     #[command(flatten)]
@@ -81,6 +86,7 @@ impl ConsoleArgs {
         if let Some(ConsoleCommand::HashPassword) = self.command {
             return hash_password_from_stdin();
         }
+        let process = crate::shutdown::Process::start("console", self.metrics_addr).await?;
         let settings = self.settings(file)?;
         // With several databases, the console spans them all unless --shard names one; either
         // way each database must hold the buckets the list gives it.
@@ -88,7 +94,7 @@ impl ConsoleArgs {
             Some(_) => crate::shard::Shards::from(self.database.open_pool(8).await?),
             None => self.database.open_shards(8).await?,
         };
-        super::run(settings, shards, registry.clone()).await
+        super::run(settings, shards, registry.clone(), process.shutdown).await
     }
 
     /// The settings from these flags and the file's `[console]` section.

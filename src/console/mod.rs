@@ -54,7 +54,8 @@ pub const PAGE_ROWS: i64 = 50;
 /// The most rows a bulk action previews and takes.
 pub const BULK_LIMIT: i64 = 500;
 
-/// The configuration file's `[console]` section, but for `listen`, which is `console`'s flag.
+/// The configuration file's `[console]` section, but for `listen` and `metrics_addr`, which are
+/// `console`'s flags.
 #[derive(Debug, Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ConsoleFile {
@@ -76,9 +77,12 @@ pub struct ConsoleFile {
     /// Read by the `--listen` flag.
     #[serde(default)]
     pub listen: Option<toml::Value>,
+    /// Read by the `--metrics-addr` flag.
+    #[serde(default)]
+    pub metrics_addr: Option<toml::Value>,
 }
 
-/// The keys of `[console]`, besides `listen`.
+/// The keys of `[console]`, besides `listen` and `metrics_addr`.
 pub const FILE_KEYS: &[&str] = &[
     "session_key",
     "show_payloads_to_viewers",
@@ -311,13 +315,13 @@ impl Console {
     }
 }
 
-/// Runs the console with `settings` until a signal stops it.
+/// Runs the console with `settings` until `stop` (a signal) is cancelled.
 pub async fn run(
     settings: ConsoleSettings,
     shards: impl Into<crate::shard::Shards>,
     registry: Registry,
+    stop: CancellationToken,
 ) -> anyhow::Result<()> {
-    let stop = crate::shutdown::on_signal();
     let console = Console::bind(settings, shards, registry).await?;
     tracing::info!(addr = %console.addr(), "The console is listening.");
     console.run_until_stopped(stop).stopped().await

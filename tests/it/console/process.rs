@@ -432,3 +432,29 @@ async fn the_overview_shows_the_kafka_output_backlog_a_stop_and_a_doubt() {
     );
     assert!(rows[2].contains("payments.clean") && rows[2].contains("unassigned"));
 }
+
+#[tokio::test]
+async fn the_console_serves_its_metrics_and_probes_where_metrics_addr_says() {
+    let db = TestDb::new().await;
+    let dir = tempfile::tempdir().unwrap();
+    let listen = format!("127.0.0.1:{}", free_port());
+    let metrics_port = free_port();
+    let in_file = format!("[database]\nurl = \"{}\"\n", db.url);
+    let config = config_file(&dir, &in_file, &listen, &hash_password(PASSWORD));
+    let metrics = format!("127.0.0.1:{metrics_port}");
+    let env = [("REPLAYPROOF_METRICS_ADDR", metrics.as_str())];
+    let _console =
+        ConsoleProcess::listening(&["console", "--config", &config], &env, &listen).await;
+    let (status, page) = http_get(metrics_port, "/metrics").await.expect("/metrics");
+    assert_eq!(status, 200);
+    assert!(
+        page.lines()
+            .any(|l| l.starts_with("replayproof_build_info{") && l.contains("role=\"console\"")),
+        "{page}"
+    );
+    assert!(page.contains("process_resident_memory_bytes"), "{page}");
+    for probe in ["/livez", "/readyz"] {
+        let (status, _) = http_get(metrics_port, probe).await.expect(probe);
+        assert_eq!(status, 200, "{probe}");
+    }
+}

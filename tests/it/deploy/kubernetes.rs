@@ -335,7 +335,22 @@ fn each_role_parses_fits_its_grace_period_and_is_probed_where_it_serves() {
                 let env = secret_env();
                 let file = replayproof::config::ConfigFile::load(&config, &env).unwrap();
                 console.settings(Some(&file)).unwrap();
-                assert_probed(component, container, ["/login", "/login"]);
+                // Alive when its metrics server answers (where REPLAYPROOF_METRICS_ADDR puts
+                // it), ready when its login page does.
+                assert_probed(component, container, ["/livez", "/login"]);
+                let metrics = container["env"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .find(|e| e["name"] == "REPLAYPROOF_METRICS_ADDR")
+                    .and_then(|e| e["value"].as_str())
+                    .expect("the console's REPLAYPROOF_METRICS_ADDR");
+                let at: std::net::SocketAddr = metrics.parse().unwrap();
+                assert_eq!(
+                    container["livenessProbe"]["httpGet"]["port"].as_u64(),
+                    Some(u64::from(at.port())),
+                    "{component}"
+                );
                 None
             }
             other => panic!("{component} runs {other:?}"),
