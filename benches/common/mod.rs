@@ -56,6 +56,7 @@ pub fn median(mut v: Vec<f64>) -> f64 {
 }
 
 /// A client of `brokers` (IPv4, quiet).
+#[allow(dead_code)]
 pub fn client(brokers: &str) -> rdkafka::ClientConfig {
     let mut c = rdkafka::ClientConfig::new();
     c.set("bootstrap.servers", brokers)
@@ -65,6 +66,7 @@ pub fn client(brokers: &str) -> rdkafka::ClientConfig {
 }
 
 /// Creates `topic` on a broker process, then gives its metadata a moment to spread.
+#[allow(dead_code)]
 pub async fn create_topic(brokers: &str, topic: &str, partitions: i32) {
     use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
     let admin: AdminClient<_> = client(brokers).create().unwrap();

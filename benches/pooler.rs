@@ -1,0 +1,228 @@
+//! What a transaction-mode pooler costs: the batch processor (`BatchProcessor::process_pass`,
+//! the `ledger` effect, one lane per partition, no Kafka) applying the same workload side by
+//! side, interleaved and repeated (`BENCH_REPEATS`, 3; medians printed):
+//!
+//! - **direct**: straight to PostgreSQL, the session settings sent at startup, sqlx's
+//!   statement cache on (`[database] pooler = "none"`);
+//! - **pooled**: through PgBouncer in transaction mode (`default_pool_size` = the lanes), with
+//!   `[database] pooler = "transaction"`: a `BEGIN` carrying the settings per transaction, each
+//!   statement parsed again.
+//!
+//! Sizes: `BENCH_EVENTS` (20000 events per run, plus 30% replays, payloads of 100 bytes),
+//! `BENCH_BATCH` (500). PgBouncer is `REPLAYPROOF_PGBOUNCER` or Debian's `/usr/sbin/pgbouncer`;
+//! without `DATABASE_URL` a throwaway PostgreSQL is started.
+//!
+//! `cargo bench --bench pooler`
+
+use replayproof::consume::{BatchProcessor, RawMessage, Retrying};
+use replayproof::db::{Db, Pooler, Session};
+use replayproof::effect::Ledger;
+use replayproof::envelope::Envelope;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+mod common;
+use common::{env_or, free_port, median};
+
+const PARTITIONS: usize = 4;
+
+fn main() {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(run());
+}
+
+async fn run() {
+    let (_server, admin) = common::postgres(&[]);
+    let (events, batch) = (env_or("BENCH_EVENTS", 20_000), env_or("BENCH_BATCH", 500));
+    let repeats = env_or("BENCH_REPEATS", 3);
+    let server = url::Url::parse(&admin).unwrap();
+    let bouncer = PgBouncer::start(&server);
+    let (mut direct, mut pooled) = (Vec::new(), Vec::new());
+    for round in 0..repeats {
+        let messages = workload(&format!("r{round}"), events, events * 3 / 10);
+        let total = messages.iter().map(Vec::len).sum::<usize>() as f64;
+        let database = fresh_database(&admin).await;
+        let url = database_url(&server, &database, None);
+        let d = apply(&url, Session::default(), &messages, batch).await;
+        direct.push(total / d.as_secs_f64());
+        let database = fresh_database(&admin).await;
+        let url = database_url(&server, &database, Some(bouncer.port));
+        let session = Session {
+            pooler: Pooler::Transaction,
+            ..Session::default()
+        };
+        let p = apply(&url, session, &messages, batch).await;
+        pooled.push(total / p.as_secs_f64());
+        println!("round {round}: direct {d:?}, through PgBouncer {p:?} for {total} messages");
+    }
+    let (direct, pooled) = (median(direct), median(pooled));
+    println!(
+        "messages/s, median of {repeats}: direct {direct:.0}, through PgBouncer in transaction \
+         mode {pooled:.0}: {:.2} of direct",
+        pooled / direct
+    );
+}
+
+/// `events` keys and `replays` repeats of some of them, spread over the partitions.
+fn workload(prefix: &str, events: usize, replays: usize) -> Vec<Vec<RawMessage>> {
+    let mut rng = fastrand::Rng::with_seed(7);
+    let order = (0..events).chain((0..replays).map(|_| rng.usize(..events)));
+    let mut partitions = vec![Vec::new(); PARTITIONS];
+    for (n, i) in order.enumerate() {
+        let key = format!("{prefix}-{i:08}");
+        let envelope = Envelope {
+            route: None,
+            key: key.as_str().try_into().unwrap(),
+            source: "bench".into(),
+            event_type: Some("bench.event".into()),
+            received_at: None,
+            occurred_at: None,
+            payload: serde_json::value::to_raw_value(&format!("{i:0>90}")).unwrap(),
+            unhashed: Vec::new(),
+            replay_window_secs: None,
+            request_id: None,
+        };
+        let lane: &mut Vec<RawMessage> = &mut partitions[i % PARTITIONS];
+        lane.push(RawMessage {
+            offset: n as i64,
+            key: Some(key.into_bytes()),
+            value: Some(envelope.to_bytes()),
+            traceparent: None,
+            headers: Default::default(),
+        });
+    }
+    partitions
+}
+
+/// The time the lanes took to apply `partitions` in batches of `batch`.
+async fn apply(
+    url: &str,
+    session: Session,
+    partitions: &[Vec<RawMessage>],
+    batch: usize,
+) -> Duration {
+    let pool = replayproof::db::pool_in(&url.parse().unwrap(), PARTITIONS as u32 + 1, &session);
+    let processor = BatchProcessor::new(pool.unwrap(), Arc::new(Ledger));
+    let started = Instant::now();
+    let lanes: Vec<_> = partitions
+        .iter()
+        .enumerate()
+        .map(|(p, messages)| {
+            let (processor, messages) = (processor.clone(), messages.clone());
+            tokio::spawn(async move {
+                let mut retrying = Retrying::default();
+                for chunk in messages.chunks(batch) {
+                    processor
+                        .process_pass("bench", p as i32, chunk, &mut retrying)
+                        .await
+                        .unwrap();
+                }
+                assert!(retrying.next_due().is_none(), "a batch was left to retry");
+            })
+        })
+        .collect();
+    for lane in lanes {
+        lane.await.unwrap();
+    }
+    let took = started.elapsed();
+    processor.shards.close().await;
+    took
+}
+
+/// A new database, migrated directly.
+async fn fresh_database(admin: &str) -> String {
+    let name = format!("rp_bench_pooler_{:08x}", fastrand::u32(..));
+    let pool = sqlx::PgPool::connect(admin).await.unwrap();
+    sqlx::query(&format!("CREATE DATABASE {name}"))
+        .execute(&pool)
+        .await
+        .unwrap();
+    pool.close().await;
+    let server = url::Url::parse(admin).unwrap();
+    let direct = replayproof::db::pool(&database_url(&server, &name, None).parse().unwrap(), 1);
+    let direct: Db = direct.unwrap();
+    replayproof::db::migrate(&direct).await.unwrap();
+    direct.close().await;
+    name
+}
+
+/// `database` on `server`, or through the pooler listening on `port`.
+fn database_url(server: &url::Url, database: &str, port: Option<u16>) -> String {
+    let mut url = server.clone();
+    url.set_path(database);
+    url.set_query(None);
+    if let Some(port) = port {
+        url.set_host(Some("127.0.0.1")).unwrap();
+        url.set_port(Some(port)).unwrap();
+    }
+    url.to_string()
+}
+
+/// PgBouncer in transaction mode in front of `server`, one server connection per lane.
+struct PgBouncer {
+    child: std::process::Child,
+    port: u16,
+    _dir: tempfile::TempDir,
+}
+
+impl PgBouncer {
+    fn start(server: &url::Url) -> Self {
+        use std::os::unix::process::CommandExt as _;
+        let dir = tempfile::tempdir().unwrap();
+        let port = free_port();
+        let user = server.username();
+        std::fs::write(dir.path().join("users.txt"), format!("\"{user}\" \"\"\n")).unwrap();
+        let config = dir.path().join("pgbouncer.ini");
+        std::fs::write(
+            &config,
+            format!(
+                "[databases]\n* = host={} port={}\n\n[pgbouncer]\nlisten_addr = 127.0.0.1\n\
+                 listen_port = {port}\nunix_socket_dir =\nauth_type = trust\n\
+                 auth_file = {dir}/users.txt\npool_mode = transaction\n\
+                 default_pool_size = {PARTITIONS}\nlogfile = {dir}/pgbouncer.log\n",
+                server.host_str().unwrap(),
+                server.port().unwrap_or(5432),
+                dir = dir.path().display(),
+            ),
+        )
+        .unwrap();
+        let binary =
+            std::env::var("REPLAYPROOF_PGBOUNCER").unwrap_or_else(|_| "/usr/sbin/pgbouncer".into());
+        let mut command = std::process::Command::new(binary);
+        command
+            .arg(&config)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null());
+        if nix::unistd::geteuid().is_root() {
+            let postgres = nix::unistd::User::from_name("postgres").unwrap().unwrap();
+            nix::unistd::chown(dir.path(), Some(postgres.uid), Some(postgres.gid)).unwrap();
+            command
+                .uid(postgres.uid.as_raw())
+                .gid(postgres.gid.as_raw());
+        }
+        let child = command.spawn().expect("start pgbouncer");
+        let started = Instant::now();
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(
+                started.elapsed() < Duration::from_secs(20),
+                "pgbouncer did not listen"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Self {
+            child,
+            port,
+            _dir: dir,
+        }
+    }
+}
+
+impl Drop for PgBouncer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
