@@ -9,7 +9,7 @@ use std::str::FromStr;
 use std::time::Duration;
 
 mod pooled;
-pub use pooled::{Db, Pooler};
+pub use pooled::{Db, Guard, Pooler};
 
 /// The buckets a deployment is split into unless it says otherwise (`[database] buckets`):
 /// fixed for the life of the data, and a power of two so that any power-of-two number of

@@ -69,6 +69,20 @@ pub struct Db {
     pool: PgPool,
     /// The statement that opens a transaction behind a pooler; None for a direct connection.
     begin: Option<Arc<str>>,
+    /// What each transaction behind a pooler checks first (see [`Guard`]).
+    guard: Option<Arc<dyn Guard>>,
+}
+
+/// A check of the database a connection reaches, made when the connection opens, and behind a
+/// pooler at the start of every transaction: the pooler may move a connection that stays open
+/// to another server (a reload pointing a name elsewhere, a failover), which a check made once
+/// at connect would never see.
+pub trait Guard: Send + Sync + 'static {
+    /// An error when this connection's database must not be used.
+    fn check<'c>(
+        &'c self,
+        conn: &'c mut sqlx::PgConnection,
+    ) -> BoxFuture<'c, Result<(), sqlx::Error>>;
 }
 
 impl fmt::Debug for Db {
@@ -82,7 +96,11 @@ impl fmt::Debug for Db {
 impl From<PgPool> for Db {
     /// A pool whose sessions carry their settings (a direct connection).
     fn from(pool: PgPool) -> Self {
-        Self { pool, begin: None }
+        Self {
+            pool,
+            begin: None,
+            guard: None,
+        }
     }
 }
 
@@ -94,7 +112,19 @@ impl Db {
             Pooler::None => None,
             Pooler::Transaction => Some(begin_statement(limits, schema).into()),
         };
-        Self { pool, begin }
+        Self {
+            pool,
+            begin,
+            guard: None,
+        }
+    }
+
+    /// This handle, whose transactions behind a pooler first pass `guard`.
+    pub(crate) fn guarded(self, guard: Arc<dyn Guard>) -> Self {
+        Self {
+            guard: Some(guard),
+            ..self
+        }
     }
 
     /// Another pool of the same database, reached the way this one is.
@@ -102,6 +132,7 @@ impl Db {
         Self {
             pool,
             begin: self.begin.clone(),
+            guard: self.guard.clone(),
         }
     }
 
@@ -118,12 +149,17 @@ impl Db {
         }
     }
 
-    /// Begins a transaction; behind a pooler, one that carries the session's settings.
+    /// Begins a transaction; behind a pooler, one that carries the session's settings and has
+    /// passed the handle's [`Guard`].
     pub async fn begin(&self) -> Result<Transaction<'static, Postgres>, sqlx::Error> {
-        match &self.begin {
-            None => self.pool.begin().await,
-            Some(statement) => self.pool.begin_with(statement.to_string()).await,
+        let Some(statement) = &self.begin else {
+            return self.pool.begin().await;
+        };
+        let mut tx = self.pool.begin_with(statement.to_string()).await?;
+        if let Some(guard) = &self.guard {
+            guard.check(&mut tx).await?;
         }
+        Ok(tx)
     }
 
     /// The options the pool connects with.

@@ -8,6 +8,7 @@
 use sqlx::{Connection as _, PgConnection};
 use std::fmt;
 use std::ops::Range;
+use std::sync::Arc;
 
 /// What a database does with a range of buckets.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -158,19 +159,16 @@ pub fn pool(
     expected: Expected,
 ) -> anyhow::Result<crate::db::Db> {
     let (options, pool) = crate::db::pool_options(url, max_connections, session)?;
-    let on_connect = session.clone();
+    let (on_connect, guard) = (session.clone(), Arc::new(StillHolds(expected.clone())));
     let pool = pool.after_connect(move |conn, _| {
         let (expected, session) = (expected.clone(), on_connect.clone());
-        Box::pin(async move {
-            check_on(conn, &session, &expected)
-                .await
-                .map_err(|e| {
-                    tracing::error!(error = %format!("{e:#}"), "A database connection was refused: it does not hold the buckets this process's list gives it.");
-                    sqlx::Error::Configuration(e.into())
-                })
-        })
+        Box::pin(async move { check_on(conn, &session, &expected).await.map_err(refused) })
     });
-    Ok(session.wrap(pool.connect_lazy_with(options)))
+    let db = session.wrap(pool.connect_lazy_with(options));
+    Ok(match session.pooler {
+        crate::db::Pooler::None => db,
+        crate::db::Pooler::Transaction => db.guarded(guard),
+    })
 }
 
 /// [`check`] in a transaction of its own, as `session` begins them (behind a pooler, a
@@ -195,20 +193,33 @@ pub async fn read(conn: &mut PgConnection) -> anyhow::Result<Option<Holdings>> {
     if !migrated {
         return Ok(None);
     }
-    let layout: Option<(i32, i64)> = sqlx::query_as("SELECT buckets, epoch FROM shard_layout")
-        .fetch_optional(&mut *conn)
-        .await?;
-    let Some((buckets, epoch)) = layout else {
+    recorded(conn).await
+}
+
+/// What a migrated database records, in one statement; None when nothing was recorded yet.
+async fn recorded(conn: &mut PgConnection) -> anyhow::Result<Option<Holdings>> {
+    type Row = (i32, i64, Vec<i32>, Vec<i32>, Vec<String>);
+    let layout: Option<Row> = sqlx::query_as(
+        "SELECT l.buckets, l.epoch,
+                coalesce(array_agg(r.first_bucket ORDER BY r.first_bucket)
+                         FILTER (WHERE r.first_bucket IS NOT NULL), '{}'),
+                coalesce(array_agg(r.last_bucket ORDER BY r.first_bucket)
+                         FILTER (WHERE r.first_bucket IS NOT NULL), '{}'),
+                coalesce(array_agg(r.state ORDER BY r.first_bucket)
+                         FILTER (WHERE r.first_bucket IS NOT NULL), '{}')
+           FROM shard_layout l LEFT JOIN shard_ranges r ON true
+          GROUP BY l.buckets, l.epoch",
+    )
+    .fetch_optional(&mut *conn)
+    .await?;
+    let Some((buckets, epoch, firsts, lasts, states)) = layout else {
         return Ok(None);
     };
-    let rows: Vec<(i32, i32, String)> = sqlx::query_as(
-        "SELECT first_bucket, last_bucket, state FROM shard_ranges ORDER BY first_bucket",
-    )
-    .fetch_all(&mut *conn)
-    .await?;
-    let spans = rows
+    let spans = firsts
         .into_iter()
-        .map(|(first, last, state)| {
+        .zip(lasts)
+        .zip(states)
+        .map(|((first, last), state)| {
             Ok(Span {
                 first: first as u32,
                 last: last as u32,
@@ -221,6 +232,43 @@ pub async fn read(conn: &mut PgConnection) -> anyhow::Result<Option<Holdings>> {
         spans,
         epoch,
     }))
+}
+
+/// Behind a pooler, every transaction checks the holdings again ([`crate::db::Guard`]): the
+/// pooler may have moved the connection to another database since it opened.
+struct StillHolds(Expected);
+
+impl crate::db::Guard for StillHolds {
+    fn check<'c>(
+        &'c self,
+        conn: &'c mut PgConnection,
+    ) -> futures_util::future::BoxFuture<'c, Result<(), sqlx::Error>> {
+        Box::pin(async move {
+            let holdings = recorded(conn).await.map_err(refused)?;
+            match holdings.and_then(|h| h.refusal(&self.0)) {
+                None => Ok(()),
+                Some(why) => Err(refused(
+                    Refused {
+                        database: self.0.database.clone(),
+                        shard: self.0.shard,
+                        why,
+                    }
+                    .into(),
+                )),
+            }
+        })
+    }
+}
+
+/// A refusal as the pool reports it, logged once here.
+fn refused(e: anyhow::Error) -> sqlx::Error {
+    if let Some(db) = e.downcast_ref::<sqlx::Error>() {
+        if crate::db::is_transient(db) {
+            return sqlx::Error::Protocol(format!("{e:#}"));
+        }
+    }
+    tracing::error!(error = %format!("{e:#}"), "A database connection was refused: it does not hold the buckets this process's list gives it.");
+    sqlx::Error::Configuration(e.into())
 }
 
 /// Records `range` of `buckets` as held, unless the database records a layout already (then it

@@ -16,54 +16,85 @@ const WAIT: Duration = Duration::from_secs(120);
 /// A PgBouncer process in transaction mode in front of the test database's server, stopped by
 /// its own pid when dropped.
 struct PgBouncer {
-    child: std::process::Child,
+    child: Option<std::process::Child>,
     port: u16,
-    _dir: tempfile::TempDir,
+    server_connections: u32,
+    dir: tempfile::TempDir,
 }
 
 impl PgBouncer {
-    /// Starts PgBouncer with `server_connections` server connections per database and user.
+    /// Starts PgBouncer with `server_connections` server connections per database and user,
+    /// every database name passed through to `server`.
     fn start(server: &url::Url, server_connections: u32) -> Self {
+        let databases = format!(
+            "* = host={} port={}",
+            server.host_str().unwrap(),
+            server.port().unwrap_or(5432)
+        );
+        Self::start_with(&databases, server_connections)
+    }
+
+    /// Starts PgBouncer with `databases` as its `[databases]` section.
+    fn start_with(databases: &str, server_connections: u32) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let port = free_port();
-        let config = dir.path().join("pgbouncer.ini");
         std::fs::write(dir.path().join("users.txt"), "\"postgres\" \"\"\n").unwrap();
-        std::fs::write(
-            &config,
-            format!(
-                "[databases]\n* = host={host} port={server_port}\n\n[pgbouncer]\n\
-                 listen_addr = 127.0.0.1\nlisten_port = {port}\nunix_socket_dir =\n\
-                 auth_type = trust\nauth_file = {dir}/users.txt\npool_mode = transaction\n\
-                 default_pool_size = {server_connections}\nmax_client_conn = 500\n\
-                 logfile = {dir}/pgbouncer.log\n",
-                host = server.host_str().unwrap(),
-                server_port = server.port().unwrap_or(5432),
-                dir = dir.path().display(),
-            ),
-        )
-        .unwrap();
+        let mut bouncer = Self {
+            child: None,
+            port,
+            server_connections,
+            dir,
+        };
+        bouncer.write_config(databases);
         let mut command = std::process::Command::new(pgbouncer_binary());
         command
-            .arg(&config)
+            .arg(bouncer.dir.path().join("pgbouncer.ini"))
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::null());
-        run_as_postgres_when_root(&mut command, dir.path());
-        let child = command.spawn().expect("start pgbouncer");
+        run_as_postgres_when_root(&mut command, bouncer.dir.path());
+        bouncer.child = Some(command.spawn().expect("start pgbouncer"));
         let started = std::time::Instant::now();
         while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
             assert!(
                 started.elapsed() < Duration::from_secs(20),
                 "pgbouncer did not listen: {}",
-                std::fs::read_to_string(dir.path().join("pgbouncer.log")).unwrap_or_default()
+                std::fs::read_to_string(bouncer.dir.path().join("pgbouncer.log"))
+                    .unwrap_or_default()
             );
             std::thread::sleep(Duration::from_millis(50));
         }
-        Self {
-            child,
-            port,
-            _dir: dir,
-        }
+        bouncer
+    }
+
+    fn write_config(&self, databases: &str) {
+        let dir = self.dir.path();
+        std::fs::write(
+            dir.join("pgbouncer.ini"),
+            format!(
+                "[databases]\n{databases}\n\n[pgbouncer]\n\
+                 listen_addr = 127.0.0.1\nlisten_port = {port}\nunix_socket_dir =\n\
+                 auth_type = trust\nauth_file = {dir}/users.txt\npool_mode = transaction\n\
+                 default_pool_size = {connections}\nmax_client_conn = 500\n\
+                 logfile = {dir}/pgbouncer.log\n",
+                port = self.port,
+                connections = self.server_connections,
+                dir = dir.display(),
+            ),
+        )
+        .unwrap();
+    }
+
+    /// Points the pooler's databases elsewhere, as an operator's edit and reload (or a
+    /// platform's failover) does, while its clients stay connected.
+    fn repoint(&self, databases: &str) {
+        self.write_config(databases);
+        let pid = self.child.as_ref().unwrap().id() as i32;
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(pid),
+            nix::sys::signal::Signal::SIGHUP,
+        )
+        .unwrap();
     }
 
     /// `db`'s database through the pooler, with nothing but the user and the database.
@@ -80,8 +111,10 @@ impl PgBouncer {
 
 impl Drop for PgBouncer {
     fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        if let Some(child) = self.child.as_mut() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
     }
 }
 
@@ -398,4 +431,85 @@ async fn behind_pgbouncer_every_event_has_one_effect_and_one_downstream_call() {
         "{pruned}"
     );
     assert_eq!(db.count("SELECT count(*) FROM processed_events").await, 0);
+}
+
+/// Two databases holding half the buckets each, reached through the pooler under names the
+/// pooler maps; the pooler is then pointed at the other database for each name (an edited
+/// `[databases]` and a reload, or a failover to the wrong replica) while a consumer stays
+/// connected: it claims nothing in a database that does not hold the event's bucket, and once
+/// the pooler is put right, every event has had one effect.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_database_swapped_behind_the_pooler_is_refused_by_connected_processes() {
+    let _heavy = heavy().await;
+    let kafka = TestKafka::for_processes();
+    let (first, second) = (TestDb::new().await, TestDb::new().await);
+    let server = url::Url::parse(&first.url).unwrap();
+    let name = |db: &TestDb| url::Url::parse(&db.url).unwrap().path()[1..].to_owned();
+    let (host, port) = (server.host_str().unwrap(), server.port().unwrap_or(5432));
+    let map = |a: &TestDb, b: &TestDb| {
+        format!(
+            "sa = host={host} port={port} dbname={}\nsb = host={host} port={port} dbname={}",
+            name(a),
+            name(b)
+        )
+    };
+    let bouncer = PgBouncer::start_with(&map(&first, &second), 4);
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("replayproof.toml");
+    let at = |db: &str| format!("postgres://postgres@127.0.0.1:{}/{db}", bouncer.port);
+    std::fs::write(
+        &file,
+        format!(
+            "[database]\nshards = [\"{}\", \"{}\"]\npooler = \"transaction\"\n",
+            at("sa"),
+            at("sb")
+        ),
+    )
+    .unwrap();
+    let (topic, group) = (kafka.topic(1).await, unique("group"));
+    let metrics = free_port();
+    let mut consume = tokio::process::Command::from(replayproof_with(
+        &file,
+        &["consume", "--brokers", &kafka.brokers(), "--topic", &topic],
+    ));
+    consume
+        .args(["--group", &group, "--commit-interval-ms", "50"])
+        .args(["--max-retry-backoff-ms", "200"])
+        .args(["--metrics-addr", &format!("127.0.0.1:{metrics}")])
+        .kill_on_drop(true);
+    for (k, v) in test_kafka_options() {
+        consume.arg("--kafka-option").arg(format!("{k}={v}"));
+    }
+    let consumer = ConsumerProcess {
+        child: consume.spawn().unwrap(),
+    };
+    let keys: Vec<String> = (0..60).map(|i| format!("evt-{i}")).collect();
+    let records: Vec<Record> = keys.iter().map(|k| Record::event(k, json!({}))).collect();
+    let producer = producer(&kafka.brokers());
+    produce(&producer, &topic, &records).await;
+    wait_committed_total(&kafka, &group, &topic, 1, 60).await;
+
+    bouncer.repoint(&map(&second, &first));
+    produce(&producer, &topic, &records).await;
+    let retries = "replayproof_batch_retries_total";
+    wait_for("the redeliveries refused, or applied", WAIT, || async {
+        let refused = http_get(metrics, "/metrics")
+            .await
+            .is_some_and(|(_, page)| scraped(&page, retries) >= 2.0);
+        refused || committed(&kafka, &group, &topic, 1).await == [120]
+    })
+    .await;
+    bouncer.repoint(&map(&first, &second));
+    wait_committed_total(&kafka, &group, &topic, 1, 120).await;
+    assert!(consumer.terminate(WAIT).await.success());
+    let mut effects = first.ledger_counts().await;
+    for (key, n) in second.ledger_counts().await {
+        *effects.entry(key).or_default() += n;
+    }
+    let expected: std::collections::HashMap<String, i64> =
+        keys.iter().map(|k| (k.clone(), 1)).collect();
+    assert_eq!(
+        effects, expected,
+        "one effect per event over both databases"
+    );
 }
