@@ -321,18 +321,19 @@ pub async fn with_cause(pool: &Db, error: sqlx::Error) -> anyhow::Error {
     error.into()
 }
 
+/// Why the migrations are refused through a transaction-mode pooler, and what to do.
+pub const DIRECT_NEEDED: &str = "the migrations need a direct connection to PostgreSQL, not \
+     the transaction-mode pooler `[database] pooler` names: run `replayproof migrate` with \
+     `[database] direct_url` (or --direct-database-url, REPLAYPROOF_DIRECT_DATABASE_URL) set to \
+     the database's own address (docs/production.md, \"Connection poolers\")";
+
 /// Creates the pool's schema when missing and applies every pending migration there.
 ///
 /// Refused behind a transaction-mode pooler: the migrations hold a session-level lock (so that
 /// two runs at once apply each migration once) that such a pooler cannot keep.
 pub async fn migrate(pool: &Db) -> anyhow::Result<()> {
     if pool.pooler() == Pooler::Transaction {
-        anyhow::bail!(
-            "migrate needs a direct connection to PostgreSQL, not the transaction-mode pooler \
-             `[database] pooler` names: set `[database] direct_url` (or \
-             --direct-database-url, REPLAYPROOF_DIRECT_DATABASE_URL) to the database's own \
-             address (docs/production.md, \"Connection poolers\")"
-        );
+        anyhow::bail!(DIRECT_NEEDED);
     }
     let search_path: String = match sqlx::query_scalar("SELECT current_setting('search_path')")
         .fetch_one(pool)

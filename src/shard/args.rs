@@ -66,10 +66,14 @@ impl MigrateArgs {
 impl MigrateArgs {
     /// The databases the migrations run on and how: the direct addresses when given (each
     /// database's own, so the session's settings hold), else the pooled ones.
-    fn migrated(&self) -> anyhow::Result<(&[crate::db::DatabaseUrl], crate::db::Session)> {
+    pub fn migrated(&self) -> anyhow::Result<(&[crate::db::DatabaseUrl], crate::db::Session)> {
         let database = &self.database;
         let session = database.session.session();
         if self.direct_database_url.is_empty() {
+            anyhow::ensure!(
+                session.pooler == crate::db::Pooler::None,
+                crate::db::DIRECT_NEEDED
+            );
             return Ok((&database.database_url, session));
         }
         anyhow::ensure!(

@@ -334,6 +334,9 @@ async fn behind_pgbouncer_every_event_has_one_effect_and_one_downstream_call() {
         said.contains("direct connection") && said.contains("direct_url"),
         "{said}"
     );
+    let checked = config_check(&without_direct);
+    let problem = "migrate: problem: the migrations need a direct connection";
+    assert!(checked.contains(problem), "{checked}");
     stdout_of(&mut replayproof_with(&file, &["migrate"]));
 
     let (topic, group) = (kafka.topic(2).await, unique("group"));
@@ -396,11 +399,12 @@ async fn behind_pgbouncer_every_event_has_one_effect_and_one_downstream_call() {
         2,
         "the refused request retried once"
     );
-    assert_eq!(
+    wait_for("every operation settled done", WAIT, || async {
         db.count("SELECT count(*) FROM outbox WHERE state <> 'done'")
-            .await,
-        0
-    );
+            .await
+            == 0
+    })
+    .await;
     for member in members {
         assert!(member.terminate(WAIT).await.success());
     }
@@ -431,6 +435,23 @@ async fn behind_pgbouncer_every_event_has_one_effect_and_one_downstream_call() {
         "{pruned}"
     );
     assert_eq!(db.count("SELECT count(*) FROM processed_events").await, 0);
+
+    // config check, through the pooler whose server connections the processes used: the
+    // database answers with every migration applied, each time.
+    for _ in 0..5 {
+        let checked = config_check(&file);
+        assert!(checked.contains("migrate: ready"), "{checked}");
+        let applied = "migrations are applied in schema replayproof";
+        assert!(checked.contains(applied), "{checked}");
+    }
+}
+
+/// What `config check` prints about `file`, connecting.
+fn config_check(file: &std::path::Path) -> String {
+    let out = replayproof_with(file, &["config", "check"])
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
 /// Two databases holding half the buckets each, reached through the pooler under names the

@@ -197,17 +197,12 @@ async fn database_answers(database: &crate::args::DatabaseArgs) -> Result<String
     // that a refusal says why rather than that a pool timed out.
     let pool = database.pool(1).map_err(|e| format!("{e:#}"))?;
     let options = pool.connect_options();
+    let session = database.session.session();
     let asked = async {
         let mut connection = options.connect().await?;
-        let version: String = sqlx::query_scalar("SHOW server_version")
-            .fetch_one(&mut connection)
-            .await?;
-        let applied: Result<Vec<i64>, sqlx::Error> =
-            sqlx::query_scalar("SELECT version FROM _sqlx_migrations WHERE success")
-                .fetch_all(&mut connection)
-                .await;
+        let answered = versions(&mut connection, &session).await;
         let _ = connection.close().await;
-        Ok::<_, sqlx::Error>((version, applied))
+        answered
     };
     let (version, applied) = match tokio::time::timeout(TIMEOUT, asked).await {
         Err(_) => return Err(format!("no answer in {} s", TIMEOUT.as_secs())),
@@ -216,7 +211,6 @@ async fn database_answers(database: &crate::args::DatabaseArgs) -> Result<String
     };
     let schema = &database.session.schema;
     let expected: Vec<i64> = crate::db::MIGRATOR.iter().map(|m| m.version).collect();
-    let applied = applied.unwrap_or_default();
     let pending = expected.iter().filter(|v| !applied.contains(v)).count();
     match pending {
         0 => Ok(format!(
@@ -229,6 +223,32 @@ async fn database_answers(database: &crate::args::DatabaseArgs) -> Result<String
             expected.len()
         )),
     }
+}
+
+/// The server's version and the migrations applied, in a transaction as the commands begin
+/// theirs (behind a pooler, with the schema and limits set in it); no migrations table means
+/// none applied.
+async fn versions(
+    connection: &mut sqlx::PgConnection,
+    session: &crate::db::Session,
+) -> Result<(String, Vec<i64>), sqlx::Error> {
+    let mut tx = session.begin_on(connection).await?;
+    let version: String = sqlx::query_scalar("SHOW server_version")
+        .fetch_one(&mut *tx)
+        .await?;
+    let migrated: bool = sqlx::query_scalar("SELECT to_regclass('_sqlx_migrations') IS NOT NULL")
+        .fetch_one(&mut *tx)
+        .await?;
+    let applied = match migrated {
+        true => {
+            sqlx::query_scalar("SELECT version FROM _sqlx_migrations WHERE success")
+                .fetch_all(&mut *tx)
+                .await?
+        }
+        false => Vec::new(),
+    };
+    tx.commit().await?;
+    Ok((version, applied))
 }
 
 /// Records what librdkafka reports while the check's client connects: a TLS handshake or a

@@ -334,6 +334,7 @@ fn parsed_problem(layered: &Layered, file: Option<&ConfigFile>) -> Option<anyhow
     match crate::cli::Args::from_arg_matches(&layered.matches) {
         Ok(args) => match &args.command {
             crate::cli::Command::Console(console) => console.settings(file).err(),
+            crate::cli::Command::Migrate(migrate) => migrate.migrated().err(),
             crate::cli::Command::Consume(consume) => consume.built_in_problem(),
             crate::cli::Command::Dispatch(dispatch) => {
                 let relay = dispatch.relay.settings("check", std::time::Duration::ZERO);
