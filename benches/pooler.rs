@@ -5,8 +5,10 @@
 //! - **direct**: straight to PostgreSQL, the session settings sent at startup, sqlx's
 //!   statement cache on (`[database] pooler = "none"`);
 //! - **pooled**: through PgBouncer in transaction mode (`default_pool_size` = the lanes), with
-//!   `[database] pooler = "transaction"`: a `BEGIN` carrying the settings per transaction, each
-//!   statement parsed again.
+//!   `[database] pooler = "transaction"`: a `BEGIN` carrying the settings and a check of the
+//!   database's buckets per transaction, each statement parsed again.
+//!
+//! Both open the database as `consume` does (`DatabaseArgs`).
 //!
 //! Sizes: `BENCH_EVENTS` (20000 events per run, plus 30% replays, payloads of 100 bytes),
 //! `BENCH_BATCH` (500). PgBouncer is `REPLAYPROOF_PGBOUNCER` or Debian's `/usr/sbin/pgbouncer`;
@@ -15,7 +17,7 @@
 //! `cargo bench --bench pooler`
 
 use replayproof::consume::{BatchProcessor, RawMessage, Retrying};
-use replayproof::db::{Db, Pooler, Session};
+use replayproof::db::{Db, Pooler};
 use replayproof::effect::Ledger;
 use replayproof::envelope::Envelope;
 use std::sync::Arc;
@@ -46,15 +48,11 @@ async fn run() {
         let total = messages.iter().map(Vec::len).sum::<usize>() as f64;
         let database = fresh_database(&admin).await;
         let url = database_url(&server, &database, None);
-        let d = apply(&url, Session::default(), &messages, batch).await;
+        let d = apply(&url, Pooler::None, &messages, batch).await;
         direct.push(total / d.as_secs_f64());
         let database = fresh_database(&admin).await;
         let url = database_url(&server, &database, Some(bouncer.port));
-        let session = Session {
-            pooler: Pooler::Transaction,
-            ..Session::default()
-        };
-        let p = apply(&url, session, &messages, batch).await;
+        let p = apply(&url, Pooler::Transaction, &messages, batch).await;
         pooled.push(total / p.as_secs_f64());
         println!("round {round}: direct {d:?}, through PgBouncer {p:?} for {total} messages");
     }
@@ -100,12 +98,16 @@ fn workload(prefix: &str, events: usize, replays: usize) -> Vec<Vec<RawMessage>>
 /// The time the lanes took to apply `partitions` in batches of `batch`.
 async fn apply(
     url: &str,
-    session: Session,
+    pooler: Pooler,
     partitions: &[Vec<RawMessage>],
     batch: usize,
 ) -> Duration {
-    let pool = replayproof::db::pool_in(&url.parse().unwrap(), PARTITIONS as u32 + 1, &session);
-    let processor = BatchProcessor::new(pool.unwrap(), Arc::new(Ledger));
+    // As `consume` opens its database: its holdings checked (behind a pooler, in every
+    // transaction).
+    let mut database = replayproof::args::DatabaseArgs::single(url.parse().unwrap());
+    database.session.pooler = pooler;
+    let pool = database.open_pool(PARTITIONS as u32 + 1).await.unwrap();
+    let processor = BatchProcessor::new(pool, Arc::new(Ledger));
     let started = Instant::now();
     let lanes: Vec<_> = partitions
         .iter()
