@@ -1,14 +1,15 @@
 //! The PostgreSQL pool and the schema its sessions run in, the migrations, and what a database
 //! error means.
 
-use anyhow::Context as _;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::PgPool;
 use std::fmt;
 use std::str::FromStr;
 use std::time::Duration;
 
+mod migrations;
 mod pooled;
+pub use migrations::{migrate, migrate_with, migrate_with_newer, Newer, DIRECT_NEEDED, MIGRATOR};
 pub use pooled::{Db, Guard, Pooler};
 
 /// The buckets a deployment is split into unless it says otherwise (`[database] buckets`):
@@ -20,9 +21,6 @@ pub const DEFAULT_BUCKETS: u32 = 1024;
 /// numbers stay exact whatever `serde_json` features the application is built with; it
 /// serialises as that same JSON. Queries name it with `payload AS "payload: JsonText"`.
 pub type JsonText = sqlx::types::Json<Box<serde_json::value::RawValue>>;
-
-/// The embedded migrations from `migrations/`.
-pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
 
 /// A PostgreSQL URL. It may carry a password, so it never prints.
 #[derive(Clone)]
@@ -319,56 +317,6 @@ pub async fn with_cause(pool: &Db, error: sqlx::Error) -> anyhow::Error {
         }
     }
     error.into()
-}
-
-/// Why the migrations are refused through a transaction-mode pooler, and what to do.
-pub const DIRECT_NEEDED: &str = "the migrations need a direct connection to PostgreSQL, not \
-     the transaction-mode pooler `[database] pooler` names: run `replayproof migrate` with \
-     `[database] direct_url` (or --direct-database-url, REPLAYPROOF_DIRECT_DATABASE_URL) set to \
-     the database's own address (docs/production.md, \"Connection poolers\")";
-
-/// Creates the pool's schema when missing and applies every pending migration there.
-///
-/// Refused behind a transaction-mode pooler: the migrations hold a session-level lock (so that
-/// two runs at once apply each migration once) that such a pooler cannot keep.
-pub async fn migrate(pool: &Db) -> anyhow::Result<()> {
-    if pool.pooler() == Pooler::Transaction {
-        anyhow::bail!(DIRECT_NEEDED);
-    }
-    let search_path: String = match sqlx::query_scalar("SELECT current_setting('search_path')")
-        .fetch_one(pool)
-        .await
-    {
-        Ok(path) => path,
-        Err(e) => return Err(with_cause(pool, e).await.context("reading the search_path")),
-    };
-    let schema: Schema = search_path
-        .split(',')
-        .next()
-        .unwrap_or_default()
-        .trim()
-        .parse()
-        .map_err(|e: String| anyhow::anyhow!(e))?;
-    sqlx::query(&format!("CREATE SCHEMA IF NOT EXISTS {schema}"))
-        .execute(pool)
-        .await
-        .with_context(|| format!("creating the schema {schema}"))?;
-    MIGRATOR
-        .run(pool.pool())
-        .await
-        .context("applying migrations")
-}
-
-/// [`migrate`], then an application's own `extra` SQL (each safe to run again), in order.
-pub async fn migrate_with(pool: &Db, extra: &[&str]) -> anyhow::Result<()> {
-    migrate(pool).await?;
-    for sql in extra {
-        sqlx::raw_sql(sql)
-            .execute(pool)
-            .await
-            .context("applying the application's migration")?;
-    }
-    Ok(())
 }
 
 /// Whether a database error says nothing about the data: the connection, the server or the

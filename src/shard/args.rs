@@ -28,6 +28,13 @@ pub struct MigrateArgs {
     /// `--database-url`, in the same order.
     #[arg(long, env = "REPLAYPROOF_DIRECT_DATABASE_URL", hide_env_values = true, value_name = "URL", action = clap::ArgAction::Append)]
     pub direct_database_url: Vec<crate::db::DatabaseUrl>,
+
+    /// Succeed when the database holds migrations this binary does not know (a newer release
+    /// applied them: a rollback, or a pod of the old release restarting mid-update), with a
+    /// warning; without it migrate refuses, naming the version. The Kubernetes init containers
+    /// run with it.
+    #[arg(long)]
+    pub allow_newer: bool,
 }
 
 impl MigrateArgs {
@@ -40,7 +47,11 @@ impl MigrateArgs {
         let (urls, session) = self.migrated()?;
         for (shard, url) in urls.iter().enumerate() {
             let pool = crate::db::pool_in(url, 1, &session)?;
-            crate::db::migrate_with(&pool, extra).await?;
+            let newer = match self.allow_newer {
+                true => crate::db::Newer::Allowed,
+                false => crate::db::Newer::Refused,
+            };
+            crate::db::migrate_with_newer(&pool, extra, newer).await?;
             tracing::info!(schema = %database.session.schema, shard, "Migrations applied.");
             let mut expected = database.expected(shard)?;
             if self.new_shards {

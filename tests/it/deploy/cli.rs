@@ -170,3 +170,25 @@ fn a_reader_that_goes_away_ends_completions_and_man_quietly() {
         assert!(said.is_empty(), "{args:?}: {said}");
     }
 }
+
+/// A database a newer release migrated: `migrate` refuses, naming the version it does not know;
+/// `migrate --allow-newer` (the Kubernetes init containers' way) goes on with a warning.
+#[tokio::test]
+async fn migrate_over_a_newer_database_is_refused_unless_allowed() {
+    let db = crate::harness::TestDb::new().await;
+    sqlx::query(
+        "INSERT INTO _sqlx_migrations (version, description, success, checksum, execution_time)
+         VALUES (29991231000001, 'from a newer release', true, '\\x00', 1)",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let refused = replayproof(&["migrate", "--database-url", &db.url]);
+    let said = String::from_utf8_lossy(&refused.stderr);
+    assert!(!refused.status.success());
+    assert!(said.contains("29991231000001"), "{said}");
+    let allowed = replayproof(&["migrate", "--allow-newer", "--database-url", &db.url]);
+    let said = String::from_utf8_lossy(&allowed.stderr);
+    assert!(allowed.status.success(), "{said}");
+    assert!(said.contains("does not know"), "{said}");
+}

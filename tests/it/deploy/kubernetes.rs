@@ -313,9 +313,73 @@ fn assert_probed(component: &str, container: &Value, paths: [&str; 2]) {
     }
 }
 
+/// The port the role's configuration has it serve `name` on is the container's port of that
+/// name, and when it is the metrics port, the one `probes` ask, the one its Service names
+/// `metrics`, and one its NetworkPolicy admits.
+fn served_at(
+    component: &str,
+    all: &[Value],
+    container: &Value,
+    (port, name): (u16, &str),
+    probes: &[&str],
+) {
+    let port = u64::from(port);
+    let declared = container["ports"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["name"] == name)
+        .and_then(|p| p["containerPort"].as_u64());
+    assert_eq!(declared, Some(port), "{component}: containerPort {name}");
+    if name != "metrics" {
+        return;
+    }
+    for probe in probes {
+        let asked = container[probe]["httpGet"]["port"].as_u64();
+        assert_eq!(asked, Some(port), "{component} {probe}");
+    }
+    let object = format!("replayproof-{component}");
+    let of = |kind: &'static str| -> Vec<&Value> {
+        all.iter()
+            .filter(|o| o["kind"] == kind && o["metadata"]["name"] == object.as_str())
+            .collect()
+    };
+    for service in of("Service") {
+        let named = service["spec"]["ports"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|p| p["name"] == "metrics")
+            .unwrap_or_else(|| panic!("{component}: a Service port named metrics"));
+        assert_eq!(
+            named["targetPort"],
+            Value::from(name),
+            "{component} Service"
+        );
+    }
+    let admitted: Vec<u64> = of("NetworkPolicy")
+        .into_iter()
+        .flat_map(|policy| {
+            policy["spec"]["ingress"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default()
+        })
+        .flat_map(|rule| rule["ports"].as_array().cloned().unwrap_or_default())
+        .filter_map(|p| p["port"].as_u64())
+        .collect();
+    assert!(
+        admitted.contains(&port),
+        "{component}: NetworkPolicy admits {admitted:?}"
+    );
+}
+
+const BOTH_PROBES: [&str; 2] = ["livenessProbe", "readinessProbe"];
+
 #[test]
 fn each_role_parses_fits_its_grace_period_and_is_probed_where_it_serves() {
     let all = manifests();
+    let flat: Vec<Value> = all.values().flatten().cloned().collect();
     let roles = workloads(&all);
     assert_eq!(
         roles.keys().map(String::as_str).collect::<Vec<_>>(),
@@ -328,9 +392,35 @@ fn each_role_parses_fits_its_grace_period_and_is_probed_where_it_serves() {
         let container = container(pod, "containers", component);
         let config = config_file(workload, container, &scratch.path().join(component));
         let worst: Option<Duration> = match parsed(container, &config).command {
-            Role::Ingest(ingest) => Some(ingest.settings().unwrap().worst_case_stop()),
-            Role::Consume(consume) => Some(consume.settings().worst_case_stop()),
-            Role::Dispatch(dispatch) => Some(dispatch.settings(None).unwrap().worst_case_stop()),
+            Role::Ingest(ingest) => {
+                let settings = ingest.settings().unwrap();
+                let metrics = settings.metrics_listen.expect("ingest's metrics address");
+                // The ingress answers its probes where it takes webhooks.
+                let listen = settings.listen.port();
+                served_at(component, &flat, container, (listen, "http"), &[]);
+                served_at(
+                    component,
+                    &flat,
+                    container,
+                    (metrics.port(), "metrics"),
+                    &[],
+                );
+                for probe in BOTH_PROBES {
+                    let asked = container[probe]["httpGet"]["port"].as_u64();
+                    assert_eq!(asked, Some(u64::from(listen)), "{component} {probe}");
+                }
+                Some(settings.worst_case_stop())
+            }
+            Role::Consume(consume) => {
+                let at = (consume.metrics_addr.port(), "metrics");
+                served_at(component, &flat, container, at, &BOTH_PROBES);
+                Some(consume.settings().worst_case_stop())
+            }
+            Role::Dispatch(dispatch) => {
+                let at = (dispatch.metrics_addr.port(), "metrics");
+                served_at(component, &flat, container, at, &BOTH_PROBES);
+                Some(dispatch.settings(None).unwrap().worst_case_stop())
+            }
             Role::Console(console) => {
                 let env = secret_env();
                 let file = replayproof::config::ConfigFile::load(&config, &env).unwrap();
@@ -346,11 +436,12 @@ fn each_role_parses_fits_its_grace_period_and_is_probed_where_it_serves() {
                     .and_then(|e| e["value"].as_str())
                     .expect("the console's REPLAYPROOF_METRICS_ADDR");
                 let at: std::net::SocketAddr = metrics.parse().unwrap();
-                assert_eq!(
-                    container["livenessProbe"]["httpGet"]["port"].as_u64(),
-                    Some(u64::from(at.port())),
-                    "{component}"
-                );
+                let probes = ["livenessProbe"];
+                served_at(component, &flat, container, (at.port(), "metrics"), &probes);
+                let listen = console.listen.port();
+                served_at(component, &flat, container, (listen, "console"), &[]);
+                let ready = container["readinessProbe"]["httpGet"]["port"].as_u64();
+                assert_eq!(ready, Some(u64::from(listen)), "{component} readinessProbe");
                 None
             }
             other => panic!("{component} runs {other:?}"),
@@ -396,10 +487,12 @@ fn every_role_that_uses_the_database_migrates_first_with_its_own_image_and_secre
         );
         let scratch = tempfile::tempdir().unwrap();
         let config = config_file(&roles[component], migrate, scratch.path());
-        assert!(
-            matches!(parsed(migrate, &config).command, Role::Migrate(_)),
-            "{component}"
-        );
+        // A pod of an older release (a rollback, a restart mid-update) starts over a database
+        // a newer release migrated.
+        match parsed(migrate, &config).command {
+            Role::Migrate(args) => assert!(args.allow_newer, "{component}: migrate --allow-newer"),
+            other => panic!("{component} runs {other:?} first"),
+        }
     }
     // ingest never touches the database.
     let ingest = &roles["ingest"]["spec"]["template"]["spec"];
