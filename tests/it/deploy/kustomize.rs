@@ -314,15 +314,22 @@ fn assert_accepted_over(before: &[Value], after: &[Value], what: &str) {
         };
         match kind(object) {
             "Deployment" | "DaemonSet" => same("/spec/selector"),
+            // The API server refuses a change to any field of a StatefulSet's spec but these.
             "StatefulSet" => {
-                for path in [
-                    "/spec/selector",
-                    "/spec/serviceName",
-                    "/spec/volumeClaimTemplates",
-                    "/spec/podManagementPolicy",
-                ] {
-                    same(path);
-                }
+                let updatable = [
+                    "replicas",
+                    "ordinals",
+                    "template",
+                    "updateStrategy",
+                    "persistentVolumeClaimRetentionPolicy",
+                    "minReadySeconds",
+                ];
+                let rest = |o: &Value| {
+                    let mut spec = o["spec"].as_object().cloned().unwrap_or_default();
+                    spec.retain(|field, _| !updatable.contains(&field.as_str()));
+                    spec
+                };
+                assert_eq!(rest(previous), rest(object), "{what}: {id} spec");
             }
             "Service" => {
                 same("/spec/clusterIP");
