@@ -225,6 +225,20 @@ impl Telemetry {
 }
 
 /// Runs ingest, a consumer and (with a target) a dispatcher until a signal stops them, applying
+/// `dev` applies the migrations and keeps session settings: a file that puts its database
+/// behind a transaction-mode pooler is refused with what to do, rather than failing on the
+/// pooler's refusal of the startup parameters.
+fn refuse_a_pooler(config: Option<&ConfigFile>) -> anyhow::Result<()> {
+    let pooler = config.and_then(|f| f.section("database").get("pooler").cloned());
+    anyhow::ensure!(
+        pooler.as_ref().and_then(|p| p.as_str()) != Some("transaction"),
+        "dev needs a direct connection to PostgreSQL, and the file's [database] pooler is \
+         \"transaction\": give dev the database's own address (--database-url or DATABASE_URL) \
+         and a file without the pooler, or no DATABASE_URL for its own throwaway database"
+    );
+    Ok(())
+}
+
 /// `registry`'s effects after running `migrations` (an application's own tables).
 ///
 /// The sources are the configuration file's (`--config`, as for `ingest`); without one,
@@ -237,6 +251,7 @@ pub async fn run(
 ) -> anyhow::Result<()> {
     let effects = Effects::resolve(&opts, config);
     let effect = effects.build(registry, http_outbox(&opts).as_ref())?;
+    refuse_a_pooler(config)?;
     let shutdown = crate::shutdown::on_signal();
     let telemetry = Telemetry::serve(opts.metrics_addr, &shutdown).await?;
     let (brokers, url) = (opts.brokers.clone(), opts.database_url.clone());

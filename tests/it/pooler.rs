@@ -534,3 +534,18 @@ async fn a_database_swapped_behind_the_pooler_is_refused_by_connected_processes(
         "one effect per event over both databases"
     );
 }
+
+#[test]
+fn dev_refuses_a_file_that_puts_its_database_behind_a_transaction_pooler() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("replayproof.toml");
+    std::fs::write(
+        &file,
+        "[database]\nurl = \"postgres://postgres@127.0.0.1:6432/app\"\npooler = \"transaction\"\n",
+    )
+    .unwrap();
+    let out = replayproof_with(&file, &["dev"]).output().unwrap();
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(said.contains("dev needs a direct connection"), "{said}");
+}
