@@ -18,13 +18,14 @@
 
 use replayproof::consume::{BatchProcessor, RawMessage, Retrying};
 use replayproof::db::{Db, Pooler};
+use replayproof::devkit::pgbouncer::EmbeddedPgBouncer;
 use replayproof::effect::Ledger;
 use replayproof::envelope::Envelope;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 mod common;
-use common::{env_or, free_port, median};
+use common::{env_or, median};
 
 const PARTITIONS: usize = 4;
 
@@ -41,17 +42,17 @@ async fn run() {
     let (events, batch) = (env_or("BENCH_EVENTS", 20_000), env_or("BENCH_BATCH", 500));
     let repeats = env_or("BENCH_REPEATS", 3);
     let server = url::Url::parse(&admin).unwrap();
-    let bouncer = PgBouncer::start(&server);
+    let bouncer = EmbeddedPgBouncer::in_front_of(&admin, PARTITIONS as u32).unwrap();
     let (mut direct, mut pooled) = (Vec::new(), Vec::new());
     for round in 0..repeats {
         let messages = workload(&format!("r{round}"), events, events * 3 / 10);
         let total = messages.iter().map(Vec::len).sum::<usize>() as f64;
         let database = fresh_database(&admin).await;
-        let url = database_url(&server, &database, None);
+        let url = database_url(&server, &database);
         let d = apply(&url, Pooler::None, &messages, batch).await;
         direct.push(total / d.as_secs_f64());
         let database = fresh_database(&admin).await;
-        let url = database_url(&server, &database, Some(bouncer.port));
+        let url = bouncer.url(&database);
         let p = apply(&url, Pooler::Transaction, &messages, batch).await;
         pooled.push(total / p.as_secs_f64());
         println!("round {round}: direct {d:?}, through PgBouncer {p:?} for {total} messages");
@@ -144,87 +145,17 @@ async fn fresh_database(admin: &str) -> String {
         .unwrap();
     pool.close().await;
     let server = url::Url::parse(admin).unwrap();
-    let direct = replayproof::db::pool(&database_url(&server, &name, None).parse().unwrap(), 1);
+    let direct = replayproof::db::pool(&database_url(&server, &name).parse().unwrap(), 1);
     let direct: Db = direct.unwrap();
     replayproof::db::migrate(&direct).await.unwrap();
     direct.close().await;
     name
 }
 
-/// `database` on `server`, or through the pooler listening on `port`.
-fn database_url(server: &url::Url, database: &str, port: Option<u16>) -> String {
+/// `database` on `server`.
+fn database_url(server: &url::Url, database: &str) -> String {
     let mut url = server.clone();
     url.set_path(database);
     url.set_query(None);
-    if let Some(port) = port {
-        url.set_host(Some("127.0.0.1")).unwrap();
-        url.set_port(Some(port)).unwrap();
-    }
     url.to_string()
-}
-
-/// PgBouncer in transaction mode in front of `server`, one server connection per lane.
-struct PgBouncer {
-    child: std::process::Child,
-    port: u16,
-    _dir: tempfile::TempDir,
-}
-
-impl PgBouncer {
-    fn start(server: &url::Url) -> Self {
-        use std::os::unix::process::CommandExt as _;
-        let dir = tempfile::tempdir().unwrap();
-        let port = free_port();
-        let user = server.username();
-        std::fs::write(dir.path().join("users.txt"), format!("\"{user}\" \"\"\n")).unwrap();
-        let config = dir.path().join("pgbouncer.ini");
-        std::fs::write(
-            &config,
-            format!(
-                "[databases]\n* = host={} port={}\n\n[pgbouncer]\nlisten_addr = 127.0.0.1\n\
-                 listen_port = {port}\nunix_socket_dir =\nauth_type = trust\n\
-                 auth_file = {dir}/users.txt\npool_mode = transaction\n\
-                 default_pool_size = {PARTITIONS}\nlogfile = {dir}/pgbouncer.log\n",
-                server.host_str().unwrap(),
-                server.port().unwrap_or(5432),
-                dir = dir.path().display(),
-            ),
-        )
-        .unwrap();
-        let binary =
-            std::env::var("REPLAYPROOF_PGBOUNCER").unwrap_or_else(|_| "/usr/sbin/pgbouncer".into());
-        let mut command = std::process::Command::new(binary);
-        command
-            .arg(&config)
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null());
-        if nix::unistd::geteuid().is_root() {
-            let postgres = nix::unistd::User::from_name("postgres").unwrap().unwrap();
-            nix::unistd::chown(dir.path(), Some(postgres.uid), Some(postgres.gid)).unwrap();
-            command
-                .uid(postgres.uid.as_raw())
-                .gid(postgres.gid.as_raw());
-        }
-        let child = command.spawn().expect("start pgbouncer");
-        let started = Instant::now();
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(
-                started.elapsed() < Duration::from_secs(20),
-                "pgbouncer did not listen"
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        Self {
-            child,
-            port,
-            _dir: dir,
-        }
-    }
-}
-
-impl Drop for PgBouncer {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
 }

@@ -32,6 +32,7 @@ pub fn kafka() -> (Option<EmbeddedKafka>, String) {
 }
 
 /// A free TCP port on 127.0.0.1, for a child process's metrics server.
+#[allow(dead_code)]
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()

@@ -219,7 +219,7 @@ pub fn postgres_bindir() -> anyhow::Result<PathBuf> {
     )
 }
 
-fn free_port() -> anyhow::Result<u16> {
+pub(crate) fn free_port() -> anyhow::Result<u16> {
     Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 

@@ -1,148 +1,32 @@
 //! The database reached through PgBouncer in transaction mode, as managed platforms put a pooler
 //! in front of PostgreSQL: Debian's `pgbouncer` (the test script installs it;
 //! `REPLAYPROOF_PGBOUNCER` names the binary), a few server connections shared by every client,
-//! refusing the `options` startup parameter as it does by default.
+//! refusing the startup parameters it does not know, as it does by default
+//! ([`EmbeddedPgBouncer`]).
 
 use crate::harness::*;
 use replayproof::db::{Db, Pooler, Session};
+use replayproof::devkit::pgbouncer::EmbeddedPgBouncer;
 use serde_json::json;
 use std::collections::HashSet;
 use std::path::PathBuf;
-use std::process::Stdio;
 use std::time::Duration;
 
 const WAIT: Duration = Duration::from_secs(120);
 
-/// A PgBouncer process in transaction mode in front of the test database's server, stopped by
-/// its own pid when dropped.
-struct PgBouncer {
-    child: Option<std::process::Child>,
-    port: u16,
-    server_connections: u32,
-    dir: tempfile::TempDir,
+/// PgBouncer in transaction mode in front of the test database's server, with
+/// `server_connections` server connections.
+fn pgbouncer(db: &TestDb, server_connections: u32) -> EmbeddedPgBouncer {
+    EmbeddedPgBouncer::in_front_of(&db.url, server_connections).expect("pgbouncer")
 }
 
-impl PgBouncer {
-    /// Starts PgBouncer with `server_connections` server connections per database and user,
-    /// every database name passed through to `server`.
-    fn start(server: &url::Url, server_connections: u32) -> Self {
-        let databases = format!(
-            "* = host={} port={}",
-            server.host_str().unwrap(),
-            server.port().unwrap_or(5432)
-        );
-        Self::start_with(&databases, server_connections)
-    }
-
-    /// Starts PgBouncer with `databases` as its `[databases]` section.
-    fn start_with(databases: &str, server_connections: u32) -> Self {
-        let dir = tempfile::tempdir().unwrap();
-        let port = free_port();
-        std::fs::write(dir.path().join("users.txt"), "\"postgres\" \"\"\n").unwrap();
-        let mut bouncer = Self {
-            child: None,
-            port,
-            server_connections,
-            dir,
-        };
-        bouncer.write_config(databases);
-        let mut command = std::process::Command::new(pgbouncer_binary());
-        command
-            .arg(bouncer.dir.path().join("pgbouncer.ini"))
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null());
-        run_as_postgres_when_root(&mut command, bouncer.dir.path());
-        bouncer.child = Some(command.spawn().expect("start pgbouncer"));
-        let started = std::time::Instant::now();
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(
-                started.elapsed() < Duration::from_secs(20),
-                "pgbouncer did not listen: {}",
-                std::fs::read_to_string(bouncer.dir.path().join("pgbouncer.log"))
-                    .unwrap_or_default()
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        bouncer
-    }
-
-    fn write_config(&self, databases: &str) {
-        let dir = self.dir.path();
-        std::fs::write(
-            dir.join("pgbouncer.ini"),
-            format!(
-                "[databases]\n{databases}\n\n[pgbouncer]\n\
-                 listen_addr = 127.0.0.1\nlisten_port = {port}\nunix_socket_dir =\n\
-                 auth_type = trust\nauth_file = {dir}/users.txt\npool_mode = transaction\n\
-                 default_pool_size = {connections}\nmax_client_conn = 500\n\
-                 logfile = {dir}/pgbouncer.log\n",
-                port = self.port,
-                connections = self.server_connections,
-                dir = dir.display(),
-            ),
-        )
-        .unwrap();
-    }
-
-    /// Points the pooler's databases elsewhere, as an operator's edit and reload (or a
-    /// platform's failover) does, while its clients stay connected.
-    fn repoint(&self, databases: &str) {
-        self.write_config(databases);
-        let pid = self.child.as_ref().unwrap().id() as i32;
-        nix::sys::signal::kill(
-            nix::unistd::Pid::from_raw(pid),
-            nix::sys::signal::Signal::SIGHUP,
-        )
-        .unwrap();
-    }
-
-    /// `db`'s database through the pooler, with nothing but the user and the database.
-    fn url(&self, db: &TestDb) -> String {
-        let direct = url::Url::parse(&db.url).unwrap();
-        format!(
-            "postgres://{}@127.0.0.1:{}{}",
-            direct.username(),
-            self.port,
-            direct.path()
-        )
-    }
+/// `db`'s database through `bouncer`.
+fn through(bouncer: &EmbeddedPgBouncer, db: &TestDb) -> String {
+    bouncer.url(&database_name(db))
 }
 
-impl Drop for PgBouncer {
-    fn drop(&mut self) {
-        if let Some(child) = self.child.as_mut() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-    }
-}
-
-fn pgbouncer_binary() -> PathBuf {
-    let named = std::env::var_os("REPLAYPROOF_PGBOUNCER").map(PathBuf::from);
-    let found = named.or_else(|| {
-        ["/usr/sbin/pgbouncer", "/usr/bin/pgbouncer"]
-            .into_iter()
-            .map(PathBuf::from)
-            .find(|p| p.exists())
-    });
-    found.expect(
-        "pgbouncer: install Debian's pgbouncer (scripts/test.sh does) or set REPLAYPROOF_PGBOUNCER",
-    )
-}
-
-/// PgBouncer refuses to run as root: as root, it runs as the `postgres` user, which then owns
-/// its directory.
-fn run_as_postgres_when_root(command: &mut std::process::Command, dir: &std::path::Path) {
-    use std::os::unix::process::CommandExt as _;
-    if !nix::unistd::geteuid().is_root() {
-        return;
-    }
-    let user = nix::unistd::User::from_name("postgres")
-        .unwrap()
-        .expect("a postgres user (Debian's postgresql package creates it)");
-    nix::unistd::chown(dir, Some(user.uid), Some(user.gid)).unwrap();
-    command.uid(user.uid.as_raw()).gid(user.gid.as_raw());
+fn database_name(db: &TestDb) -> String {
+    url::Url::parse(&db.url).unwrap().path()[1..].to_owned()
 }
 
 /// A direct URL without the test harness's startup options.
@@ -162,8 +46,8 @@ fn pooled_session() -> Session {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_session_setting_sent_at_startup_is_refused_by_the_pooler_and_pooler_mode_sends_none() {
     let db = TestDb::new().await;
-    let bouncer = PgBouncer::start(&url::Url::parse(&db.url).unwrap(), 2);
-    let url = bouncer.url(&db).parse().unwrap();
+    let bouncer = pgbouncer(&db, 2);
+    let url = through(&bouncer, &db).parse().unwrap();
 
     // How every pool connected before `[database] pooler`: the schema and the time limits in
     // the `options` startup parameter, which PgBouncer refuses.
@@ -226,8 +110,8 @@ async fn a_session_setting_sent_at_startup_is_refused_by_the_pooler_and_pooler_m
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn statements_of_many_clients_over_two_server_connections_all_succeed_in_pooler_mode() {
     let db = TestDb::new().await;
-    let bouncer = PgBouncer::start(&url::Url::parse(&db.url).unwrap(), 2);
-    let url: replayproof::db::DatabaseUrl = bouncer.url(&db).parse().unwrap();
+    let bouncer = pgbouncer(&db, 2);
+    let url: replayproof::db::DatabaseUrl = through(&bouncer, &db).parse().unwrap();
     let cached = || {
         let options: sqlx::postgres::PgConnectOptions = url.expose().parse().unwrap();
         let pool = sqlx::postgres::PgPoolOptions::new()
@@ -315,8 +199,8 @@ async fn behind_pgbouncer_every_event_has_one_effect_and_one_downstream_call() {
     let _heavy = heavy().await;
     let (kafka, db) = (TestKafka::for_processes(), TestDb::new().await);
     let downstream = Downstream::start().await;
-    let bouncer = PgBouncer::start(&url::Url::parse(&db.url).unwrap(), 4);
-    let pooled = bouncer.url(&db);
+    let bouncer = pgbouncer(&db, 4);
+    let pooled = through(&bouncer, &db);
     let dir = tempfile::tempdir().unwrap();
     let target = downstream.url();
     let without_direct = pooler_file(dir.path(), &pooled, None, &target);
@@ -465,7 +349,7 @@ async fn a_database_swapped_behind_the_pooler_is_refused_by_connected_processes(
     let kafka = TestKafka::for_processes();
     let (first, second) = (TestDb::new().await, TestDb::new().await);
     let server = url::Url::parse(&first.url).unwrap();
-    let name = |db: &TestDb| url::Url::parse(&db.url).unwrap().path()[1..].to_owned();
+    let name = database_name;
     let (host, port) = (server.host_str().unwrap(), server.port().unwrap_or(5432));
     let map = |a: &TestDb, b: &TestDb| {
         format!(
@@ -474,10 +358,10 @@ async fn a_database_swapped_behind_the_pooler_is_refused_by_connected_processes(
             name(b)
         )
     };
-    let bouncer = PgBouncer::start_with(&map(&first, &second), 4);
+    let bouncer = EmbeddedPgBouncer::start(&map(&first, &second), 4).expect("pgbouncer");
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("replayproof.toml");
-    let at = |db: &str| format!("postgres://postgres@127.0.0.1:{}/{db}", bouncer.port);
+    let at = |db: &str| bouncer.url(db);
     std::fs::write(
         &file,
         format!(
@@ -510,7 +394,7 @@ async fn a_database_swapped_behind_the_pooler_is_refused_by_connected_processes(
     produce(&producer, &topic, &records).await;
     wait_committed_total(&kafka, &group, &topic, 1, 60).await;
 
-    bouncer.repoint(&map(&second, &first));
+    bouncer.repoint(&map(&second, &first)).unwrap();
     produce(&producer, &topic, &records).await;
     let retries = "replayproof_batch_retries_total";
     wait_for("the redeliveries refused, or applied", WAIT, || async {
@@ -520,7 +404,7 @@ async fn a_database_swapped_behind_the_pooler_is_refused_by_connected_processes(
         refused || committed(&kafka, &group, &topic, 1).await == [120]
     })
     .await;
-    bouncer.repoint(&map(&first, &second));
+    bouncer.repoint(&map(&first, &second)).unwrap();
     wait_committed_total(&kafka, &group, &topic, 1, 120).await;
     assert!(consumer.terminate(WAIT).await.success());
     let mut effects = first.ledger_counts().await;
