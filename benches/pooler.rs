@@ -16,13 +16,13 @@
 //!
 //! `cargo bench --bench pooler`
 
-use replayproof::consume::{BatchProcessor, RawMessage, Retrying};
+use replayproof::consume::{BatchProcessor, RawMessage};
 use replayproof::db::{Db, Pooler};
 use replayproof::devkit::pgbouncer::EmbeddedPgBouncer;
 use replayproof::effect::Ledger;
 use replayproof::envelope::Envelope;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 mod common;
 use common::{env_or, median};
@@ -109,30 +109,7 @@ async fn apply(
     database.session.pooler = pooler;
     let pool = database.open_pool(PARTITIONS as u32 + 1).await.unwrap();
     let processor = BatchProcessor::new(pool, Arc::new(Ledger));
-    let started = Instant::now();
-    let lanes: Vec<_> = partitions
-        .iter()
-        .enumerate()
-        .map(|(p, messages)| {
-            let (processor, messages) = (processor.clone(), messages.clone());
-            tokio::spawn(async move {
-                let mut retrying = Retrying::default();
-                for chunk in messages.chunks(batch) {
-                    processor
-                        .process_pass("bench", p as i32, chunk, &mut retrying)
-                        .await
-                        .unwrap();
-                }
-                assert!(retrying.next_due().is_none(), "a batch was left to retry");
-            })
-        })
-        .collect();
-    for lane in lanes {
-        lane.await.unwrap();
-    }
-    let took = started.elapsed();
-    processor.shards.close().await;
-    took
+    common::apply_in_lanes(processor, partitions, batch).await
 }
 
 /// A new database, migrated directly.

@@ -23,13 +23,13 @@
 // A benchmark's run reads as one script, start to finish: long ones are allowed here.
 #![allow(clippy::too_many_lines)]
 
-use replayproof::consume::{BatchProcessor, RawMessage, Retrying};
+use replayproof::consume::{BatchProcessor, RawMessage};
 use replayproof::db::Db;
 use replayproof::effect::Ledger;
 use replayproof::envelope::Envelope;
 use replayproof::shard::{Layout, Shards};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 // Only its sizes from the environment are used here.
 #[allow(dead_code)]
@@ -132,29 +132,7 @@ async fn run(admin: &str, spread: Spread, messages: &[Vec<RawMessage>]) -> Durat
         Spread::Databases(n) => Shards::new(Layout::new(1024, n).unwrap(), pools).unwrap(),
     };
     let processor = BatchProcessor::new(shards, Arc::new(Ledger));
-    let started = Instant::now();
-    let lanes: Vec<_> = messages
-        .iter()
-        .enumerate()
-        .map(|(p, messages)| {
-            let (processor, messages) = (processor.clone(), messages.clone());
-            tokio::spawn(async move {
-                let mut retrying = Retrying::default();
-                for batch in messages.chunks(BATCH) {
-                    processor
-                        .process_pass("bench", p as i32, batch, &mut retrying)
-                        .await
-                        .unwrap();
-                }
-            })
-        })
-        .collect();
-    for lane in lanes {
-        lane.await.unwrap();
-    }
-    let took = started.elapsed();
-    processor.shards.close().await;
-    took
+    common::apply_in_lanes(processor, messages, BATCH).await
 }
 
 fn main() {

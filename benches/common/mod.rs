@@ -100,3 +100,38 @@ pub async fn otlp_sink(received: std::sync::Arc<std::sync::atomic::AtomicUsize>)
     tokio::spawn(async move { axum::serve(listener, app).await });
     endpoint
 }
+
+/// Applies each partition's messages through `processor` in batches of `batch`, one lane per
+/// partition at once, and returns the time until every lane's batches committed (the
+/// processor's pools closed after). Panics when a batch was left to retry.
+#[allow(dead_code)]
+pub async fn apply_in_lanes(
+    processor: replayproof::consume::BatchProcessor,
+    partitions: &[Vec<replayproof::consume::RawMessage>],
+    batch: usize,
+) -> Duration {
+    let started = std::time::Instant::now();
+    let lanes: Vec<_> = partitions
+        .iter()
+        .enumerate()
+        .map(|(p, messages)| {
+            let (processor, messages) = (processor.clone(), messages.clone());
+            tokio::spawn(async move {
+                let mut retrying = replayproof::consume::Retrying::default();
+                for chunk in messages.chunks(batch) {
+                    processor
+                        .process_pass("bench", p as i32, chunk, &mut retrying)
+                        .await
+                        .unwrap();
+                }
+                assert!(retrying.next_due().is_none(), "a batch was left to retry");
+            })
+        })
+        .collect();
+    for lane in lanes {
+        lane.await.unwrap();
+    }
+    let took = started.elapsed();
+    processor.shards.close().await;
+    took
+}
