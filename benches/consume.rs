@@ -18,6 +18,8 @@
 //!   moving on); then **H2**, the consumer's background task applying those deferred events
 //!   once they can apply, one transaction per event, next to E (also one transaction per
 //!   message);
+//! - **L** the consumer next to PostgreSQL's own batched limit, fresh and fully redelivered
+//!   backlogs, one and two processes (`consume/limit.rs` says what each of its runs is);
 //! - statements and WAL bytes per message for A, B and D, the consumer's peak RSS during D, and a
 //!   memory run: the consumer draining a backlog of 1M messages of 2 KiB on 16 partitions.
 //!
@@ -27,7 +29,8 @@
 //! mock cluster runs in this process. Sizes: `BENCH_EVENTS` (50000 events per run, plus 30%
 //! replays), `BENCH_PEER_MESSAGES` (10000: the peer is timed on the first messages of the same
 //! backlog), `BENCH_PREFILL` (`1000000,10000000`; empty skips F), `BENCH_MEMORY_MESSAGES`
-//! (1000000; 0 skips the memory run). `BENCH_STAGES` picks stages (`ABCDEGHT`),
+//! (1000000; 0 skips the memory run), `BENCH_LIMIT_EVENTS` (100000, L's backlog).
+//! `BENCH_STAGES` picks stages (`ABCDEGHTL`),
 //! `BENCH_STATEMENT_TIMES=1` prints each run's slowest statements from `pg_stat_statements`, and
 //! `BENCH_D_ARGS` adds arguments to the consumer of D and of the memory run. Stages A and B print
 //! the CPU time the benchmark process used while timed.
@@ -52,6 +55,8 @@ use std::time::{Duration, Instant};
 
 mod common;
 use common::{client, create_topic, env_or, median};
+#[path = "consume/limit.rs"]
+mod limit;
 
 const PARTITIONS: i32 = 4;
 const BATCH: usize = 500;
@@ -822,7 +827,7 @@ fn main() {
         std::thread::available_parallelism().map_or(0, |n| n.get()),
     );
 
-    let stages = std::env::var("BENCH_STAGES").unwrap_or_else(|_| "ABCDEGHT".into());
+    let stages = std::env::var("BENCH_STAGES").unwrap_or_else(|_| "ABCDEGHTL".into());
     let run = |stage: char| stages.contains(stage);
     let mut results = Results::default();
     runtime.block_on(async {
@@ -927,6 +932,10 @@ fn main() {
                     db.drop(&url).await;
                 }
             }
+        }
+
+        if run('L') {
+            limit::run(&db, mock.as_ref(), &brokers, repeats).await;
         }
 
         let mut growth = Vec::new();

@@ -19,7 +19,7 @@ use crate::envelope::Event;
 use chrono::{DateTime, Utc};
 use serde::Serialize;
 use sqlx::PgConnection;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 /// Where a message came from, stored with whatever it produced.
 #[derive(Debug, Clone, Copy)]
@@ -80,24 +80,35 @@ pub struct Failure<'a> {
     pub policy: DeferPolicy,
 }
 
+/// What [`claim`] found: the keys this transaction claimed, and the claims found already for
+/// the others, each with its route and payload hash.
+#[derive(Debug, Default)]
+pub struct Claimed {
+    pub keys: HashSet<String>,
+    pub found: HashMap<String, (String, Vec<u8>)>,
+}
+
 /// Claims the keys of `events` in one statement, each row written once with its final status
 /// (`done`: its effect runs in the same transaction), and returns the keys this transaction
-/// claimed. A settled claim keeps its payload's hash, not the payload.
+/// claimed with the claims it found. A settled claim keeps its payload's hash, not the payload.
+///
+/// The statement probes the claims for every key first and inserts only the keys it did not
+/// find, as bulk loaders do: a batch of redeliveries writes nothing here. A key found under
+/// another route (its source's `route_from` changed, a proxy added a routing header to one
+/// delivery) is not claimed again either: it is one event, and the caller tells which route won
+/// it from what was found.
 ///
 /// The rows are inserted in key order (`COLLATE "C"`), so two transactions racing on
 /// overlapping keys take their locks in the same order and can wait on each other but never
 /// deadlock. A key another transaction is inserting makes this one wait for it: if it commits
-/// the key is not claimed here, if it aborts the key is claimed here.
-///
-/// A key this database holds under another route (its source's `route_from` changed, a proxy
-/// added a routing header to one delivery) is not claimed again: it is one event, and
-/// [`stored_hashes`] tells the caller which route won it.
+/// the key is not claimed here (nor found: look it up with [`stored_hashes`]), if it aborts the
+/// key is claimed here.
 #[tracing::instrument(skip_all, fields(events = events.len()))]
 pub async fn claim(
     conn: &mut PgConnection,
     origin: Origin<'_>,
     events: &[(i64, &Event)],
-) -> sqlx::Result<Vec<String>> {
+) -> sqlx::Result<Claimed> {
     let keys: Vec<&str> = events.iter().map(|(_, e)| e.key.as_str()).collect();
     let routes: Vec<&str> = events.iter().map(|(_, e)| e.route_key()).collect();
     let sources: Vec<&str> = events.iter().map(|(_, e)| e.source.as_str()).collect();
@@ -116,19 +127,27 @@ pub async fn claim(
         .iter()
         .map(|(_, e)| e.traceparent.as_deref())
         .collect();
-    sqlx::query_scalar!(
-        r#"INSERT INTO processed_events (event_key, route_key, source, event_type, status,
-                payload_sha256, received_at, kafka_topic, kafka_partition, kafka_offset, attempts,
-                completed_at, request_id, traceparent)
-           SELECT k, rk, s, t, 'done', h, r, $7, $8, o, 1, now(), q, tp
-           FROM unnest($1::text[], $2::text[], $3::text[], $4::bytea[], $5::timestamptz[],
-                       $6::int8[], $9::text[], $10::text[], $11::text[])
-                AS u(k, s, t, h, r, o, q, tp, rk)
-           WHERE NOT EXISTS (SELECT 1 FROM processed_events p
-                             WHERE p.event_key = u.k AND p.route_key <> u.rk)
-           ORDER BY k COLLATE "C", rk COLLATE "C"
-           ON CONFLICT (event_key, route_key) DO NOTHING
-           RETURNING event_key"#,
+    let rows = sqlx::query!(
+        r#"WITH u AS MATERIALIZED (
+               SELECT u.*, f.route_key AS found_route, f.payload_sha256 AS found_hash
+               FROM unnest($1::text[], $2::text[], $3::text[], $4::bytea[], $5::timestamptz[],
+                           $6::int8[], $9::text[], $10::text[], $11::text[])
+                    AS u(k, s, t, h, r, o, q, tp, rk)
+               LEFT JOIN LATERAL (SELECT x.route_key, x.payload_sha256 FROM processed_events x
+                                  WHERE x.event_key = u.k OFFSET 0) AS f ON true),
+           claimed AS (
+               INSERT INTO processed_events (event_key, route_key, source, event_type, status,
+                   payload_sha256, received_at, kafka_topic, kafka_partition, kafka_offset,
+                   attempts, completed_at, request_id, traceparent)
+               SELECT k, rk, s, t, 'done', h, r, $7, $8, o, 1, now(), q, tp
+               FROM u WHERE found_route IS NULL
+               ORDER BY k COLLATE "C", rk COLLATE "C"
+               ON CONFLICT (event_key, route_key) DO NOTHING
+               RETURNING event_key)
+           SELECT event_key AS "event_key!", NULL::text AS route_key, NULL::bytea AS hash
+           FROM claimed
+           UNION ALL
+           SELECT k, found_route, found_hash FROM u WHERE found_route IS NOT NULL"#,
         &keys as _,
         &sources as _,
         &types as _,
@@ -142,7 +161,29 @@ pub async fn claim(
         &routes as _,
     )
     .fetch_all(conn)
-    .await
+    .await?;
+    Ok(Claimed::sorted(
+        rows.into_iter()
+            .map(|r| (r.event_key, r.route_key.zip(r.hash))),
+    ))
+}
+
+impl Claimed {
+    /// The statement's rows sorted out: a key with no stored claim beside it was claimed here.
+    fn sorted(rows: impl Iterator<Item = (String, Option<(String, Vec<u8>)>)>) -> Self {
+        let mut claimed = Self::default();
+        for (key, stored) in rows {
+            match stored {
+                Some(stored) => {
+                    claimed.found.insert(key, stored);
+                }
+                None => {
+                    claimed.keys.insert(key);
+                }
+            }
+        }
+        claimed
+    }
 }
 
 /// The route and payload hash each of `keys` is already claimed under in this database, by
@@ -435,7 +476,7 @@ pub struct ClaimRow {
     /// The W3C traceparent of the claim: its trace id finds the whole trace.
     pub traceparent: Option<String>,
     /// How many times the key was delivered to the consumer group: the claimed delivery and
-    /// every duplicate since ([`deliveries::count`]).
+    /// every duplicate since ([`deliveries::record`]).
     pub deliveries: i32,
     /// When the key was last delivered (the claim's own time until a duplicate came).
     pub last_seen_at: DateTime<Utc>,
@@ -456,9 +497,10 @@ pub async fn find(pool: &Db, key: &str) -> sqlx::Result<Option<ClaimRow>> {
                   last_error, encode(payload_sha256, 'hex') AS "payload_sha256!",
                   kafka_topic || '/' || kafka_partition || '@' || kafka_offset AS "first_seen_at!",
                   received_at, claimed_at, completed_at, due_at, deadline_at, deferred_reason,
-                  payload AS "payload: JsonText", request_id, traceparent, deliveries,
-                  coalesce(last_seen_at, claimed_at) AS "last_seen_at!"
-           FROM processed_events WHERE event_key = $1"#,
+                  payload AS "payload: JsonText", request_id, traceparent,
+                  d.deliveries AS "deliveries!", d.last_seen_at AS "last_seen_at!"
+           FROM processed_events JOIN claim_deliveries d USING (event_key, route_key)
+           WHERE event_key = $1"#,
         key
     )
     .fetch_optional(pool)

@@ -93,10 +93,13 @@ impl Default for Limits {
 }
 
 impl Limits {
-    /// The session settings, as sent in the connection's startup packet.
-    fn settings(&self) -> [(&'static str, String); 6] {
+    /// The session settings, as sent in the connection's startup packet. `jit` is off: every
+    /// statement replayproof runs is short, and compiling one whose plan looks large (a batch's
+    /// arrays of 500 rows) takes longer than running it.
+    fn settings(&self) -> [(&'static str, String); 7] {
         let ms = |d: Duration| d.as_millis().to_string();
         [
+            ("jit", "off".into()),
             ("statement_timeout", ms(self.statement_timeout)),
             ("lock_timeout", ms(self.lock_timeout)),
             (

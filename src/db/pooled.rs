@@ -194,7 +194,8 @@ pub(super) fn begin_statement(limits: Limits, schema: &Schema) -> String {
     let ms = |d: std::time::Duration| d.as_millis();
     format!(
         "BEGIN; DEALLOCATE ALL; SET LOCAL search_path TO {}; SET LOCAL statement_timeout = {}; \
-         SET LOCAL lock_timeout = {}; SET LOCAL idle_in_transaction_session_timeout = {}",
+         SET LOCAL lock_timeout = {}; SET LOCAL idle_in_transaction_session_timeout = {}; \
+         SET LOCAL jit = off",
         schema.search_path(),
         ms(limits.statement_timeout),
         ms(limits.lock_timeout),
@@ -292,6 +293,7 @@ mod tests {
             "SET LOCAL statement_timeout = 30000",
             "SET LOCAL lock_timeout = 2500",
             "SET LOCAL idle_in_transaction_session_timeout = 30000",
+            "SET LOCAL jit = off",
         ] {
             assert!(sql.contains(part), "{part} missing from {sql}");
         }

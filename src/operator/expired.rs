@@ -33,6 +33,7 @@ pub async fn apply(
     };
     if claims::claim(&mut tx, origin, &[(first.kafka_offset, &event)])
         .await?
+        .keys
         .is_empty()
     {
         return Err(OperatorError::ClaimedSince(key.into()));

@@ -225,6 +225,16 @@ const RULES: &[Rule] = &[
                  WHERE last_seen_at < now() - make_interval(secs => $1)",
         lock_of: "",
     },
+    // Redeliveries recorded by batch, once no claim they count on can still be kept for its
+    // age: each is younger than its claim, so it outlives every settled claim it counts on.
+    Rule {
+        name: "redeliveries",
+        change: "DELETE FROM redeliveries",
+        key: "id",
+        select: "SELECT id FROM redeliveries \
+                 WHERE seen_at < now() - make_interval(secs => $1)",
+        lock_of: "",
+    },
     Rule {
         name: "delivery_fingerprints",
         change: "DELETE FROM delivery_fingerprints",
@@ -320,6 +330,12 @@ const RULES: &[Rule] = &[
 ];
 
 impl Lifetimes {
+    /// The longest any settled claim is kept: the default retention or a source's own.
+    fn longest_claim(&self) -> Duration {
+        let own = self.sources.values().filter_map(|s| s.retention);
+        own.fold(self.default, Duration::max)
+    }
+
     fn lifetime_of(&self, rule: &str) -> Duration {
         match rule {
             "key_conflicts" => self.conflict,
@@ -328,6 +344,7 @@ impl Lifetimes {
             "operator_actions" => self.audit,
             "outbox_attempts" | "outbox_destinations" | "output_records" => self.attempt,
             "expired_replays" => self.expired_replay,
+            "redeliveries" => self.longest_claim(),
             _ => self.payload,
         }
     }

@@ -35,6 +35,8 @@ pub const REFERENCE: &[&str] = &[
     "source_pauses",
     "activity_minutes",
     "output_partitions",
+    // A batch's redeliveries span route keys: one row per batch of them, read with any claim.
+    "redeliveries",
 ];
 
 /// The tables each database keeps of itself, never distributed: which buckets it holds

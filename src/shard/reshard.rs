@@ -480,7 +480,9 @@ async fn stream(
         .copy_in_raw(&format!("COPY {stage} ({cols}) FROM STDIN"))
         .await?;
     let out = format!(
-        "COPY (SELECT {cols} FROM {table} WHERE {}) TO STDOUT",
+        "COPY (SELECT {} FROM {} WHERE {}) TO STDOUT",
+        read_columns(table, cols),
+        read_from(table),
         m.in_range(buckets)
     );
     let mut rows = source.copy_out_raw(&out).await?;
@@ -491,6 +493,33 @@ async fn stream(
         .await
         .with_context(|| format!("copying the range of {table}"))?;
     Ok(())
+}
+
+/// What the copy reads of `table`: the claims with their deliveries as the source counts them
+/// (those recorded by batch in `redeliveries`, which stay behind, included), everything else as
+/// stored.
+fn read_from(table: &str) -> String {
+    match table {
+        "processed_events" => {
+            "processed_events JOIN claim_deliveries d USING (event_key, route_key)".into()
+        }
+        _ => table.into(),
+    }
+}
+
+/// The columns the copy reads of `table`, in `cols`' order ([`read_from`]).
+fn read_columns(table: &str, cols: &str) -> String {
+    if table != "processed_events" {
+        return cols.into();
+    }
+    cols.split(", ")
+        .map(|c| match c {
+            "deliveries" | "last_seen_at" => format!("d.{c}"),
+            "event_key" | "route_key" => c.to_owned(),
+            _ => format!("processed_events.{c}"),
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 /// The source's prune horizons onto the target, keeping the later of the two per source: a

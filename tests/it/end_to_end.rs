@@ -216,7 +216,7 @@ async fn assert_every_delivery_counted(db: &TestDb, plan: &[usize], retried: boo
     let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
     loop {
         let rows: Vec<(String, i32)> =
-            sqlx::query_as("SELECT event_key, deliveries FROM processed_events")
+            sqlx::query_as("SELECT event_key, deliveries FROM claim_deliveries")
                 .fetch_all(&db.pool)
                 .await
                 .unwrap();
@@ -627,12 +627,13 @@ async fn a_paused_sources_events_are_held_while_ingest_accepts_them_then_applied
         Duration::from_secs(60),
         || async {
             db.count(
-            "SELECT count(*) FROM processed_events WHERE source = 'stripe' AND status = 'deferred' \
+                "SELECT count(*) FROM processed_events p JOIN claim_deliveries d \
+             USING (event_key, route_key) WHERE source = 'stripe' AND status = 'deferred' \
              AND deferred_reason LIKE 'its source is paused (by ann: their incident)%' \
-             AND deliveries = 2",
-        )
-        .await
-            == 20
+             AND d.deliveries = 2",
+            )
+            .await
+                == 20
         },
     )
     .await;
@@ -654,7 +655,10 @@ async fn a_paused_sources_events_are_held_while_ingest_accepts_them_then_applied
     let every: HashSet<String> = github.union(&stripe).cloned().collect();
     assert_exactly_once(&db, &every, Duration::from_secs(60)).await;
     let done = db
-        .count("SELECT count(*) FROM processed_events WHERE status = 'done' AND deliveries = 2")
+        .count(
+            "SELECT count(*) FROM processed_events p JOIN claim_deliveries d \
+             USING (event_key, route_key) WHERE status = 'done' AND d.deliveries = 2",
+        )
         .await;
     assert_eq!(
         done, 20,

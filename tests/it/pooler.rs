@@ -62,6 +62,15 @@ async fn a_session_setting_sent_at_startup_is_refused_by_the_pooler_and_pooler_m
         "{refused}"
     );
 
+    // Straight to PostgreSQL they are the session's, JIT compilation off among them.
+    let direct = direct_url(&db).parse().unwrap();
+    let direct = replayproof::db::pool_in(&direct, 1, &Session::default()).unwrap();
+    let jit: String = sqlx::query_scalar("SELECT current_setting('jit')")
+        .fetch_one(&direct)
+        .await
+        .unwrap();
+    assert_eq!(jit, "off");
+
     // Behind the pooler each transaction sets them for itself.
     let session = Session {
         limits: replayproof::db::Limits {
@@ -72,9 +81,10 @@ async fn a_session_setting_sent_at_startup_is_refused_by_the_pooler_and_pooler_m
         ..pooled_session()
     };
     let pooled = replayproof::db::pool_in(&url, 2, &session).unwrap();
-    let settings: (String, String, String, String) = sqlx::query_as(
+    let settings: (String, String, String, String, String) = sqlx::query_as(
         "SELECT current_setting('search_path'), current_setting('statement_timeout'), \
-         current_setting('lock_timeout'), current_setting('idle_in_transaction_session_timeout')",
+         current_setting('lock_timeout'), current_setting('idle_in_transaction_session_timeout'), \
+         current_setting('jit')",
     )
     .fetch_one(&pooled)
     .await
@@ -85,7 +95,8 @@ async fn a_session_setting_sent_at_startup_is_refused_by_the_pooler_and_pooler_m
             "replayproof, public".into(),
             "1234ms".into(),
             "567ms".into(),
-            "30s".into()
+            "30s".into(),
+            "off".into()
         )
     );
     // replayproof's tables are found without the schema in the SQL, on every server connection.

@@ -1137,6 +1137,10 @@ async fn splitting_two_shards_into_four_moves_each_bucket_range_once_even_when_c
         .await
         .unwrap();
     assert_eq!(report.applied, 300);
+    // Each event delivered a second time: the delivery is recorded on the claim's database.
+    let again = two.processor(Arc::new(LedgerAndOutbox));
+    let again = again.process("t", 2, &events).await.unwrap();
+    assert_eq!(again.duplicates, 300);
     for db in &two.dbs {
         sqlx::raw_sql(
             "INSERT INTO outbox_attempts (outbox_id, route_key, fencing_token, worker, kind,
@@ -1215,11 +1219,23 @@ async fn splitting_two_shards_into_four_moves_each_bucket_range_once_even_when_c
             "shard {i}: every attempt with its operation"
         );
     }
-    // Every event redelivered afterwards is a replay wherever its key now lives.
+    // Every event redelivered afterwards is a replay wherever its key now lives, and each
+    // claim counts the deliveries it had before the move and the one after.
     let processor = four.processor(Arc::new(LedgerAndOutbox));
     let again = processor.process("t", 1, &events).await.unwrap();
     assert_eq!((again.applied, again.duplicates), (0, 300));
     assert!(four.effects_in_place().await.values().all(|n| *n == 1));
+    let mut counted = 0;
+    for db in &four.dbs {
+        assert_eq!(
+            db.count("SELECT count(*) FROM claim_deliveries WHERE deliveries <> 3")
+                .await,
+            0,
+            "a claim lost deliveries in the move"
+        );
+        counted += db.count("SELECT count(*) FROM claim_deliveries").await;
+    }
+    assert_eq!(counted, 300);
 }
 
 #[tokio::test]

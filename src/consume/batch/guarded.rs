@@ -83,7 +83,10 @@ impl BatchProcessor {
         events: &[(i64, &'e Event)],
         guarded: bool,
     ) -> Result<Vec<EffectFailure<'e>>, RunError> {
-        if !guarded && !events.is_empty() {
+        if events.is_empty() {
+            return Ok(Vec::new());
+        }
+        if !guarded {
             let batch: Vec<&Event> = events.iter().map(|(_, e)| *e).collect();
             return match self.effect.apply_batch(tx, &batch).await {
                 Ok(()) => Ok(Vec::new()),

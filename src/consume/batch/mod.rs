@@ -397,7 +397,7 @@ impl BatchProcessor {
         for source in &plan.skipped {
             report.tally(source, Outcome::Skipped);
         }
-        let mut firsts: Vec<(i64, &Event)> = plan.firsts.iter().map(|(o, e)| (*o, e)).collect();
+        let mut firsts: Vec<(i64, &Event)> = plan.firsts.clone();
         if !firsts.is_empty() {
             let replays = self.sort_out_captures(tx, &mut firsts).await?;
             if !replays.is_empty() {
@@ -415,11 +415,11 @@ impl BatchProcessor {
                 ..Pass::reporting(report)
             });
         }
-        let claimed: HashSet<String> = claims::claim(tx, origin, &firsts)
-            .await?
-            .into_iter()
-            .collect();
-        self.sort_out_replays(tx, plan, &claimed, &mut report)
+        let claims::Claimed {
+            keys: claimed,
+            found,
+        } = claims::claim(tx, origin, &firsts).await?;
+        self.sort_out_replays(tx, plan, &claimed, found, &mut report)
             .await?;
         firsts.retain(|(_, e)| claimed.contains(e.key.as_str()));
         let held = plan.hold(&mut firsts);

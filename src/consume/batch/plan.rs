@@ -17,9 +17,9 @@ pub(super) struct Plan<'m> {
     /// Where the messages were read.
     pub(super) origin: Origin<'m>,
     /// The first copy of each key, in offset order.
-    pub(super) firsts: Vec<(i64, Event)>,
+    pub(super) firsts: Vec<(i64, &'m Event)>,
     /// Later copies of a key within this batch.
-    pub(super) copies: Vec<(i64, Event)>,
+    pub(super) copies: Vec<(i64, &'m Event)>,
     pub(super) dead: Vec<DeadLetter<'m>>,
     /// The source of each message that carries no event (a tombstone), passed over.
     pub(super) skipped: Vec<String>,
@@ -28,7 +28,9 @@ pub(super) struct Plan<'m> {
 }
 
 impl<'m> Plan<'m> {
-    pub(super) fn new(origin: Origin<'m>, reads: &[&Read<'m>]) -> Self {
+    /// The plan of `reads`, borrowing their events: a plan made again for part of them (a
+    /// refused message split out) reads nothing again and copies nothing.
+    pub(super) fn new(origin: Origin<'m>, reads: &[&'m Read<'m>]) -> Self {
         let mut plan = Plan {
             origin,
             firsts: Vec::with_capacity(reads.len()),
@@ -40,10 +42,7 @@ impl<'m> Plan<'m> {
         let mut events = Vec::with_capacity(reads.len());
         for Read { message: m, event } in reads.iter().copied() {
             match event {
-                // Each event's span, when traces are exported, is open while the batch runs.
-                Parsed::Event(event) => {
-                    events.push((m.offset, event.clone().in_trace(m.traceparent.as_deref())))
-                }
+                Parsed::Event(event) => events.push((m.offset, &**event)),
                 Parsed::Skipped(source) => plan.skipped.push(source.clone()),
                 Parsed::Malformed(reason) => plan.dead.push(DeadLetter {
                     offset: m.offset,
@@ -126,7 +125,10 @@ impl<'m> Read<'m> {
             .map(|&message| Read {
                 message,
                 event: match input.read(&message.as_input(topic)) {
-                    Ok(Reading::Event(event)) => Parsed::Event(event),
+                    // Each event's span, when traces are exported, is open while the pass runs.
+                    Ok(Reading::Event(event)) => {
+                        Parsed::Event(Box::new(event.in_trace(message.traceparent.as_deref())))
+                    }
                     Ok(Reading::Skipped { source }) => Parsed::Skipped(source),
                     Err(reason) => Parsed::Malformed(reason.to_string()),
                 },

@@ -9,6 +9,9 @@ use crate::envelope::Event;
 use sqlx::{Postgres, Transaction};
 use std::collections::{HashMap, HashSet};
 
+/// The claims found for keys of a batch: each key's route and payload hash.
+pub(super) type Stored = HashMap<String, (String, Vec<u8>)>;
+
 impl BatchProcessor {
     /// Takes out of `firsts` the replayed captures: guarded events whose signed body was first
     /// delivered under another key within the window. They are returned with the reason.
@@ -51,24 +54,25 @@ impl BatchProcessor {
     }
 
     /// Counts replays and records key conflicts: every event that was not claimed here is
-    /// compared with the claim that won its key, by route and payload.
+    /// compared with the claim that won its key, by route and payload. `known` holds the claims
+    /// the probe found; a key claimed meanwhile by another transaction is looked up here.
     pub(super) async fn sort_out_replays(
         &self,
         tx: &mut Transaction<'static, Postgres>,
         plan: &Plan<'_>,
         claimed: &HashSet<String>,
+        mut stored: Stored,
         report: &mut BatchReport,
     ) -> Result<(), RunError> {
-        let unclaimed: Vec<&str> = plan
+        let raced: Vec<&str> = plan
             .firsts
             .iter()
             .map(|(_, e)| e.key.as_str())
-            .filter(|k| !claimed.contains(*k))
+            .filter(|k| !claimed.contains(*k) && !stored.contains_key(*k))
             .collect();
-        let stored = match unclaimed.is_empty() {
-            true => HashMap::new(),
-            false => claims::stored_hashes(tx, &unclaimed).await?,
-        };
+        if !raced.is_empty() {
+            stored.extend(claims::stored_hashes(tx, &raced).await?);
+        }
         // The claim each loser is compared with: one made in this batch for a later copy of
         // its key, or the one stored before for a key not claimed here.
         let copied: HashSet<&str> = plan.copies.iter().map(|(_, e)| e.key.as_str()).collect();
@@ -89,23 +93,23 @@ impl BatchProcessor {
             .filter(|(_, e)| !claimed.contains(e.key.as_str()))
             .chain(plan.copies.iter());
         let mut conflicts = Vec::new();
-        // Every delivery of a claimed key, counted on the claim that won it.
+        // Every delivery of a claimed key, recorded for the claim that won it.
         let mut seen = Vec::new();
-        for (offset, event) in losers {
+        for &(offset, event) in losers {
             let winner = winners.get(event.key.as_str()).copied();
-            if let Some((route, _)) = winner {
-                seen.push((event.key.as_str(), route, *offset));
+            if winner.is_some() {
+                seen.push((event.key.as_str(), offset));
             }
             let outcome = compared(event, winner);
             report.tally(&event.source, outcome.0);
             if outcome.0 == Outcome::Conflict {
-                conflicts.push((*offset, event, outcome.1));
+                conflicts.push((offset, event, outcome.1));
             }
         }
         if !conflicts.is_empty() {
             conflicts::record(tx, plan.origin, &conflicts).await?;
         }
-        claims::deliveries::count(tx, plan.origin, &seen).await?;
+        claims::deliveries::record(tx, plan.origin, &seen).await?;
         Ok(())
     }
 }

@@ -252,12 +252,43 @@ async fn racing_batches_with_overlapping_keys_have_one_effect_and_no_deadlock() 
 
 /// Every key's `deliveries`, by key.
 async fn deliveries(db: &TestDb) -> std::collections::BTreeMap<String, i32> {
-    sqlx::query_as("SELECT event_key, deliveries FROM processed_events")
+    sqlx::query_as("SELECT event_key, deliveries FROM claim_deliveries")
         .fetch_all(&db.pool)
         .await
         .unwrap()
         .into_iter()
         .collect()
+}
+
+/// A batch of redeliveries probes the claims and writes none of them: one row of
+/// `redeliveries` is all it writes, and each key counts its second delivery.
+#[tokio::test]
+async fn a_batch_of_redeliveries_writes_no_claim_and_records_one_row() {
+    let db = TestDb::new().await;
+    let p = processor(&db, Arc::new(Ledger));
+    let keys: Vec<String> = (0..300).map(|i| format!("key-{i:03}")).collect();
+    let at = |from: i64| -> Vec<RawMessage> {
+        let each = keys.iter().enumerate();
+        each.map(|(i, k)| message(from + i as i64, k, json!(1)))
+            .collect()
+    };
+    p.process("t", 0, &at(0)).await.unwrap();
+    let versions = || async {
+        sqlx::query_scalar::<_, String>(
+            "SELECT string_agg(xmin::text || ctid::text, ',' ORDER BY event_key)
+             FROM processed_events",
+        )
+        .fetch_one(&db.pool)
+        .await
+        .unwrap()
+    };
+    let before = versions().await;
+    let report = p.process("t", 0, &at(1000)).await.unwrap();
+    assert_eq!((report.duplicates, report.applied), (300, 0));
+    assert_eq!(versions().await, before, "a redelivery wrote its claim");
+    assert_eq!(db.count("SELECT count(*) FROM redeliveries").await, 1);
+    assert!(deliveries(&db).await.values().all(|n| *n == 2));
+    assert_eq!(db.count("SELECT count(*) FROM ledger").await, 300);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -146,7 +146,7 @@ async fn a_replayed_window_applies_exactly_the_lost_events_once_and_leaves_the_g
         .unwrap();
     assert_eq!((again.newly_applied, again.already_applied), (0, 40));
     assert_eq!(
-        db.count("SELECT count(*) FROM processed_events WHERE deliveries <> 1")
+        db.count("SELECT count(*) FROM claim_deliveries WHERE deliveries <> 1")
             .await,
         0,
         "a message read again is not a second delivery"

@@ -637,3 +637,35 @@ async fn prune_deletes_output_records_sent_past_the_attempt_retention_and_no_pen
             .unwrap();
     assert_eq!(left, ["new", "waiting"]);
 }
+
+/// Redeliveries recorded by batch are kept while any settled claim they count on may be: past
+/// the longest claim retention (a source's own when it is longer than the default) they go.
+#[tokio::test]
+async fn prune_deletes_redeliveries_older_than_the_longest_claim_retention() {
+    let db = TestDb::new().await;
+    sqlx::query(
+        "INSERT INTO redeliveries (kafka_topic, kafka_partition, event_keys, kafka_offsets, seen_at)
+         VALUES ('t', 0, '{old}', '{1}', now() - interval '101 days'),
+                ('t', 0, '{kept}', '{2}', now() - interval '99 days'),
+                ('t', 0, '{new}', '{3}', now() - interval '1 day')",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let out = stdout_of(
+        std::process::Command::new(env!("CARGO_BIN_EXE_replayproof"))
+            .args(["prune", "--database-url", &db.url])
+            .args(["--brokers", "127.0.0.1:1"])
+            .args(["--topic-retention", "1day", "--topic-segment", "1h"])
+            .args(["--default-retention", "35d"])
+            .args(["--source-retention", "shop=100d"]),
+    );
+    let text = String::from_utf8(out).unwrap();
+    assert!(text.contains("deleted 1 redeliveries rows"), "{text}");
+    let left: Vec<String> =
+        sqlx::query_scalar("SELECT event_keys[1] FROM redeliveries ORDER BY seen_at")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(left, ["kept", "new"]);
+}

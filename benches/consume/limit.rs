@@ -1,0 +1,453 @@
+//! Stage **L** of `cargo bench --bench consume`: the consumer next to PostgreSQL's own batched
+//! limit, side by side in one run, on a backlog of fresh events (one message per key, 100 B
+//! payloads, 4 partitions):
+//!
+//! - **L2** PostgreSQL alone: the consumer's claim and ledger statements, batches of 500 keys
+//!   generated in the server (nothing sent but the bounds), one transaction per batch, two
+//!   clients; **L4** the same with four clients, one per partition as the consumer's lanes;
+//! - **D1**, **D2** one and two `replayproof consume` processes of one group draining the
+//!   topic into a fresh database;
+//! - **R2** two processes of a new group draining the same topic again into D2's database,
+//!   vacuumed and checkpointed first (as a storm finds it, hours after the first deliveries):
+//!   every message a redelivery of a claimed key;
+//! - **N** the peer done right, one transaction per message (claim, then effect), then the
+//!   offset, timed on the first `BENCH_PEER_MESSAGES` messages.
+//!
+//! For each: events per second, CPU per 1,000 events of the consumer processes (of the
+//! benchmark's clients for L) and of PostgreSQL (every server process), and statements per
+//! batch (from `pg_stat_statements`, `BEGIN` and `COMMIT` included: each is a round trip).
+//! `BENCH_LIMIT_EVENTS` sizes the backlog (100000).
+
+use crate::common::{self, env_or, median};
+use crate::{fill_topic, new_topic, pool, stage_e, Database, Workload, BATCH, PARTITIONS};
+use replayproof::devkit::embedded::EmbeddedKafka;
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+/// The consumer's claim ([`replayproof::claims::claim`]), with the keys of `$1..=$2` made in the
+/// server and one payload hash for all (the hash is only stored). Each number goes through a
+/// multiplicative hash (a bijection on 32 bits), so the keys arrive in no order, as event ids
+/// do: sequential keys would let every index insert land on the same rightmost page.
+const CLAIM: &str = r#"WITH u AS MATERIALIZED (
+       SELECT u.*, f.route_key AS found_route, f.payload_sha256 AS found_hash
+       FROM (SELECT 'lim-' || (g * 2654435761) % 4294967296 AS k,
+                    'lim-' || (g * 2654435761) % 4294967296 AS rk, g AS o
+             FROM generate_series($1::int8, $2::int8) AS g) AS u
+       LEFT JOIN LATERAL (SELECT x.route_key, x.payload_sha256 FROM processed_events x
+                          WHERE x.event_key = u.k OFFSET 0) AS f ON true),
+   claimed AS (
+       INSERT INTO processed_events (event_key, route_key, source, event_type, status,
+           payload_sha256, received_at, kafka_topic, kafka_partition, kafka_offset,
+           attempts, completed_at, request_id, traceparent)
+       SELECT k, rk, 'bench', 'bench.event', 'done', decode(repeat('ab', 32), 'hex'), NULL,
+              'bench', $3, o, 1, now(), NULL, NULL
+       FROM u WHERE found_route IS NULL
+       ORDER BY k COLLATE "C", rk COLLATE "C"
+       ON CONFLICT (event_key, route_key) DO NOTHING
+       RETURNING event_key)
+   SELECT event_key, NULL::text AS route_key, NULL::bytea AS hash FROM claimed
+   UNION ALL
+   SELECT k, found_route, found_hash FROM u WHERE found_route IS NOT NULL"#;
+
+/// The ledger effect's statement ([`replayproof::effect::Ledger`]) over the same keys, each
+/// payload about 100 B of JSON text made in the server and parsed as `jsonb`.
+const LEDGER: &str = r#"INSERT INTO ledger (event_key, source, event_type, payload, route_key)
+   SELECT 'lim-' || h, 'bench', 'bench.event',
+          ('{"id":"evt_' || g || '","amount":' || g % 10000
+           || ',"pad":"Zq3xT9bLk2VwP8nRc4YhJ6mFd1GsA7eUo5KtQ0iXyWzB"}')::jsonb, 'lim-' || h
+   FROM generate_series($1::int8, $2::int8) AS g, LATERAL (SELECT (g * 2654435761) % 4294967296) AS x(h)"#;
+
+/// What one measured run cost.
+#[derive(Clone, Copy, Default)]
+struct Cost {
+    /// Events per second.
+    rate: f64,
+    /// CPU milliseconds per 1,000 events of the consumer (or of the benchmark's clients).
+    client_cpu: f64,
+    /// CPU milliseconds per 1,000 events of every PostgreSQL process.
+    server_cpu: f64,
+    /// Statements per transaction, `BEGIN` and `COMMIT` included, when known.
+    statements: Option<f64>,
+}
+
+/// CPU time of a process (`self` or a pid), user and system, with its reaped children's when
+/// `children`, in milliseconds.
+fn cpu_of(pid: &str, children: bool) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    let fields: Vec<&str> = stat
+        .rsplit_once(')')
+        .map(|(_, rest)| rest.split_whitespace().collect())
+        .unwrap_or_default();
+    let take = if children { 15 } else { 13 };
+    let ticks: f64 = fields
+        .iter()
+        .skip(11)
+        .take(take - 11)
+        .filter_map(|f| f.parse::<f64>().ok())
+        .sum();
+    ticks * 10.0
+}
+
+/// Every PostgreSQL process's CPU so far, in milliseconds: the postmaster with the backends it
+/// reaped, and its live children.
+fn server_cpu(postmaster: u32) -> f64 {
+    let mut total = cpu_of(&postmaster.to_string(), true);
+    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if !name.bytes().all(|b| b.is_ascii_digit()) {
+            continue;
+        }
+        let stat = std::fs::read_to_string(format!("/proc/{name}/stat")).unwrap_or_default();
+        let parent = stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().nth(1)?.parse::<u32>().ok());
+        if parent == Some(postmaster) {
+            total += cpu_of(&name, false);
+        }
+    }
+    total
+}
+
+/// The postmaster's pid, when the server runs on this machine.
+async fn postmaster(db: &Database) -> u32 {
+    let backend: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&db.admin)
+        .await
+        .unwrap();
+    let stat = std::fs::read_to_string(format!("/proc/{backend}/stat")).unwrap_or_default();
+    stat.rsplit_once(')')
+        .and_then(|(_, rest)| rest.split_whitespace().nth(1)?.parse().ok())
+        .unwrap_or(0)
+}
+
+/// Statements and transactions the database `url` ran so far (statements only with
+/// `pg_stat_statements`, reset by [`Database::counters`]).
+async fn statements(db: &Database, url: &str) -> Option<f64> {
+    let name = url.rsplit_once('/').unwrap().1;
+    match db.statements {
+        true => sqlx::query_scalar::<_, f64>(
+            "SELECT coalesce(sum(calls), 0)::float8 FROM pg_stat_statements s
+             JOIN pg_database d ON d.oid = s.dbid WHERE d.datname = $1",
+        )
+        .bind(name)
+        .fetch_one(&db.admin)
+        .await
+        .ok(),
+        false => None,
+    }
+}
+
+/// L: `clients` connections, each applying its share of `events` keys in batches of 500.
+async fn stage_l(db: &Database, url: &str, events: usize, clients: usize) -> Cost {
+    let pool = pool(url, clients as u32).await;
+    let pm = postmaster(db).await;
+    let counters = db.counters().await;
+    let (cpu, server, started) = (cpu_of("self", false), server_cpu(pm), Instant::now());
+    let per_client = events / clients;
+    let tasks: Vec<_> = (0..clients)
+        .map(|c| {
+            let pool = pool.clone();
+            tokio::spawn(async move {
+                let first = c * per_client;
+                for lo in (first..first + per_client).step_by(BATCH) {
+                    let hi = (lo + BATCH).min(first + per_client) - 1;
+                    let mut tx = pool.begin().await.unwrap();
+                    let claimed: Vec<(String, Option<String>, Option<Vec<u8>>)> =
+                        sqlx::query_as(CLAIM)
+                            .bind(lo as i64)
+                            .bind(hi as i64)
+                            .bind(c as i32)
+                            .fetch_all(&mut *tx)
+                            .await
+                            .unwrap();
+                    assert_eq!(claimed.len(), hi + 1 - lo);
+                    sqlx::query(LEDGER)
+                        .bind(lo as i64)
+                        .bind(hi as i64)
+                        .execute(&mut *tx)
+                        .await
+                        .unwrap();
+                    tx.commit().await.unwrap();
+                }
+            })
+        })
+        .collect();
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let took = started.elapsed();
+    let _ = counters.since(db, url, events).await;
+    let done = (events / clients * clients) as f64;
+    let batches = (done / BATCH as f64).ceil();
+    let cost = Cost {
+        rate: done / took.as_secs_f64(),
+        client_cpu: (cpu_of("self", false) - cpu) / done * 1000.0,
+        server_cpu: (server_cpu(pm) - server) / done * 1000.0,
+        statements: statements(db, url).await.map(|s| s / batches),
+    };
+    pool.close().await;
+    cost
+}
+
+/// The consumer processes of one group, started together on `topic` into `url`, until they
+/// committed `messages`: the time from the first claim of this run to then, and their CPU.
+async fn drain(
+    db: &Database,
+    brokers: &str,
+    topic: &str,
+    url: &str,
+    messages: usize,
+    processes: usize,
+) -> Cost {
+    let pm = postmaster(db).await;
+    let counters = db.counters().await;
+    let group = format!("bench-l-{}", fastrand::u64(..));
+    let mut children = Vec::new();
+    for _ in 0..processes {
+        let port = common::free_port();
+        let child = tokio::process::Command::new(env!("CARGO_BIN_EXE_replayproof"))
+            .args(["consume", "--brokers", brokers, "--topic", topic])
+            .args(["--group", &group, "--database-url", url])
+            .args(["--metrics-addr", &format!("127.0.0.1:{port}")])
+            .args(["--kafka-option", "broker.address.family=v4"])
+            // A member joining is noticed at the others' next heartbeat: soon, here.
+            .args(["--kafka-option", "heartbeat.interval.ms=100"])
+            .args(
+                std::env::var("BENCH_D_ARGS")
+                    .unwrap_or_default()
+                    .split_whitespace(),
+            )
+            .env("RUST_LOG", "warn")
+            .stdin(std::process::Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap();
+        children.push((child, port));
+    }
+    let http = reqwest::Client::new();
+    let client_cpu = || -> f64 {
+        let pids = children.iter().map(|(c, _)| c.id().unwrap().to_string());
+        pids.map(|pid| cpu_of(&pid, false)).sum()
+    };
+    // Timed from when the group has settled, every process holding its share of the
+    // partitions (a second process joining makes the first give some back), to the last commit:
+    // the rate two processes drain a backlog at, not how fast a group forms. CPU is counted over
+    // the same span.
+    let mut settled: Option<(Instant, usize, f64, f64)> = None;
+    let mut n = 0;
+    while n < messages {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        let mut assigned = Vec::new();
+        n = 0;
+        for (_, port) in &children {
+            let (consumed, partitions) = progress(&http, *port).await;
+            n += consumed;
+            assigned.push(partitions);
+        }
+        let whole = assigned.iter().all(|a| *a > 0)
+            && assigned.iter().sum::<usize>() == PARTITIONS as usize;
+        if whole && n > 0 && settled.is_none() {
+            settled = Some((Instant::now(), n, client_cpu(), server_cpu(pm)));
+        }
+    }
+    let done = Instant::now();
+    let (from, before, client, server) = settled.expect("the group settled before the end");
+    let counted = (messages - before).max(1) as f64;
+    let client = client_cpu() - client;
+    let server = server_cpu(pm) - server;
+    let batches = batches(&http, &children).await;
+    let _ = counters.since(db, url, messages).await;
+    let statements = statements(db, url).await;
+    println!("    timed from the group's settling, {before} events in");
+    for (mut child, _) in children {
+        let pid = child.id().unwrap() as i32;
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(pid),
+            nix::sys::signal::Signal::SIGTERM,
+        );
+        child.wait().await.unwrap();
+    }
+    let took = done - from;
+    Cost {
+        rate: counted / took.as_secs_f64(),
+        client_cpu: client / counted * 1000.0,
+        server_cpu: server / counted * 1000.0,
+        statements: statements.map(|s| s / batches),
+    }
+}
+
+/// Batches the processes committed, from their `replayproof_batch_size` histograms.
+async fn batches(http: &reqwest::Client, children: &[(tokio::process::Child, u16)]) -> f64 {
+    let mut n = 0.0;
+    for (_, port) in children {
+        let page = http
+            .get(format!("http://127.0.0.1:{port}/metrics"))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        n += page
+            .lines()
+            .filter(|l| l.starts_with("replayproof_batch_size_count"))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum::<f64>();
+    }
+    n.max(1.0)
+}
+
+/// Events a process committed and partitions it holds, from its metrics.
+async fn progress(http: &reqwest::Client, port: u16) -> (usize, usize) {
+    let page = match http
+        .get(format!("http://127.0.0.1:{port}/metrics"))
+        .send()
+        .await
+    {
+        Ok(response) => response.text().await.unwrap_or_default(),
+        Err(_) => return (0, 0),
+    };
+    let sum = |name: &str| -> f64 {
+        page.lines()
+            .filter(|l| l.starts_with(name))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    };
+    (
+        sum("replayproof_consume_events_total") as usize,
+        sum("replayproof_assigned_partitions") as usize,
+    )
+}
+
+/// The database as a redelivery storm finds it, hours after the first deliveries: vacuumed,
+/// analysed and checkpointed, so R2 pays neither D2's autovacuum nor its first reads.
+async fn settle(url: &str) {
+    let db = pool(url, 1).await;
+    for sql in ["VACUUM ANALYZE", "CHECKPOINT"] {
+        sqlx::query(sql).execute(&db).await.unwrap();
+    }
+    db.close().await;
+}
+
+/// Runs L2, L4, D1, D2, R2 and N `repeats` times, interleaved, and prints the medians.
+pub async fn run(db: &Database, mock: Option<&EmbeddedKafka>, brokers: &str, repeats: usize) {
+    let events = env_or("BENCH_LIMIT_EVENTS", 100_000);
+    let peer = env_or("BENCH_PEER_MESSAGES", 10_000).min(events);
+    println!(
+        "stage L: {events} fresh events of 100 B on {PARTITIONS} partitions, batches of {BATCH}"
+    );
+    let w = Workload::new("lim", events, 0, 100, PARTITIONS);
+    let topic = format!("bench_limit_{}", std::process::id());
+    new_topic(mock, brokers, &topic, PARTITIONS).await;
+    fill_topic(brokers, &topic, &w.partitions).await;
+    let mut costs: BTreeMap<&str, Vec<Cost>> = BTreeMap::new();
+    let mut keep = |stage: &'static str, cost: Cost| {
+        println!(
+            "  {stage}: {:>7.0} events/s, CPU per 1,000 events {:.0} ms consumer, {:.0} ms PostgreSQL, {} statements per batch",
+            cost.rate,
+            cost.client_cpu,
+            cost.server_cpu,
+            cost.statements.map_or("n/a".into(), |s| format!("{s:.1}"))
+        );
+        costs.entry(stage).or_default().push(cost);
+    };
+    for round in 1..=repeats {
+        println!(" round {round}");
+        for clients in [2, 4] {
+            let url = db.fresh("bench_template").await;
+            keep(
+                if clients == 2 { "L2" } else { "L4" },
+                stage_l(db, &url, events, clients).await,
+            );
+            db.drop(&url).await;
+        }
+        let url = db.fresh("bench_template").await;
+        keep("D1", drain(db, brokers, &topic, &url, events, 1).await);
+        db.drop(&url).await;
+        let url = db.fresh("bench_template").await;
+        keep("D2", drain(db, brokers, &topic, &url, events, 2).await);
+        settle(&url).await;
+        keep("R2", drain(db, brokers, &topic, &url, events, 2).await);
+        db.drop(&url).await;
+        let url = db.fresh("bench_template").await;
+        let took = stage_e(brokers, &topic, &url, peer).await;
+        keep(
+            "N",
+            Cost {
+                rate: peer as f64 / took.as_secs_f64(),
+                ..Cost::default()
+            },
+        );
+        db.drop(&url).await;
+    }
+    report(&costs);
+}
+
+fn report(costs: &BTreeMap<&str, Vec<Cost>>) {
+    let m = |stage: &str, f: fn(&Cost) -> f64| {
+        costs
+            .get(stage)
+            .map(|v| median(v.iter().map(f).collect()))
+            .unwrap_or(f64::NAN)
+    };
+    let limit = m("L2", |c| c.rate).max(m("L4", |c| c.rate));
+    println!(
+        "\nmedians of {} rounds:",
+        costs.get("L2").map_or(0, Vec::len)
+    );
+    println!("| stage | what | events/s | ÷ limit | consumer CPU ms / 1,000 | PostgreSQL CPU ms / 1,000 | statements / batch |");
+    println!("|---|---|---:|---:|---:|---:|---:|");
+    let rows = [
+        ("L2", "PostgreSQL alone, keys made in the server, 2 clients"),
+        ("L4", "PostgreSQL alone, keys made in the server, 4 clients"),
+        ("D1", "`replayproof consume`, 1 process, fresh backlog"),
+        ("D2", "`replayproof consume`, 2 processes, fresh backlog"),
+        (
+            "R2",
+            "`replayproof consume`, 2 processes, 100% redeliveries",
+        ),
+        ("N", "peer: one transaction per message"),
+    ];
+    for (stage, what) in rows {
+        let statements = costs
+            .get(stage)
+            .and_then(|v| v.iter().map(|c| c.statements).collect::<Option<Vec<f64>>>())
+            .map_or("n/a".into(), |v| format!("{:.1}", median(v)));
+        println!(
+            "| {stage} | {what} | {:.0} | {:.2} | {:.0} | {:.0} | {statements} |",
+            m(stage, |c| c.rate),
+            m(stage, |c| c.rate) / limit,
+            m(stage, |c| c.client_cpu),
+            m(stage, |c| c.server_cpu),
+        );
+    }
+    // Each ratio is taken within a round, its stages run minutes apart at most; the medians of
+    // those are what the goals are judged by.
+    let rates = |stage: &str| -> Vec<f64> {
+        costs
+            .get(stage)
+            .map_or(Vec::new(), |v| v.iter().map(|c| c.rate).collect())
+    };
+    let per_round = |top: &[f64], bottom: &[f64]| -> f64 {
+        let ratios: Vec<f64> = top.iter().zip(bottom).map(|(t, b)| t / b).collect();
+        if ratios.is_empty() {
+            f64::NAN
+        } else {
+            median(ratios)
+        }
+    };
+    let limits: Vec<f64> = rates("L2")
+        .iter()
+        .zip(rates("L4"))
+        .map(|(a, b)| a.max(b))
+        .collect();
+    println!(
+        "\nlimit = max(L2, L4), medians of each round's ratios: D2 ÷ limit {:.2}, D1 ÷ limit {:.2}, \
+         R2 ÷ D2 {:.2}, D2 ÷ D1 {:.2}, D2 ÷ N {:.1}",
+        per_round(&rates("D2"), &limits),
+        per_round(&rates("D1"), &limits),
+        per_round(&rates("R2"), &rates("D2")),
+        per_round(&rates("D2"), &rates("D1")),
+        per_round(&rates("D2"), &rates("N")),
+    );
+}
