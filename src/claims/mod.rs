@@ -109,24 +109,15 @@ pub async fn claim(
     origin: Origin<'_>,
     events: &[(i64, &Event)],
 ) -> sqlx::Result<Claimed> {
-    let keys: Vec<&str> = events.iter().map(|(_, e)| e.key.as_str()).collect();
-    let routes: Vec<&str> = events.iter().map(|(_, e)| e.route_key()).collect();
-    let sources: Vec<&str> = events.iter().map(|(_, e)| e.source.as_str()).collect();
-    let types: Vec<Option<&str>> = events
-        .iter()
-        .map(|(_, e)| e.event_type.as_deref())
-        .collect();
-    let hashes: Vec<&[u8]> = events.iter().map(|(_, e)| &e.payload_sha256[..]).collect();
-    let received: Vec<Option<DateTime<Utc>>> = events.iter().map(|(_, e)| e.received_at).collect();
+    let keys = column(events, |e| e.key.as_str());
+    let routes = column(events, Event::route_key);
+    let sources = column(events, |e| e.source.as_str());
+    let types = column(events, |e| e.event_type.as_deref());
+    let hashes = column(events, |e| &e.payload_sha256[..]);
+    let received = column(events, |e| e.received_at);
     let offsets: Vec<i64> = events.iter().map(|(o, _)| *o).collect();
-    let requests: Vec<Option<&str>> = events
-        .iter()
-        .map(|(_, e)| e.request_id.as_deref())
-        .collect();
-    let traces: Vec<Option<&str>> = events
-        .iter()
-        .map(|(_, e)| e.traceparent.as_deref())
-        .collect();
+    let requests = column(events, |e| e.request_id.as_deref());
+    let traces = column(events, |e| e.traceparent.as_deref());
     let rows = sqlx::query!(
         r#"WITH u AS MATERIALIZED (
                SELECT u.*, f.route_key AS found_route, f.payload_sha256 AS found_hash
@@ -166,6 +157,11 @@ pub async fn claim(
         rows.into_iter()
             .map(|r| (r.event_key, r.route_key.zip(r.hash))),
     ))
+}
+
+/// One column of `events`, for an array parameter.
+fn column<'e, T>(events: &[(i64, &'e Event)], value: impl Fn(&'e Event) -> T) -> Vec<T> {
+    events.iter().map(|&(_, e)| value(e)).collect()
 }
 
 impl Claimed {
