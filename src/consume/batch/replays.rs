@@ -54,8 +54,9 @@ impl BatchProcessor {
     }
 
     /// Counts replays and records key conflicts: every event that was not claimed here is
-    /// compared with the claim that won its key, by route and payload. `known` holds the claims
-    /// the probe found; a key claimed meanwhile by another transaction is looked up here.
+    /// compared with the claim that won its key, by route and payload. `stored` holds the claims
+    /// the claim statement found; a key claimed meanwhile by another transaction is looked up
+    /// here.
     pub(super) async fn sort_out_replays(
         &self,
         tx: &mut Transaction<'static, Postgres>,
