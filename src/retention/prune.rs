@@ -330,13 +330,14 @@ const RULES: &[Rule] = &[
 ];
 
 impl Lifetimes {
-    /// The longest any settled claim is kept: the default retention or a source's own.
-    fn longest_claim(&self) -> Duration {
-        let own = self.sources.values().filter_map(|s| s.retention);
-        own.fold(self.default, Duration::max)
+    /// The longest any settled claim is kept: the default retention, or the retention decided
+    /// for a source (its own, or its kind's floor when that is longer than the default).
+    fn longest_claim(&self, decided: &[Decided]) -> Duration {
+        let each = decided.iter().map(|d| d.retention);
+        each.fold(self.default, Duration::max)
     }
 
-    fn lifetime_of(&self, rule: &str) -> Duration {
+    fn lifetime_of(&self, rule: &str, decided: &[Decided]) -> Duration {
         match rule {
             "key_conflicts" => self.conflict,
             "delivery_fingerprints" => self.fingerprint,
@@ -344,7 +345,7 @@ impl Lifetimes {
             "operator_actions" => self.audit,
             "outbox_attempts" | "outbox_destinations" | "output_records" => self.attempt,
             "expired_replays" => self.expired_replay,
-            "redeliveries" => self.longest_claim(),
+            "redeliveries" => self.longest_claim(decided),
             _ => self.payload,
         }
     }
@@ -353,12 +354,16 @@ impl Lifetimes {
 /// Prunes the tables kept by age, and erases settled payloads past the payload retention.
 pub async fn prune_by_age(
     pool: &Db,
+    decided: &[Decided],
     lifetimes: &Lifetimes,
     batch: i64,
     pruned: &mut Pruned,
 ) -> sqlx::Result<()> {
     for rule in RULES {
-        let (sql, age) = (rule.change_sql(), secs(lifetimes.lifetime_of(rule.name)));
+        let (sql, age) = (
+            rule.change_sql(),
+            secs(lifetimes.lifetime_of(rule.name, decided)),
+        );
         loop {
             let done = sqlx::query(&sql)
                 .bind(age)
@@ -399,7 +404,7 @@ pub async fn dry_run(
     }
     for rule in RULES {
         let n: i64 = sqlx::query_scalar(&rule.count_sql())
-            .bind(secs(lifetimes.lifetime_of(rule.name)))
+            .bind(secs(lifetimes.lifetime_of(rule.name, decided)))
             .fetch_one(pool)
             .await?;
         pruned.add("*", rule.name, n);

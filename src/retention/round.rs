@@ -76,7 +76,8 @@ impl Pruner {
         for d in &decided {
             prune::prune_source(&self.pool, d, self.batch, &mut pruned).await?;
         }
-        prune::prune_by_age(&self.pool, &self.lifetimes, self.batch, &mut pruned).await?;
+        let lifetimes = &self.lifetimes;
+        prune::prune_by_age(&self.pool, &decided, lifetimes, self.batch, &mut pruned).await?;
         Ok(Round {
             decided,
             pruned,
