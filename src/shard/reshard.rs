@@ -202,6 +202,11 @@ async fn copy_and_delete(
     let rows = verify(&mut source, &mut target, m, buckets).await?;
     target.commit().await.context("committing the copy")?;
     crate::failpoint!("shards::move_after_copy");
+    // The copied claims carry these deliveries in their count: a range moved back must not
+    // find them here to count again.
+    crate::claims::deliveries::forget_where(&mut source, &m.in_range(buckets))
+        .await
+        .context("taking the range's keys out of the source's redeliveries")?;
     for table in m.tables().iter().rev() {
         sqlx::query(&format!(
             "DELETE FROM {table} WHERE {}",
@@ -479,10 +484,9 @@ async fn stream(
     let mut sink = target
         .copy_in_raw(&format!("COPY {stage} ({cols}) FROM STDIN"))
         .await?;
+    let (select, from) = crate::claims::deliveries::counted_read(table, cols);
     let out = format!(
-        "COPY (SELECT {} FROM {} WHERE {}) TO STDOUT",
-        read_columns(table, cols),
-        read_from(table),
+        "COPY (SELECT {select} FROM {from} WHERE {}) TO STDOUT",
         m.in_range(buckets)
     );
     let mut rows = source.copy_out_raw(&out).await?;
@@ -493,33 +497,6 @@ async fn stream(
         .await
         .with_context(|| format!("copying the range of {table}"))?;
     Ok(())
-}
-
-/// What the copy reads of `table`: the claims with their deliveries as the source counts them
-/// (those recorded by batch in `redeliveries`, which stay behind, included), everything else as
-/// stored.
-fn read_from(table: &str) -> String {
-    match table {
-        "processed_events" => {
-            "processed_events JOIN claim_deliveries d USING (event_key, route_key)".into()
-        }
-        _ => table.into(),
-    }
-}
-
-/// The columns the copy reads of `table`, in `cols`' order ([`read_from`]).
-fn read_columns(table: &str, cols: &str) -> String {
-    if table != "processed_events" {
-        return cols.into();
-    }
-    cols.split(", ")
-        .map(|c| match c {
-            "deliveries" | "last_seen_at" => format!("d.{c}"),
-            "event_key" | "route_key" => c.to_owned(),
-            _ => format!("processed_events.{c}"),
-        })
-        .collect::<Vec<_>>()
-        .join(", ")
 }
 
 /// The source's prune horizons onto the target, keeping the later of the two per source: a

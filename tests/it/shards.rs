@@ -1236,6 +1236,22 @@ async fn splitting_two_shards_into_four_moves_each_bucket_range_once_even_when_c
         counted += db.count("SELECT count(*) FROM claim_deliveries").await;
     }
     assert_eq!(counted, 300);
+    // Moved back, the range finds none of its deliveries left behind on A to count again.
+    let (ok, said) = move_buckets(&four.dbs[1], &four.dbs[0], "256-511", None);
+    assert!(ok && said.contains("moved and verified"), "{said}");
+    assert_eq!(
+        four.dbs[0]
+            .count("SELECT count(*) FROM claim_deliveries WHERE deliveries <> 3")
+            .await,
+        0,
+        "a range moved back counted its old redeliveries twice"
+    );
+    assert!(
+        four.dbs[1]
+            .count("SELECT count(*) FROM processed_events")
+            .await
+            == 0
+    );
 }
 
 #[tokio::test]
