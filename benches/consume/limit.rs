@@ -280,43 +280,41 @@ async fn drain(
 async fn batches(http: &reqwest::Client, children: &[(tokio::process::Child, u16)]) -> f64 {
     let mut n = 0.0;
     for (_, port) in children {
-        let page = http
-            .get(format!("http://127.0.0.1:{port}/metrics"))
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
-        n += page
-            .lines()
-            .filter(|l| l.starts_with("replayproof_batch_size_count"))
-            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-            .sum::<f64>();
+        n += metric(
+            &metrics_page(http, *port).await,
+            "replayproof_batch_size_count",
+        );
     }
     n.max(1.0)
 }
 
 /// Events a process committed and partitions it holds, from its metrics.
 async fn progress(http: &reqwest::Client, port: u16) -> (usize, usize) {
-    let page = match http
+    let page = metrics_page(http, port).await;
+    (
+        metric(&page, "replayproof_consume_events_total") as usize,
+        metric(&page, "replayproof_assigned_partitions") as usize,
+    )
+}
+
+/// A process's metrics page; empty while it does not answer yet.
+async fn metrics_page(http: &reqwest::Client, port: u16) -> String {
+    match http
         .get(format!("http://127.0.0.1:{port}/metrics"))
         .send()
         .await
     {
         Ok(response) => response.text().await.unwrap_or_default(),
-        Err(_) => return (0, 0),
-    };
-    let sum = |name: &str| -> f64 {
-        page.lines()
-            .filter(|l| l.starts_with(name))
-            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-            .sum()
-    };
-    (
-        sum("replayproof_consume_events_total") as usize,
-        sum("replayproof_assigned_partitions") as usize,
-    )
+        Err(_) => String::new(),
+    }
+}
+
+/// The sum of a metric's samples on a page, over every label.
+fn metric(page: &str, name: &str) -> f64 {
+    page.lines()
+        .filter(|l| l.starts_with(name))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
 }
 
 /// The database as a redelivery storm finds it, hours after the first deliveries: vacuumed,
