@@ -873,6 +873,14 @@ async fn a_destination_s_breaker_counts_the_failures_of_every_shard_once() {
     let attempts = "SELECT count(*) FROM outbox_attempts";
     let turns =
         || async { sharded.dbs[0].count(attempts).await + sharded.dbs[1].count(attempts).await };
+    // The breaker is written before the attempt that opened it: wait for every request
+    // sent to be recorded, then let the loops turn.
+    wait_for(
+        "every request sent recorded",
+        Duration::from_secs(30),
+        || async { turns().await == api.received().len() as i64 },
+    )
+    .await;
     let settled = turns().await;
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(turns().await, settled, "nothing is sent while it is open");
