@@ -13,6 +13,30 @@ use std::time::{Duration, Instant};
 /// Tries of the synchronous commit on a revoke or a stop.
 const FINAL_COMMIT_ATTEMPTS: u32 = 3;
 
+/// How the last commit before a revoke or a stop went.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum FinalCommit {
+    /// The stored offsets are committed (or there was nothing to commit).
+    Committed,
+    /// The group is taking the partitions to another member (a rebalance in progress, a newer
+    /// generation, or this member no longer known): it refuses commits from this member until
+    /// it polls again, and the next owner replays the uncommitted batches harmlessly. Part of a
+    /// group's life when members stop together, not a fault of this one.
+    HandedOver,
+    /// The commit failed for another reason (the coordinator unreachable or failing).
+    Failed,
+}
+
+/// Whether a commit refused with `code` means the group is moving the partitions elsewhere.
+fn handed_over(code: RDKafkaErrorCode) -> bool {
+    matches!(
+        code,
+        RDKafkaErrorCode::RebalanceInProgress
+            | RDKafkaErrorCode::IllegalGeneration
+            | RDKafkaErrorCode::UnknownMemberId
+    )
+}
+
 impl ClientContext for LaneContext {
     /// Sets each assigned partition's lag from librdkafka's statistics: the last stable offset
     /// the broker reported minus the offset stored after the last applied batch (or the
@@ -121,28 +145,38 @@ impl LaneContext {
         }
     }
 
-    /// Commits the stored offsets; false when the commit failed (logged).
-    fn commit(&self, consumer: &BaseConsumer<Self>, mode: CommitMode) -> bool {
+    /// Commits the stored offsets and says how it went (a failure is logged).
+    fn commit(&self, consumer: &BaseConsumer<Self>, mode: CommitMode) -> FinalCommit {
         match consumer.commit_consumer_state(mode) {
-            Ok(()) | Err(KafkaError::ConsumerCommit(RDKafkaErrorCode::NoOffset)) => true,
+            Ok(()) | Err(KafkaError::ConsumerCommit(RDKafkaErrorCode::NoOffset)) => {
+                FinalCommit::Committed
+            }
+            Err(KafkaError::ConsumerCommit(code)) if handed_over(code) => {
+                tracing::warn!(error = %code, "The group is moving the partitions, so their offsets could not be committed; the next owner replays the last batches harmlessly.");
+                FinalCommit::HandedOver
+            }
             Err(e) => {
                 tracing::warn!(error = %e, "An offset commit failed; its messages will be replayed harmlessly.");
-                false
+                FinalCommit::Failed
             }
         }
     }
 
     /// Commits synchronously, trying a few times: the last commit before a revoke or a stop.
-    pub(super) fn commit_now(&self, consumer: &BaseConsumer<Self>) -> bool {
+    /// A group moving the partitions refuses every try until this member polls again, so its
+    /// refusal ends the tries at once.
+    pub(super) fn commit_now(&self, consumer: &BaseConsumer<Self>) -> FinalCommit {
+        let mut outcome = FinalCommit::Failed;
         for attempt in 1..=FINAL_COMMIT_ATTEMPTS {
-            if self.commit(consumer, CommitMode::Sync) {
-                return true;
+            outcome = self.commit(consumer, CommitMode::Sync);
+            if outcome != FinalCommit::Failed {
+                break;
             }
             if attempt < FINAL_COMMIT_ATTEMPTS {
                 std::thread::sleep(Duration::from_millis(200));
             }
         }
-        false
+        outcome
     }
 
     /// Serves a commit's outcome: a failure marks the commit due again; a success shows each

@@ -7,6 +7,7 @@ use super::ffi::PartitionFeed;
 use super::health::Vitals;
 use super::internal_events::{Emit, KafkaErrorReported};
 use super::lane::{Completion, Lane, LaneWorker};
+use super::offsets::FinalCommit;
 use super::{BatchProcessor, ConsumeMetrics, ConsumerSettings, RawMessage};
 use crate::telemetry::Health;
 use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext, Rebalance};
@@ -358,9 +359,10 @@ impl LaneContext {
             );
         }
         self.store_completed(consumer);
-        let committed = self.commit_now(consumer);
-        *self.commit_state.lock().expect("commit lock") = (Instant::now(), !committed);
-        if !committed && partitions.is_none() {
+        let outcome = self.commit_now(consumer);
+        let due = outcome != FinalCommit::Committed;
+        *self.commit_state.lock().expect("commit lock") = (Instant::now(), due);
+        if outcome == FinalCommit::Failed && partitions.is_none() {
             self.vitals.fail(
                 "the final offset commit failed; the last batches will be replayed harmlessly \
                  by the next owner"

@@ -117,7 +117,7 @@ async fn rebalance_mid_stream_applies_every_event_once() {
     .await;
     let third = InProcessConsumer::start(settings(&brokers, &topic, &group), db.pool.clone());
     // The group settled: every member holds its share. (A member stopped while the group is
-    // still rebalancing cannot make its final commit, and says so by exiting with an error.)
+    // still rebalancing cannot make its final commit; its batches are replayed.)
     wait_for("the third consumer's share", WAIT, || async {
         let shares = [&first, &second, &third].map(|c| c.metric("replayproof_assigned_partitions"));
         shares.iter().all(|n| *n > 0.0) && shares.iter().sum::<f64>() == 4.0
@@ -529,6 +529,37 @@ async fn a_final_offset_commit_that_fails_makes_the_stop_an_error() {
     let stopped = consumer.stop_result().await;
     let error = format!("{:#}", stopped.expect_err("the final commit failed"));
     assert!(error.contains("final offset commit failed"), "{error}");
+    mock.clear_request_errors(RDKafkaApiKey::OffsetCommit);
+    assert_eq!(committed(&kafka, &group, &topic, 1).await, [-1]);
+}
+
+/// Members stopping together: the group is moving the partitions and refuses the last ones'
+/// commits. Their batches are replayed harmlessly by the next owner; the stop is not an error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_final_commit_refused_because_the_group_is_rebalancing_is_a_clean_stop() {
+    let (kafka, db) = (TestKafka::mock(), TestDb::new().await);
+    let (topic, group) = (kafka.topic(1).await, unique("group"));
+    let TestKafka::Mock(mock) = &kafka else {
+        unreachable!()
+    };
+    let s = ConsumerSettings {
+        commit_interval: Duration::from_secs(600),
+        ..settings(&kafka.brokers(), &topic, &group)
+    };
+    let consumer = InProcessConsumer::start(s, db.pool.clone());
+    produce(
+        &producer(&kafka.brokers()),
+        &topic,
+        &[Record::event("evt-1", json!(1))],
+    )
+    .await;
+    assert_exactly_once(&db, &HashSet::from(["evt-1".to_owned()]), WAIT).await;
+    use rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr};
+    mock.fail_requests(
+        RDKafkaApiKey::OffsetCommit,
+        &[RDKafkaRespErr::RD_KAFKA_RESP_ERR_REBALANCE_IN_PROGRESS; 50],
+    );
+    consumer.stop_result().await.expect("a clean stop");
     mock.clear_request_errors(RDKafkaApiKey::OffsetCommit);
     assert_eq!(committed(&kafka, &group, &topic, 1).await, [-1]);
 }
