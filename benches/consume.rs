@@ -57,6 +57,8 @@ mod common;
 use common::{client, create_topic, env_or, median};
 #[path = "consume/limit.rs"]
 mod limit;
+#[path = "consume/sent.rs"]
+mod sent;
 
 const PARTITIONS: i32 = 4;
 const BATCH: usize = 500;
@@ -284,6 +286,17 @@ impl Counters {
                 let query = query.split_whitespace().collect::<Vec<_>>().join(" ");
                 println!("    {calls:>6.0} calls {total:>8.1} ms {mean:>6.3} ms/call  {query}");
             }
+            // Autovacuum and autoanalyze runs so far count in PostgreSQL's CPU too.
+            let here = pool(url, 1).await;
+            let maintenance: i64 = sqlx::query_scalar(
+                "SELECT coalesce(sum(autovacuum_count + autoanalyze_count), 0)::int8
+                 FROM pg_stat_user_tables",
+            )
+            .fetch_one(&here)
+            .await
+            .unwrap_or(-1);
+            here.close().await;
+            println!("    autovacuum and autoanalyze runs on its tables so far: {maintenance}");
         }
         Cost {
             statements: statements.map(|n| n / messages as f64),
@@ -1004,7 +1017,10 @@ fn main() {
             None
         };
 
-        report(&results, &growth, memory);
+        // Stage L prints its own table; the others' is printed when one of them ran.
+        if stages.chars().any(|c| c != 'L') {
+            report(&results, &growth, memory);
+        }
     });
 }
 

@@ -5,6 +5,8 @@
 //! - **L2** PostgreSQL alone: the consumer's claim and ledger statements, batches of 500 keys
 //!   generated in the server (nothing sent but the bounds), one transaction per batch, two
 //!   clients; **L4** the same with four clients, one per partition as the consumer's lanes;
+//! - **LA**, **LC** PostgreSQL alone with each batch sent by the client: the claim's columns as
+//!   arrays (the consumer's way), or copied into a temporary table first ([`crate::sent`]);
 //! - **D1**, **D2** one and two `replayproof consume` processes of one group draining the
 //!   topic into a fresh database;
 //! - **R2** two processes of a new group draining the same topic again into D2's database,
@@ -16,9 +18,11 @@
 //! For each: events per second, CPU per 1,000 events of the consumer processes (of the
 //! benchmark's clients for L) and of PostgreSQL (every server process), and statements per
 //! batch (from `pg_stat_statements`, `BEGIN` and `COMMIT` included: each is a round trip).
-//! `BENCH_LIMIT_EVENTS` sizes the backlog (100000).
+//! `BENCH_LIMIT_EVENTS` sizes the backlog (100000); `BENCH_L_RUNS` picks runs (`D2,R2`). The
+//! limit is the fastest of L2, L4, LA and LC.
 
 use crate::common::{self, env_or, median};
+use crate::sent::{self, Form};
 use crate::{fill_topic, new_topic, pool, stage_e, Database, Workload, BATCH, PARTITIONS};
 use replayproof::devkit::embedded::EmbeddedKafka;
 use std::collections::BTreeMap;
@@ -59,20 +63,20 @@ const LEDGER: &str = r#"INSERT INTO ledger (event_key, source, event_type, paylo
 
 /// What one measured run cost.
 #[derive(Clone, Copy, Default)]
-struct Cost {
+pub struct Cost {
     /// Events per second.
-    rate: f64,
+    pub rate: f64,
     /// CPU milliseconds per 1,000 events of the consumer (or of the benchmark's clients).
-    client_cpu: f64,
+    pub client_cpu: f64,
     /// CPU milliseconds per 1,000 events of every PostgreSQL process.
-    server_cpu: f64,
+    pub server_cpu: f64,
     /// Statements per transaction, `BEGIN` and `COMMIT` included, when known.
-    statements: Option<f64>,
+    pub statements: Option<f64>,
 }
 
 /// CPU time of a process (`self` or a pid), user and system, with its reaped children's when
 /// `children`, in milliseconds.
-fn cpu_of(pid: &str, children: bool) -> f64 {
+pub fn cpu_of(pid: &str, children: bool) -> f64 {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
     let fields: Vec<&str> = stat
         .rsplit_once(')')
@@ -90,7 +94,7 @@ fn cpu_of(pid: &str, children: bool) -> f64 {
 
 /// Every PostgreSQL process's CPU so far, in milliseconds: the postmaster with the backends it
 /// reaped, and its live children.
-fn server_cpu(postmaster: u32) -> f64 {
+pub fn server_cpu(postmaster: u32) -> f64 {
     let mut total = cpu_of(&postmaster.to_string(), true);
     for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
         let name = entry.file_name().to_string_lossy().into_owned();
@@ -109,7 +113,7 @@ fn server_cpu(postmaster: u32) -> f64 {
 }
 
 /// The postmaster's pid, when the server runs on this machine.
-async fn postmaster(db: &Database) -> u32 {
+pub async fn postmaster(db: &Database) -> u32 {
     let backend: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
         .fetch_one(&db.admin)
         .await
@@ -122,7 +126,7 @@ async fn postmaster(db: &Database) -> u32 {
 
 /// Statements and transactions the database `url` ran so far (statements only with
 /// `pg_stat_statements`, reset by [`Database::counters`]).
-async fn statements(db: &Database, url: &str) -> Option<f64> {
+pub async fn statements(db: &Database, url: &str) -> Option<f64> {
     let name = url.rsplit_once('/').unwrap().1;
     match db.statements {
         true => sqlx::query_scalar::<_, f64>(
@@ -233,10 +237,14 @@ async fn drain(
     // partitions (a second process joining makes the first give some back), to the last commit:
     // the rate two processes drain a backlog at, not how fast a group forms. CPU is counted over
     // the same span.
+    // Each look is a scrape of every process's metrics page, which costs the processes CPU:
+    // every 5 ms until the group settles, then every 50 ms (the end is seen up to 50 ms late,
+    // which only lowers the rate; at 5 ms, serving the scrapes took 15% of their CPU).
     let mut settled: Option<(Instant, usize, f64, f64)> = None;
     let mut n = 0;
     while n < messages {
-        tokio::time::sleep(Duration::from_millis(5)).await;
+        let pause = if settled.is_some() { 50 } else { 5 };
+        tokio::time::sleep(Duration::from_millis(pause)).await;
         let mut assigned = Vec::new();
         n = 0;
         for (_, port) in &children {
@@ -258,7 +266,10 @@ async fn drain(
     let batches = batches(&http, &children).await;
     let _ = counters.since(db, url, messages).await;
     let statements = statements(db, url).await;
-    println!("    timed from the group's settling, {before} events in");
+    println!(
+        "    timed from the group's settling, {before} events in; {:.0} events per batch",
+        messages as f64 / batches
+    );
     for (mut child, _) in children {
         let pid = child.id().unwrap() as i32;
         let _ = nix::sys::signal::kill(
@@ -349,9 +360,15 @@ pub async fn run(db: &Database, mock: Option<&EmbeddedKafka>, brokers: &str, rep
         );
         costs.entry(stage).or_default().push(cost);
     };
+    // `BENCH_L_RUNS` picks runs (`D2,R2`; all by default), to look at one at a time.
+    let picked = std::env::var("BENCH_L_RUNS").unwrap_or_default();
+    let wanted = |run: &str| picked.is_empty() || picked.split(',').any(|p| p.trim() == run);
     for round in 1..=repeats {
         println!(" round {round}");
         for clients in [2, 4] {
+            if !wanted(if clients == 2 { "L2" } else { "L4" }) {
+                continue;
+            }
             let url = db.fresh("bench_template").await;
             keep(
                 if clients == 2 { "L2" } else { "L4" },
@@ -359,24 +376,40 @@ pub async fn run(db: &Database, mock: Option<&EmbeddedKafka>, brokers: &str, rep
             );
             db.drop(&url).await;
         }
-        let url = db.fresh("bench_template").await;
-        keep("D1", drain(db, brokers, &topic, &url, events, 1).await);
-        db.drop(&url).await;
-        let url = db.fresh("bench_template").await;
-        keep("D2", drain(db, brokers, &topic, &url, events, 2).await);
-        settle(&url).await;
-        keep("R2", drain(db, brokers, &topic, &url, events, 2).await);
-        db.drop(&url).await;
-        let url = db.fresh("bench_template").await;
-        let took = stage_e(brokers, &topic, &url, peer).await;
-        keep(
-            "N",
-            Cost {
-                rate: peer as f64 / took.as_secs_f64(),
-                ..Cost::default()
-            },
-        );
-        db.drop(&url).await;
+        for (stage, form) in [("LA", Form::Arrays), ("LC", Form::Copy)] {
+            if !wanted(stage) {
+                continue;
+            }
+            let url = db.fresh("bench_template").await;
+            keep(stage, sent::stage(db, &url, events, form).await);
+            db.drop(&url).await;
+        }
+        if wanted("D1") {
+            let url = db.fresh("bench_template").await;
+            keep("D1", drain(db, brokers, &topic, &url, events, 1).await);
+            db.drop(&url).await;
+        }
+        if wanted("D2") || wanted("R2") {
+            let url = db.fresh("bench_template").await;
+            keep("D2", drain(db, brokers, &topic, &url, events, 2).await);
+            if wanted("R2") {
+                settle(&url).await;
+                keep("R2", drain(db, brokers, &topic, &url, events, 2).await);
+            }
+            db.drop(&url).await;
+        }
+        if wanted("N") {
+            let url = db.fresh("bench_template").await;
+            let took = stage_e(brokers, &topic, &url, peer).await;
+            keep(
+                "N",
+                Cost {
+                    rate: peer as f64 / took.as_secs_f64(),
+                    ..Cost::default()
+                },
+            );
+            db.drop(&url).await;
+        }
     }
     report(&costs);
 }
@@ -388,7 +421,11 @@ fn report(costs: &BTreeMap<&str, Vec<Cost>>) {
             .map(|v| median(v.iter().map(f).collect()))
             .unwrap_or(f64::NAN)
     };
-    let limit = m("L2", |c| c.rate).max(m("L4", |c| c.rate));
+    // PostgreSQL alone, whichever way it went fastest.
+    let limit = ["L2", "L4", "LA", "LC"]
+        .iter()
+        .map(|stage| m(stage, |c| c.rate))
+        .fold(f64::NAN, f64::max);
     println!(
         "\nmedians of {} rounds:",
         costs.get("L2").map_or(0, Vec::len)
@@ -398,6 +435,11 @@ fn report(costs: &BTreeMap<&str, Vec<Cost>>) {
     let rows = [
         ("L2", "PostgreSQL alone, keys made in the server, 2 clients"),
         ("L4", "PostgreSQL alone, keys made in the server, 4 clients"),
+        ("LA", "PostgreSQL alone, batches sent as arrays, 2 clients"),
+        (
+            "LC",
+            "PostgreSQL alone, batches copied into a temporary table, 2 clients",
+        ),
         ("D1", "`replayproof consume`, 1 process, fresh backlog"),
         ("D2", "`replayproof consume`, 2 processes, fresh backlog"),
         (
@@ -434,18 +476,23 @@ fn report(costs: &BTreeMap<&str, Vec<Cost>>) {
             median(ratios)
         }
     };
-    let limits: Vec<f64> = rates("L2")
-        .iter()
-        .zip(rates("L4"))
-        .map(|(a, b)| a.max(b))
+    let limits: Vec<f64> = (0..rates("L2").len())
+        .map(|round| {
+            ["L2", "L4", "LA", "LC"]
+                .iter()
+                .filter_map(|stage| rates(stage).get(round).copied())
+                .fold(f64::NAN, f64::max)
+        })
         .collect();
     println!(
-        "\nlimit = max(L2, L4), medians of each round's ratios: D2 ÷ limit {:.2}, D1 ÷ limit {:.2}, \
-         R2 ÷ D2 {:.2}, D2 ÷ D1 {:.2}, D2 ÷ N {:.1}",
+        "\nlimit = max(L2, L4, LA, LC), medians of each round's ratios: D2 ÷ limit {:.2}, \
+         D1 ÷ limit {:.2}, R2 ÷ D2 {:.2}, D2 ÷ D1 {:.2}, D2 ÷ N {:.1}, LC ÷ LA {:.2}, D2 ÷ LA {:.2}",
         per_round(&rates("D2"), &limits),
         per_round(&rates("D1"), &limits),
         per_round(&rates("R2"), &rates("D2")),
         per_round(&rates("D2"), &rates("D1")),
         per_round(&rates("D2"), &rates("N")),
+        per_round(&rates("LC"), &rates("LA")),
+        per_round(&rates("D2"), &rates("LA")),
     );
 }
