@@ -18,7 +18,8 @@
 //! For each: events per second, CPU per 1,000 events of the consumer processes (of the
 //! benchmark's clients for L) and of PostgreSQL (every server process), and statements per
 //! batch (from `pg_stat_statements`, `BEGIN` and `COMMIT` included: each is a round trip).
-//! `BENCH_LIMIT_EVENTS` sizes the backlog (100000); `BENCH_L_RUNS` picks runs (`D2,R2`). The
+//! `BENCH_LIMIT_EVENTS` sizes the backlog (100000); `BENCH_L_RUNS` picks runs (`D2,R2`);
+//! `BENCH_STATEMENT_TIMES=1` prints each run's statements and its backends' wait events. The
 //! limit is the fastest of L2, L4, LA and LC.
 
 use crate::common::{self, env_or, median};
@@ -141,11 +142,68 @@ pub async fn statements(db: &Database, url: &str) -> Option<f64> {
     }
 }
 
+/// What the database's client backends in a transaction are doing, sampled every 10 ms while a
+/// run lasts, with `BENCH_STATEMENT_TIMES`: the share of each wait event, `running` when on the
+/// CPU (or waiting for it), `waiting for the client` between two statements of a transaction.
+pub struct Waits {
+    stop: tokio::sync::oneshot::Sender<()>,
+    task: tokio::task::JoinHandle<BTreeMap<String, u64>>,
+}
+
+impl Waits {
+    pub fn start(db: &Database, url: &str) -> Option<Self> {
+        std::env::var_os("BENCH_STATEMENT_TIMES")?;
+        let (stop, mut stopped) = tokio::sync::oneshot::channel();
+        let (admin, name) = (db.admin.clone(), url.rsplit_once('/')?.1.to_owned());
+        let task = tokio::spawn(async move {
+            let mut seen = BTreeMap::new();
+            while stopped.try_recv().is_err() {
+                let now: Vec<String> = sqlx::query_scalar(
+                    "SELECT CASE WHEN state <> 'active' THEN 'waiting for the client'
+                                 ELSE coalesce(wait_event_type || ':' || wait_event, 'running') END
+                     FROM pg_stat_activity
+                     WHERE datname = $1 AND backend_type = 'client backend'
+                       AND state IN ('active', 'idle in transaction')",
+                )
+                .bind(&name)
+                .fetch_all(&admin)
+                .await
+                .unwrap_or_default();
+                for w in now {
+                    *seen.entry(w).or_insert(0) += 1;
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            seen
+        });
+        Some(Self { stop, task })
+    }
+
+    /// Stops sampling and prints the shares.
+    pub async fn print(self) {
+        let _ = self.stop.send(());
+        let seen = self.task.await.unwrap();
+        let total: u64 = seen.values().sum::<u64>().max(1);
+        let mut shares: Vec<(&String, &u64)> = seen.iter().collect();
+        shares.sort_by(|a, b| b.1.cmp(a.1));
+        let line: Vec<String> = shares
+            .iter()
+            .take(6)
+            .map(|(w, n)| format!("{w} {:.0}%", **n as f64 * 100.0 / total as f64))
+            .collect();
+        println!(
+            "    backends in a transaction, sampled: {}",
+            line.join(", ")
+        );
+    }
+}
+
 /// L: `clients` connections, each applying its share of `events` keys in batches of 500.
 async fn stage_l(db: &Database, url: &str, events: usize, clients: usize) -> Cost {
     let pool = pool(url, clients as u32).await;
     let pm = postmaster(db).await;
     let counters = db.counters().await;
+    let waits = Waits::start(db, url);
     let (cpu, server, started) = (cpu_of("self", false), server_cpu(pm), Instant::now());
     let per_client = events / clients;
     let tasks: Vec<_> = (0..clients)
@@ -180,6 +238,9 @@ async fn stage_l(db: &Database, url: &str, events: usize, clients: usize) -> Cos
         t.await.unwrap();
     }
     let took = started.elapsed();
+    if let Some(waits) = waits {
+        waits.print().await;
+    }
     let _ = counters.since(db, url, events).await;
     let done = (events / clients * clients) as f64;
     let batches = (done / BATCH as f64).ceil();
@@ -205,6 +266,7 @@ async fn drain(
 ) -> Cost {
     let pm = postmaster(db).await;
     let counters = db.counters().await;
+    let waits = Waits::start(db, url);
     let group = format!("bench-l-{}", fastrand::u64(..));
     let mut children = Vec::new();
     for _ in 0..processes {
@@ -264,6 +326,9 @@ async fn drain(
     let client = client_cpu() - client;
     let server = server_cpu(pm) - server;
     let batches = batches(&http, &children).await;
+    if let Some(waits) = waits {
+        waits.print().await;
+    }
     let _ = counters.since(db, url, messages).await;
     let statements = statements(db, url).await;
     println!(
@@ -476,7 +541,8 @@ fn report(costs: &BTreeMap<&str, Vec<Cost>>) {
             median(ratios)
         }
     };
-    let limits: Vec<f64> = (0..rates("L2").len())
+    let rounds = costs.values().map(Vec::len).max().unwrap_or(0);
+    let limits: Vec<f64> = (0..rounds)
         .map(|round| {
             ["L2", "L4", "LA", "LC"]
                 .iter()

@@ -11,7 +11,7 @@
 //! The ledger insert that follows is the consumer's, arrays in both. Each run has two clients,
 //! one connection each, and keys that arrive in no order, as stage L's do.
 
-use crate::limit::{cpu_of, postmaster, server_cpu, statements, Cost};
+use crate::limit::{cpu_of, postmaster, server_cpu, statements, Cost, Waits};
 use crate::{pool, Database, BATCH};
 use sqlx::Connection as _;
 use std::fmt::Write as _;
@@ -185,6 +185,7 @@ pub async fn stage(db: &Database, url: &str, events: usize, form: Form) -> Cost 
     }
     let pm = postmaster(db).await;
     let counters = db.counters().await;
+    let waits = Waits::start(db, url);
     let (cpu, server, started) = (cpu_of("self", false), server_cpu(pm), Instant::now());
     let tasks: Vec<_> = work
         .into_iter()
@@ -201,6 +202,9 @@ pub async fn stage(db: &Database, url: &str, events: usize, form: Form) -> Cost 
         t.await.unwrap();
     }
     let took = started.elapsed();
+    if let Some(waits) = waits {
+        waits.print().await;
+    }
     let _ = counters.since(db, url, events).await;
     let done = (per_client * CLIENTS) as f64;
     let cost = Cost {
