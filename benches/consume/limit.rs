@@ -198,13 +198,55 @@ impl Waits {
     }
 }
 
+/// A PostgreSQL-alone run's clock and counters, started before its first transaction.
+pub struct Meter {
+    postmaster: u32,
+    counters: crate::Counters,
+    waits: Option<Waits>,
+    cpu: f64,
+    server: f64,
+    started: Instant,
+}
+
+impl Meter {
+    pub async fn start(db: &Database, url: &str) -> Self {
+        let postmaster = postmaster(db).await;
+        let counters = db.counters().await;
+        let waits = Waits::start(db, url);
+        let (cpu, server) = (cpu_of("self", false), server_cpu(postmaster));
+        Self {
+            postmaster,
+            counters,
+            waits,
+            cpu,
+            server,
+            started: Instant::now(),
+        }
+    }
+
+    /// What `done` events in batches of 500 cost since the start.
+    pub async fn cost(self, db: &Database, url: &str, done: usize) -> Cost {
+        let took = self.started.elapsed();
+        if let Some(waits) = self.waits {
+            waits.print().await;
+        }
+        let _ = self.counters.since(db, url, done).await;
+        let done = done as f64;
+        Cost {
+            rate: done / took.as_secs_f64(),
+            client_cpu: (cpu_of("self", false) - self.cpu) / done * 1000.0,
+            server_cpu: (server_cpu(self.postmaster) - self.server) / done * 1000.0,
+            statements: statements(db, url)
+                .await
+                .map(|s| s / (done / BATCH as f64).ceil()),
+        }
+    }
+}
+
 /// L: `clients` connections, each applying its share of `events` keys in batches of 500.
 async fn stage_l(db: &Database, url: &str, events: usize, clients: usize) -> Cost {
     let pool = pool(url, clients as u32).await;
-    let pm = postmaster(db).await;
-    let counters = db.counters().await;
-    let waits = Waits::start(db, url);
-    let (cpu, server, started) = (cpu_of("self", false), server_cpu(pm), Instant::now());
+    let meter = Meter::start(db, url).await;
     let per_client = events / clients;
     let tasks: Vec<_> = (0..clients)
         .map(|c| {
@@ -237,19 +279,7 @@ async fn stage_l(db: &Database, url: &str, events: usize, clients: usize) -> Cos
     for t in tasks {
         t.await.unwrap();
     }
-    let took = started.elapsed();
-    if let Some(waits) = waits {
-        waits.print().await;
-    }
-    let _ = counters.since(db, url, events).await;
-    let done = (events / clients * clients) as f64;
-    let batches = (done / BATCH as f64).ceil();
-    let cost = Cost {
-        rate: done / took.as_secs_f64(),
-        client_cpu: (cpu_of("self", false) - cpu) / done * 1000.0,
-        server_cpu: (server_cpu(pm) - server) / done * 1000.0,
-        statements: statements(db, url).await.map(|s| s / batches),
-    };
+    let cost = meter.cost(db, url, per_client * clients).await;
     pool.close().await;
     cost
 }

@@ -11,11 +11,10 @@
 //! The ledger insert that follows is the consumer's, arrays in both. Each run has two clients,
 //! one connection each, and keys that arrive in no order, as stage L's do.
 
-use crate::limit::{cpu_of, postmaster, server_cpu, statements, Cost, Waits};
+use crate::limit::{Cost, Meter};
 use crate::{pool, Database, BATCH};
 use sqlx::Connection as _;
 use std::fmt::Write as _;
-use std::time::Instant;
 
 /// How the claim's columns travel.
 #[derive(Clone, Copy, PartialEq)]
@@ -183,10 +182,7 @@ pub async fn stage(db: &Database, url: &str, events: usize, form: Form) -> Cost 
             .collect();
         work.push((conn, batches));
     }
-    let pm = postmaster(db).await;
-    let counters = db.counters().await;
-    let waits = Waits::start(db, url);
-    let (cpu, server, started) = (cpu_of("self", false), server_cpu(pm), Instant::now());
+    let meter = Meter::start(db, url).await;
     let tasks: Vec<_> = work
         .into_iter()
         .enumerate()
@@ -201,20 +197,7 @@ pub async fn stage(db: &Database, url: &str, events: usize, form: Form) -> Cost 
     for t in tasks {
         t.await.unwrap();
     }
-    let took = started.elapsed();
-    if let Some(waits) = waits {
-        waits.print().await;
-    }
-    let _ = counters.since(db, url, events).await;
-    let done = (per_client * CLIENTS) as f64;
-    let cost = Cost {
-        rate: done / took.as_secs_f64(),
-        client_cpu: (cpu_of("self", false) - cpu) / done * 1000.0,
-        server_cpu: (server_cpu(pm) - server) / done * 1000.0,
-        statements: statements(db, url)
-            .await
-            .map(|s| s / (done / BATCH as f64).ceil()),
-    };
+    let cost = meter.cost(db, url, per_client * CLIENTS).await;
     pool.close().await;
     cost
 }

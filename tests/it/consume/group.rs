@@ -501,8 +501,10 @@ async fn a_failed_offset_commit_is_retried_while_the_partition_is_idle() {
     consumer.stop().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_final_offset_commit_that_fails_makes_the_stop_an_error() {
+/// A consumer that applied one event stopped while the broker answers every offset commit with
+/// `error`: how its stop ended. Nothing was committed either way.
+async fn stop_with_commits_refused(error: rdkafka::types::RDKafkaRespErr) -> anyhow::Result<()> {
+    use rdkafka::types::RDKafkaApiKey;
     let (kafka, db) = (TestKafka::mock(), TestDb::new().await);
     let (topic, group) = (kafka.topic(1).await, unique("group"));
     let TestKafka::Mock(mock) = &kafka else {
@@ -521,47 +523,29 @@ async fn a_final_offset_commit_that_fails_makes_the_stop_an_error() {
     )
     .await;
     assert_exactly_once(&db, &HashSet::from(["evt-1".to_owned()]), WAIT).await;
-    use rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr};
-    mock.fail_requests(
-        RDKafkaApiKey::OffsetCommit,
-        &[RDKafkaRespErr::RD_KAFKA_RESP_ERR_COORDINATOR_LOAD_IN_PROGRESS; 50],
-    );
+    mock.fail_requests(RDKafkaApiKey::OffsetCommit, &[error; 50]);
     let stopped = consumer.stop_result().await;
-    let error = format!("{:#}", stopped.expect_err("the final commit failed"));
-    assert!(error.contains("final offset commit failed"), "{error}");
     mock.clear_request_errors(RDKafkaApiKey::OffsetCommit);
     assert_eq!(committed(&kafka, &group, &topic, 1).await, [-1]);
+    stopped
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_final_offset_commit_that_fails_makes_the_stop_an_error() {
+    use rdkafka::types::RDKafkaRespErr::RD_KAFKA_RESP_ERR_COORDINATOR_LOAD_IN_PROGRESS as LOADING;
+    let stopped = stop_with_commits_refused(LOADING).await;
+    let error = format!("{:#}", stopped.expect_err("the final commit failed"));
+    assert!(error.contains("final offset commit failed"), "{error}");
 }
 
 /// Members stopping together: the group is moving the partitions and refuses the last ones'
 /// commits. Their batches are replayed harmlessly by the next owner; the stop is not an error.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_final_commit_refused_because_the_group_is_rebalancing_is_a_clean_stop() {
-    let (kafka, db) = (TestKafka::mock(), TestDb::new().await);
-    let (topic, group) = (kafka.topic(1).await, unique("group"));
-    let TestKafka::Mock(mock) = &kafka else {
-        unreachable!()
-    };
-    let s = ConsumerSettings {
-        commit_interval: Duration::from_secs(600),
-        ..settings(&kafka.brokers(), &topic, &group)
-    };
-    let consumer = InProcessConsumer::start(s, db.pool.clone());
-    produce(
-        &producer(&kafka.brokers()),
-        &topic,
-        &[Record::event("evt-1", json!(1))],
-    )
-    .await;
-    assert_exactly_once(&db, &HashSet::from(["evt-1".to_owned()]), WAIT).await;
-    use rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr};
-    mock.fail_requests(
-        RDKafkaApiKey::OffsetCommit,
-        &[RDKafkaRespErr::RD_KAFKA_RESP_ERR_REBALANCE_IN_PROGRESS; 50],
-    );
-    consumer.stop_result().await.expect("a clean stop");
-    mock.clear_request_errors(RDKafkaApiKey::OffsetCommit);
-    assert_eq!(committed(&kafka, &group, &topic, 1).await, [-1]);
+    use rdkafka::types::RDKafkaRespErr::RD_KAFKA_RESP_ERR_REBALANCE_IN_PROGRESS as REBALANCING;
+    stop_with_commits_refused(REBALANCING)
+        .await
+        .expect("a clean stop");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
