@@ -18,23 +18,20 @@ const FINAL_COMMIT_ATTEMPTS: u32 = 3;
 pub(super) enum FinalCommit {
     /// The stored offsets are committed (or there was nothing to commit).
     Committed,
-    /// The group is taking the partitions to another member (a rebalance in progress, a newer
-    /// generation, or this member no longer known): it refuses commits from this member until
-    /// it polls again, and the next owner replays the uncommitted batches harmlessly. Part of a
-    /// group's life when members stop together, not a fault of this one.
+    /// The group is in the middle of a rebalance (members stopping or joining together): it
+    /// refuses commits from this member until it polls again, and the next owner replays the
+    /// uncommitted batches harmlessly. Part of a group's life, not a fault of this member.
     HandedOver,
-    /// The commit failed for another reason (the coordinator unreachable or failing).
+    /// The commit failed for another reason: the coordinator unreachable or failing, or this
+    /// member evicted from the group (an unknown member, an old generation: it stalled past
+    /// the group's limits).
     Failed,
 }
 
-/// Whether a commit refused with `code` means the group is moving the partitions elsewhere.
+/// Whether a commit refused with `code` means the group is rebalancing. A member the group
+/// evicted hears `UnknownMemberId` or `IllegalGeneration`: that is its own stall, a failure.
 fn handed_over(code: RDKafkaErrorCode) -> bool {
-    matches!(
-        code,
-        RDKafkaErrorCode::RebalanceInProgress
-            | RDKafkaErrorCode::IllegalGeneration
-            | RDKafkaErrorCode::UnknownMemberId
-    )
+    code == RDKafkaErrorCode::RebalanceInProgress
 }
 
 impl ClientContext for LaneContext {
@@ -152,7 +149,7 @@ impl LaneContext {
                 FinalCommit::Committed
             }
             Err(KafkaError::ConsumerCommit(code)) if handed_over(code) => {
-                tracing::warn!(error = %code, "The group is moving the partitions, so their offsets could not be committed; the next owner replays the last batches harmlessly.");
+                tracing::warn!(error = %code, "The group is rebalancing, so the offsets could not be committed; the next owner replays the last batches harmlessly.");
                 FinalCommit::HandedOver
             }
             Err(e) => {
@@ -163,8 +160,8 @@ impl LaneContext {
     }
 
     /// Commits synchronously, trying a few times: the last commit before a revoke or a stop.
-    /// A group moving the partitions refuses every try until this member polls again, so its
-    /// refusal ends the tries at once.
+    /// A rebalancing group refuses every try until this member polls again, so its refusal
+    /// ends the tries at once.
     pub(super) fn commit_now(&self, consumer: &BaseConsumer<Self>) -> FinalCommit {
         let mut outcome = FinalCommit::Failed;
         for attempt in 1..=FINAL_COMMIT_ATTEMPTS {

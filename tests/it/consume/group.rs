@@ -538,8 +538,18 @@ async fn a_final_offset_commit_that_fails_makes_the_stop_an_error() {
     assert!(error.contains("final offset commit failed"), "{error}");
 }
 
-/// Members stopping together: the group is moving the partitions and refuses the last ones'
-/// commits. Their batches are replayed harmlessly by the next owner; the stop is not an error.
+/// A member the group evicted (it stalled past the group's limits) hears that it is unknown:
+/// its stop is an error, not a rebalance.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_final_commit_refused_to_an_evicted_member_makes_the_stop_an_error() {
+    use rdkafka::types::RDKafkaRespErr::RD_KAFKA_RESP_ERR_UNKNOWN_MEMBER_ID as EVICTED;
+    let stopped = stop_with_commits_refused(EVICTED).await;
+    let error = format!("{:#}", stopped.expect_err("the final commit failed"));
+    assert!(error.contains("final offset commit failed"), "{error}");
+}
+
+/// Members stopping together: the group is rebalancing and refuses the last ones' commits.
+/// Their batches are replayed harmlessly by the next owner; the stop is not an error.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_final_commit_refused_because_the_group_is_rebalancing_is_a_clean_stop() {
     use rdkafka::types::RDKafkaRespErr::RD_KAFKA_RESP_ERR_REBALANCE_IN_PROGRESS as REBALANCING;
