@@ -21,7 +21,7 @@ pub(super) enum FinalCommit {
     /// The group is in the middle of a rebalance (members stopping or joining together): it
     /// refuses commits from this member until it polls again, and the next owner replays the
     /// uncommitted batches harmlessly. Part of a group's life, not a fault of this member.
-    HandedOver,
+    Rebalancing,
     /// The commit failed for another reason: the coordinator unreachable or failing, or this
     /// member evicted from the group (an unknown member, an old generation: it stalled past
     /// the group's limits).
@@ -30,7 +30,7 @@ pub(super) enum FinalCommit {
 
 /// Whether a commit refused with `code` means the group is rebalancing. A member the group
 /// evicted hears `UnknownMemberId` or `IllegalGeneration`: that is its own stall, a failure.
-fn handed_over(code: RDKafkaErrorCode) -> bool {
+fn rebalancing(code: RDKafkaErrorCode) -> bool {
     code == RDKafkaErrorCode::RebalanceInProgress
 }
 
@@ -148,9 +148,9 @@ impl LaneContext {
             Ok(()) | Err(KafkaError::ConsumerCommit(RDKafkaErrorCode::NoOffset)) => {
                 FinalCommit::Committed
             }
-            Err(KafkaError::ConsumerCommit(code)) if handed_over(code) => {
+            Err(KafkaError::ConsumerCommit(code)) if rebalancing(code) => {
                 tracing::warn!(error = %code, "The group is rebalancing, so the offsets could not be committed; the next owner replays the last batches harmlessly.");
-                FinalCommit::HandedOver
+                FinalCommit::Rebalancing
             }
             Err(e) => {
                 tracing::warn!(error = %e, "An offset commit failed; its messages will be replayed harmlessly.");
