@@ -29,30 +29,39 @@ use replayproof::devkit::embedded::EmbeddedKafka;
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-/// The consumer's claim ([`replayproof::claims::claim`]), with the keys of `$1..=$2` made in the
-/// server and one payload hash for all (the hash is only stored). Each number goes through a
-/// multiplicative hash (a bijection on 32 bits), so the keys arrive in no order, as event ids
-/// do: sequential keys would let every index insert land on the same rightmost page.
-const CLAIM: &str = r#"WITH u AS MATERIALIZED (
-       SELECT u.*, f.route_key AS found_route, f.payload_sha256 AS found_hash
-       FROM (SELECT 'lim-' || (g * 2654435761) % 4294967296 AS k,
-                    'lim-' || (g * 2654435761) % 4294967296 AS rk, g AS o
-             FROM generate_series($1::int8, $2::int8) AS g) AS u
-       LEFT JOIN LATERAL (SELECT x.route_key, x.payload_sha256 FROM processed_events x
-                          WHERE x.event_key = u.k OFFSET 0) AS f ON true),
-   claimed AS (
-       INSERT INTO processed_events (event_key, route_key, source, event_type, status,
-           payload_sha256, received_at, kafka_topic, kafka_partition, kafka_offset,
-           attempts, completed_at, request_id, traceparent)
-       SELECT k, rk, 'bench', 'bench.event', 'done', decode(repeat('ab', 32), 'hex'), NULL,
-              'bench', $3, o, 1, now(), NULL, NULL
-       FROM u WHERE found_route IS NULL
-       ORDER BY k COLLATE "C", rk COLLATE "C"
-       ON CONFLICT (event_key, route_key) DO NOTHING
-       RETURNING event_key)
-   SELECT event_key, NULL::text AS route_key, NULL::bytea AS hash FROM claimed
-   UNION ALL
-   SELECT k, found_route, found_hash FROM u WHERE found_route IS NOT NULL"#;
+/// The consumer's claim ([`replayproof::claims::claim`]) over the batch `u`, with its columns `k, s, t, h, r, o, q, tp, rk`,
+/// the topic and partition as `$1`, `$2`.
+pub fn claim_over(u: &str) -> String {
+    format!(
+        r#"WITH u AS MATERIALIZED (
+               SELECT u.*, f.route_key AS found_route, f.payload_sha256 AS found_hash
+               FROM {u}
+               LEFT JOIN LATERAL (SELECT x.route_key, x.payload_sha256 FROM processed_events x
+                                  WHERE x.event_key = u.k OFFSET 0) AS f ON true),
+           claimed AS (
+               INSERT INTO processed_events (event_key, route_key, source, event_type, status,
+                   payload_sha256, received_at, kafka_topic, kafka_partition, kafka_offset,
+                   attempts, completed_at, request_id, traceparent)
+               SELECT k, rk, s, t, 'done', h, r, $1, $2, o, 1, now(), q, tp
+               FROM u WHERE found_route IS NULL
+               ORDER BY k COLLATE "C", rk COLLATE "C"
+               ON CONFLICT (event_key, route_key) DO NOTHING
+               RETURNING event_key)
+           SELECT event_key, NULL::text AS route_key, NULL::bytea AS hash FROM claimed
+           UNION ALL
+           SELECT k, found_route, found_hash FROM u WHERE found_route IS NOT NULL"#
+    )
+}
+
+/// The batch of the numbers `$3..=$4` made in the server, as [`claim_over`] takes it, with one
+/// payload hash for all (the hash is only stored). Each number goes through a multiplicative hash
+/// (a bijection on 32 bits), so the keys arrive in no order, as event ids do: sequential keys
+/// would let every index insert land on the same rightmost page.
+const GENERATED: &str = "(SELECT 'lim-' || n AS k, 'bench' AS s, 'bench.event' AS t, \
+    decode(repeat('ab', 32), 'hex') AS h, NULL::timestamptz AS r, g AS o, NULL::text AS q, \
+    NULL::text AS tp, 'lim-' || n AS rk \
+    FROM generate_series($3::int8, $4::int8) AS g, \
+    LATERAL (SELECT (g * 2654435761) % 4294967296) AS x(n)) AS u";
 
 /// The ledger effect's statement ([`replayproof::effect::Ledger`]) over the same keys, each
 /// payload about 100 B of JSON text made in the server and parsed as `jsonb`.
@@ -248,19 +257,21 @@ async fn stage_l(db: &Database, url: &str, events: usize, clients: usize) -> Cos
     let pool = pool(url, clients as u32).await;
     let meter = Meter::start(db, url).await;
     let per_client = events / clients;
+    let claim = claim_over(GENERATED);
     let tasks: Vec<_> = (0..clients)
         .map(|c| {
-            let pool = pool.clone();
+            let (pool, claim) = (pool.clone(), claim.clone());
             tokio::spawn(async move {
                 let first = c * per_client;
                 for lo in (first..first + per_client).step_by(BATCH) {
                     let hi = (lo + BATCH).min(first + per_client) - 1;
                     let mut tx = pool.begin().await.unwrap();
                     let claimed: Vec<(String, Option<String>, Option<Vec<u8>>)> =
-                        sqlx::query_as(CLAIM)
+                        sqlx::query_as(&claim)
+                            .bind("bench")
+                            .bind(c as i32)
                             .bind(lo as i64)
                             .bind(hi as i64)
-                            .bind(c as i32)
                             .fetch_all(&mut *tx)
                             .await
                             .unwrap();

@@ -11,7 +11,7 @@
 //! The ledger insert that follows is the consumer's, arrays in both. Each run has two clients,
 //! one connection each, and keys that arrive in no order, as stage L's do.
 
-use crate::limit::{Cost, Meter};
+use crate::limit::{claim_over, Cost, Meter};
 use crate::{pool, Database, BATCH};
 use sqlx::Connection as _;
 use std::fmt::Write as _;
@@ -21,30 +21,6 @@ use std::fmt::Write as _;
 pub enum Form {
     Arrays,
     Copy,
-}
-
-/// The consumer's claim over the batch `u`, with its columns `k, s, t, h, r, o, q, tp, rk`,
-/// the topic and partition as `$1`, `$2`.
-fn claim_over(u: &str) -> String {
-    format!(
-        r#"WITH u AS MATERIALIZED (
-               SELECT u.*, f.route_key AS found_route, f.payload_sha256 AS found_hash
-               FROM {u}
-               LEFT JOIN LATERAL (SELECT x.route_key, x.payload_sha256 FROM processed_events x
-                                  WHERE x.event_key = u.k OFFSET 0) AS f ON true),
-           claimed AS (
-               INSERT INTO processed_events (event_key, route_key, source, event_type, status,
-                   payload_sha256, received_at, kafka_topic, kafka_partition, kafka_offset,
-                   attempts, completed_at, request_id, traceparent)
-               SELECT k, rk, s, t, 'done', h, r, $1, $2, o, 1, now(), q, tp
-               FROM u WHERE found_route IS NULL
-               ORDER BY k COLLATE "C", rk COLLATE "C"
-               ON CONFLICT (event_key, route_key) DO NOTHING
-               RETURNING event_key)
-           SELECT event_key, NULL::text AS route_key, NULL::bytea AS hash FROM claimed
-           UNION ALL
-           SELECT k, found_route, found_hash FROM u WHERE found_route IS NOT NULL"#
-    )
 }
 
 const UNNEST: &str = "unnest($3::text[], $4::text[], $5::text[], $6::bytea[], \
