@@ -65,12 +65,13 @@ impl PartitionFeed {
                 (!ptr.is_null()).then(|| std::slice::from_raw_parts(ptr as *const u8, len).to_vec())
             };
             let result = if m.err == rd::rd_kafka_resp_err_t::RD_KAFKA_RESP_ERR_NO_ERROR {
+                let (headers, traceparent) = headers_and_trace(message);
                 Ok(RawMessage {
                     offset: m.offset,
                     key: copy(m.key, m.key_len),
                     value: copy(m.payload, m.len),
-                    traceparent: traceparent(message),
-                    headers: headers(message),
+                    traceparent,
+                    headers,
                 })
             } else {
                 Err(KafkaError::MessageConsumption(m.err.into()))
@@ -81,40 +82,26 @@ impl PartitionFeed {
     }
 }
 
-/// The message's last `traceparent` header, if it has one in UTF-8.
+/// The message's headers, in order, and the last `traceparent` among them when it is UTF-8.
 ///
 /// # Safety
 /// `message` is a live message of librdkafka's.
-pub(super) unsafe fn traceparent(
+pub(super) unsafe fn headers_and_trace(
     message: *mut rdkafka::bindings::rd_kafka_message_t,
-) -> Option<String> {
-    use rdkafka::bindings as rd;
-    let mut headers: *mut rd::rd_kafka_headers_t = std::ptr::null_mut();
-    if rd::rd_kafka_message_headers(message, &mut headers)
-        != rd::rd_kafka_resp_err_t::RD_KAFKA_RESP_ERR_NO_ERROR
-    {
-        return None;
-    }
-    let name = c"traceparent";
-    let mut value: *const std::ffi::c_void = std::ptr::null();
-    let mut size: usize = 0;
-    if rd::rd_kafka_header_get_last(headers, name.as_ptr(), &mut value, &mut size)
-        != rd::rd_kafka_resp_err_t::RD_KAFKA_RESP_ERR_NO_ERROR
-        || value.is_null()
-    {
-        return None;
-    }
-    let bytes = std::slice::from_raw_parts(value as *const u8, size);
-    std::str::from_utf8(bytes).ok().map(str::to_owned)
+) -> (crate::inputs::Headers, Option<String>) {
+    let headers = headers(message);
+    let traceparent = headers
+        .last("traceparent")
+        .and_then(|v| std::str::from_utf8(v).ok())
+        .map(str::to_owned);
+    (headers, traceparent)
 }
 
 /// Every header of the message, in order.
 ///
 /// # Safety
 /// `message` is a live message of librdkafka's.
-pub(super) unsafe fn headers(
-    message: *mut rdkafka::bindings::rd_kafka_message_t,
-) -> crate::inputs::Headers {
+unsafe fn headers(message: *mut rdkafka::bindings::rd_kafka_message_t) -> crate::inputs::Headers {
     use rdkafka::bindings as rd;
     let mut all = crate::inputs::Headers::new();
     let mut headers: *mut rd::rd_kafka_headers_t = std::ptr::null_mut();

@@ -7,6 +7,7 @@ use super::batch::{BatchError, BatchReport, RawMessage};
 use super::health::Vitals;
 use super::internal_events::{BatchCommitted, BatchRetried, Emit, LanePanicked};
 use super::{BatchProcessor, ConsumeMetrics, Retrying};
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{mpsc as std_mpsc, Arc};
 use std::time::{Duration, Instant};
@@ -38,7 +39,8 @@ pub(super) struct Completion {
 /// One partition's ordered lane, as seen from the poll thread.
 pub(super) struct Lane {
     pub(super) id: u64,
-    pub(super) messages: mpsc::UnboundedSender<RawMessage>,
+    /// Chunks of the partition's messages, in offset order.
+    pub(super) messages: mpsc::UnboundedSender<Vec<RawMessage>>,
     pub(super) stop: CancellationToken,
     /// Taken when the lane is stopped, to wait for it.
     pub(super) task: Option<tokio::task::JoinHandle<()>>,
@@ -59,15 +61,22 @@ impl Lane {
             .saturating_add(self.held_bytes.load(Ordering::Relaxed))
     }
 
-    /// Queues a message for the lane. True when its offset is below the next one expected: a
-    /// truncated or recreated topic, or an offset reset. Those may be new messages at reused
-    /// offsets, and the claims make any replay among them harmless, so they are queued too.
-    pub(super) fn push(&mut self, message: RawMessage) -> bool {
-        let rewound = message.offset < self.next_offset;
-        self.next_offset = message.offset + 1;
-        self.queued_bytes
-            .fetch_add(message.queued_bytes(), Ordering::Relaxed);
-        let _ = self.messages.send(message);
+    /// Queues a chunk of messages for the lane, and says which of them have an offset below
+    /// the one expected (with the one expected): a truncated or recreated topic, or an offset
+    /// reset. Those may be new messages at reused offsets, and the claims make any replay among
+    /// them harmless, so they are queued too.
+    pub(super) fn push(&mut self, chunk: Vec<RawMessage>) -> Vec<(i64, i64)> {
+        let mut rewound = Vec::new();
+        let mut bytes = 0;
+        for message in &chunk {
+            if message.offset < self.next_offset {
+                rewound.push((message.offset, self.next_offset));
+            }
+            self.next_offset = message.offset + 1;
+            bytes += message.queued_bytes();
+        }
+        self.queued_bytes.fetch_add(bytes, Ordering::Relaxed);
+        let _ = self.messages.send(chunk);
         rewound
     }
 }
@@ -104,6 +113,23 @@ pub(super) struct LaneWorker {
     pub(super) vitals: Arc<Vitals>,
 }
 
+/// The lane's side of its messages: the chunks the poll thread sent, and the part of the last
+/// one not yet taken into a batch.
+struct Queue {
+    rx: mpsc::UnboundedReceiver<Vec<RawMessage>>,
+    pending: VecDeque<RawMessage>,
+}
+
+impl Queue {
+    /// Moves pending messages, oldest first, into `batch` until it holds `size`; true when it
+    /// does. What does not fit stays pending for the next batch.
+    fn top_up(&mut self, batch: &mut Vec<RawMessage>, size: usize) -> bool {
+        let room = size.saturating_sub(batch.len()).min(self.pending.len());
+        batch.extend(self.pending.drain(..room));
+        batch.len() >= size
+    }
+}
+
 /// Where a lane is in its partition.
 #[derive(Default)]
 struct Progress {
@@ -136,13 +162,20 @@ impl Progress {
 }
 
 impl LaneWorker {
-    pub(super) async fn run(self, mut rx: mpsc::UnboundedReceiver<RawMessage>) {
+    pub(super) async fn run(self, rx: mpsc::UnboundedReceiver<Vec<RawMessage>>) {
         use futures_util::FutureExt as _;
         let mut progress = Progress {
             reported: Some(self.first_offset),
             ..Progress::default()
         };
-        while let Some(batch) = self.next_batch(&mut rx, progress.retrying.next_due()).await {
+        let mut queue = Queue {
+            rx,
+            pending: VecDeque::new(),
+        };
+        while let Some(batch) = self
+            .next_batch(&mut queue, progress.retrying.next_due())
+            .await
+        {
             let bytes = batch.iter().map(RawMessage::queued_bytes).sum();
             self.queued_bytes.fetch_sub(bytes, Ordering::Relaxed);
             if self.stop.is_cancelled() {
@@ -174,7 +207,7 @@ impl LaneWorker {
     /// When an event's retry falls due first, the batch is empty: the pass applies the retry.
     async fn next_batch(
         &self,
-        rx: &mut mpsc::UnboundedReceiver<RawMessage>,
+        queue: &mut Queue,
         retry_due: Option<tokio::time::Instant>,
     ) -> Option<Vec<RawMessage>> {
         let retry = async {
@@ -183,19 +216,22 @@ impl LaneWorker {
                 None => std::future::pending().await,
             }
         };
-        let first = tokio::select! {
-            biased;
-            _ = self.stop.cancelled() => return None,
-            m = rx.recv() => m?,
-            _ = retry => return Some(Vec::new()),
-        };
-        let mut batch = vec![first];
+        if queue.pending.is_empty() {
+            let chunk = tokio::select! {
+                biased;
+                _ = self.stop.cancelled() => return None,
+                chunk = queue.rx.recv() => chunk?,
+                _ = retry => return Some(Vec::new()),
+            };
+            queue.pending.extend(chunk);
+        }
+        let mut batch = Vec::with_capacity(self.batch_size.min(queue.pending.len()));
         let deadline = tokio::time::Instant::now() + self.linger;
-        while batch.len() < self.batch_size {
-            match rx.try_recv() {
-                Ok(m) => batch.push(m),
-                Err(_) => match tokio::time::timeout_at(deadline, rx.recv()).await {
-                    Ok(Some(m)) => batch.push(m),
+        while !queue.top_up(&mut batch, self.batch_size) {
+            match queue.rx.try_recv() {
+                Ok(chunk) => queue.pending.extend(chunk),
+                Err(_) => match tokio::time::timeout_at(deadline, queue.rx.recv()).await {
+                    Ok(Some(chunk)) => queue.pending.extend(chunk),
                     _ => break,
                 },
             }
@@ -310,6 +346,51 @@ impl LaneWorker {
 mod tests {
     use super::*;
 
+    fn message(offset: i64) -> RawMessage {
+        RawMessage {
+            offset,
+            key: None,
+            value: Some(format!("m{offset}").into_bytes()),
+            traceparent: None,
+            headers: Default::default(),
+        }
+    }
+
+    #[test]
+    fn chunks_are_cut_into_batches_in_offset_order_and_the_rest_waits_for_the_next() {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let mut queue = Queue {
+            rx,
+            pending: VecDeque::new(),
+        };
+        tx.send((0..1200).map(message).collect()).unwrap();
+        tx.send((1200..1400).map(message).collect()).unwrap();
+        queue.pending.extend(queue.rx.try_recv().unwrap());
+        let offsets = |batch: &[RawMessage]| batch.iter().map(|m| m.offset).collect::<Vec<_>>();
+        let mut batches = Vec::new();
+        for _ in 0..2 {
+            let mut batch = Vec::new();
+            assert!(queue.top_up(&mut batch, 500));
+            batches.push(offsets(&batch));
+        }
+        // The chunk's last 200 do not fill a batch: the next chunk tops it up, and what does not
+        // fit waits.
+        let mut batch = Vec::new();
+        assert!(!queue.top_up(&mut batch, 500));
+        queue.pending.extend(queue.rx.try_recv().unwrap());
+        assert!(!queue.top_up(&mut batch, 500));
+        batches.push(offsets(&batch));
+        assert_eq!(batches[0], (0..500).collect::<Vec<_>>());
+        assert_eq!(batches[1], (500..1000).collect::<Vec<_>>());
+        assert_eq!(batches[2], (1000..1400).collect::<Vec<_>>());
+        let mut batch = vec![message(0); 450];
+        tx.send((1400..1600).map(message).collect()).unwrap();
+        queue.pending.extend(queue.rx.try_recv().unwrap());
+        assert!(queue.top_up(&mut batch, 500));
+        assert_eq!(offsets(&batch[450..]), (1400..1450).collect::<Vec<_>>());
+        assert_eq!(queue.pending.front().map(|m| m.offset), Some(1450));
+    }
+
     #[test]
     fn messages_whose_offsets_went_backwards_are_queued_not_dropped() {
         let (messages, mut rx) = mpsc::unbounded_channel();
@@ -322,21 +403,14 @@ mod tests {
             held_bytes: Arc::new(AtomicUsize::new(0)),
             next_offset: 0,
         };
-        let message = |offset| RawMessage {
-            offset,
-            key: None,
-            value: Some(format!("m{offset}").into_bytes()),
-            traceparent: None,
-            headers: Default::default(),
-        };
-        let rewound: Vec<bool> = [0, 1, 2, 0, 1, 2, 3]
+        let rewound: Vec<_> = [vec![0, 1], vec![2, 0, 1], vec![2, 3]]
             .into_iter()
-            .map(|o| lane.push(message(o)))
+            .map(|chunk| lane.push(chunk.into_iter().map(message).collect()))
             .collect();
-        assert_eq!(rewound, [false, false, false, true, false, false, false]);
+        assert_eq!(rewound, [vec![], vec![(0, 3)], vec![]]);
         let mut queued = Vec::new();
-        while let Ok(m) = rx.try_recv() {
-            queued.push(m.offset);
+        while let Ok(chunk) = rx.try_recv() {
+            queued.extend(chunk.iter().map(|m| m.offset));
         }
         assert_eq!(queued, [0, 1, 2, 0, 1, 2, 3]);
         // Seven values of two bytes, each with its bookkeeping.

@@ -62,12 +62,7 @@ impl From<&BorrowedMessage<'_>> for RawMessage {
     fn from(message: &BorrowedMessage<'_>) -> Self {
         use rdkafka::Message as _;
         // SAFETY: the message is alive while it is borrowed here.
-        let (traceparent, headers) = unsafe {
-            (
-                super::ffi::traceparent(message.ptr()),
-                super::ffi::headers(message.ptr()),
-            )
-        };
+        let (headers, traceparent) = unsafe { super::ffi::headers_and_trace(message.ptr()) };
         RawMessage {
             offset: message.offset(),
             key: message.key().map(<[u8]>::to_vec),
@@ -77,6 +72,28 @@ impl From<&BorrowedMessage<'_>> for RawMessage {
         }
     }
 }
+
+/// The messages waiting in `feed`, taken while they add up to less than `room` bytes (the
+/// last one taken may pass it, as a single message may) and to at most [`MAX_CHUNK`], then
+/// the error the feed gave, if it gave one.
+fn take_chunk(feed: &PartitionFeed, room: usize) -> (Vec<RawMessage>, Option<KafkaError>) {
+    let mut chunk = Vec::new();
+    let mut bytes = 0;
+    while bytes < room && chunk.len() < MAX_CHUNK {
+        match feed.next() {
+            None => break,
+            Some(Ok(message)) => {
+                bytes += message.queued_bytes();
+                chunk.push(message);
+            }
+            Some(Err(e)) => return (chunk, Some(e)),
+        }
+    }
+    (chunk, None)
+}
+
+/// The most messages handed to a lane at once.
+const MAX_CHUNK: usize = 1024;
 
 /// Starts the poll thread: it polls until `stop`, then leaves the group. The receiver hears
 /// when it is done.
@@ -234,7 +251,8 @@ impl LaneContext {
     }
 
     /// Moves messages from each partition's queue to its lane while the lane holds less than
-    /// its byte budget; true when any moved.
+    /// its byte budget, in chunks: one hand-off per partition and round, not one per message;
+    /// true when any moved.
     fn pump(&self) -> bool {
         let feeds = self.feeds.lock().expect("feeds lock");
         let mut lanes = self.lanes.lock().expect("lanes lock");
@@ -242,24 +260,16 @@ impl LaneContext {
         let mut moved = false;
         for (&partition, feed) in feeds.iter() {
             let Some(feed) = feed else { continue };
-            loop {
-                let full = lanes.get(&partition).is_some_and(|l| l.holds() >= budget);
-                if full {
-                    break;
-                }
-                match feed.next() {
-                    None => break,
-                    Some(Ok(message)) => {
-                        self.vitals.kafka_message();
-                        self.vitals.partition_advanced(partition);
-                        self.route_to(&mut lanes, partition, message);
-                        moved = true;
-                    }
-                    Some(Err(e)) => {
-                        self.partition_error(partition, &e);
-                        break;
-                    }
-                }
+            let holds = lanes.get(&partition).map_or(0, Lane::holds);
+            let (chunk, error) = take_chunk(feed, budget.saturating_sub(holds));
+            if !chunk.is_empty() {
+                self.vitals.kafka_message();
+                self.vitals.partition_advanced(partition);
+                self.route_to(&mut lanes, partition, chunk);
+                moved = true;
+            }
+            if let Some(e) = error {
+                self.partition_error(partition, &e);
             }
         }
         moved
@@ -268,15 +278,16 @@ impl LaneContext {
     /// Hands a message to its partition's lane, starting the lane on its first message.
     fn route(&self, partition: i32, message: RawMessage) {
         let mut lanes = self.lanes.lock().expect("lanes lock");
-        self.route_to(&mut lanes, partition, message);
+        self.route_to(&mut lanes, partition, vec![message]);
     }
 
-    fn route_to(&self, lanes: &mut HashMap<i32, Lane>, partition: i32, message: RawMessage) {
+    /// Hands `chunk` (not empty, in offset order) to its partition's lane, starting the lane on
+    /// its first message.
+    fn route_to(&self, lanes: &mut HashMap<i32, Lane>, partition: i32, chunk: Vec<RawMessage>) {
         let lane = lanes
             .entry(partition)
-            .or_insert_with(|| self.start_lane(partition, message.offset));
-        let (offset, expected) = (message.offset, lane.next_offset);
-        if lane.push(message) {
+            .or_insert_with(|| self.start_lane(partition, chunk[0].offset));
+        for (offset, expected) in lane.push(chunk) {
             tracing::warn!(
                 partition,
                 offset,
