@@ -225,6 +225,14 @@ impl KeyedNotes {
     fn notes(&self) -> std::collections::BTreeMap<String, OperationKeyed> {
         self.0.lock().map(|n| n.clone()).unwrap_or_default()
     }
+
+    /// How each operation was keyed, by operation name, without copying the names.
+    fn values(&self) -> Vec<OperationKeyed> {
+        self.0
+            .lock()
+            .map(|n| n.values().copied().collect())
+            .unwrap_or_default()
+    }
 }
 
 /// The envelope as read: `payload` is required, though it may be `null`.
@@ -434,7 +442,7 @@ impl Event {
 
     /// How each operation of the event was keyed, as last noted ([`Event::note_keyed`]).
     pub fn keyed_notes(&self) -> Vec<OperationKeyed> {
-        self.keyed.notes().into_values().collect()
+        self.keyed.values()
     }
 
     /// The route key only when it is not the event key: what the newest-wins effect keeps its
