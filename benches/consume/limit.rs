@@ -20,7 +20,10 @@
 //! batch (from `pg_stat_statements`, `BEGIN` and `COMMIT` included: each is a round trip).
 //! `BENCH_LIMIT_EVENTS` sizes the backlog (100000); `BENCH_L_RUNS` picks runs (`D2,R2`);
 //! `BENCH_STATEMENT_TIMES=1` prints each run's statements and its backends' wait events. The
-//! limit is the fastest of L2, L4, LA and LC.
+//! limit is the fastest of L2, L4, LA and LC by median ([`summary`] says why).
+//! `BENCH_BASELINE_BIN` names another build of `replayproof` (the last commit's, say): each
+//! round then also runs D2 with it, as **B2**, and `D2 ÷ B2` says what a change gained,
+//! measured side by side.
 
 use crate::common::{self, env_or, median};
 use crate::sent::{self, Form};
@@ -304,6 +307,7 @@ async fn drain(
     url: &str,
     messages: usize,
     processes: usize,
+    bin: &str,
 ) -> Cost {
     let pm = postmaster(db).await;
     let counters = db.counters().await;
@@ -312,7 +316,7 @@ async fn drain(
     let mut children = Vec::new();
     for _ in 0..processes {
         let port = common::free_port();
-        let child = tokio::process::Command::new(env!("CARGO_BIN_EXE_replayproof"))
+        let child = tokio::process::Command::new(bin)
             .args(["consume", "--brokers", brokers, "--topic", topic])
             .args(["--group", &group, "--database-url", url])
             .args(["--metrics-addr", &format!("127.0.0.1:{port}")])
@@ -341,12 +345,17 @@ async fn drain(
     // the rate two processes drain a backlog at, not how fast a group forms. CPU is counted over
     // the same span.
     // Each look is a scrape of every process's metrics page, which costs the processes CPU:
-    // every 5 ms until the group settles, then every 50 ms (the end is seen up to 50 ms late,
-    // which only lowers the rate; at 5 ms, serving the scrapes took 15% of their CPU).
+    // every 5 ms until the group settles, then every 50 ms (at 5 ms, serving the scrapes took
+    // 15% of their CPU), and every 5 ms again over the last tenth, so the end is seen at most
+    // 5 ms late.
     let mut settled: Option<(Instant, usize, f64, f64)> = None;
     let mut n = 0;
     while n < messages {
-        let pause = if settled.is_some() { 50 } else { 5 };
+        let pause = if settled.is_some() && n * 10 < messages * 9 {
+            50
+        } else {
+            5
+        };
         tokio::time::sleep(Duration::from_millis(pause)).await;
         let mut assigned = Vec::new();
         n = 0;
@@ -391,6 +400,14 @@ async fn drain(
         server_cpu: server / counted * 1000.0,
         statements: statements.map(|s| s / batches),
     }
+}
+
+/// Two processes of `bin` draining `topic` into a fresh database.
+async fn drain_fresh(db: &Database, brokers: &str, topic: &str, events: usize, bin: &str) -> Cost {
+    let url = db.fresh("bench_template").await;
+    let cost = drain(db, brokers, topic, &url, events, 2, bin).await;
+    db.drop(&url).await;
+    cost
 }
 
 /// Batches the processes committed, from their `replayproof_batch_size` histograms.
@@ -469,6 +486,7 @@ pub async fn run(db: &Database, mock: Option<&EmbeddedKafka>, brokers: &str, rep
     // `BENCH_L_RUNS` picks runs (`D2,R2`; all by default), to look at one at a time.
     let picked = std::env::var("BENCH_L_RUNS").unwrap_or_default();
     let wanted = |run: &str| picked.is_empty() || picked.split(',').any(|p| p.trim() == run);
+    let baseline = std::env::var("BENCH_BASELINE_BIN").ok();
     for round in 1..=repeats {
         println!(" round {round}");
         for clients in [2, 4] {
@@ -490,19 +508,42 @@ pub async fn run(db: &Database, mock: Option<&EmbeddedKafka>, brokers: &str, rep
             keep(stage, sent::stage(db, &url, events, form).await);
             db.drop(&url).await;
         }
+        let this = env!("CARGO_BIN_EXE_replayproof");
+        if let Some(baseline) = baseline.as_deref().filter(|_| round % 2 == 0) {
+            keep(
+                "B2",
+                drain_fresh(db, brokers, &topic, events, baseline).await,
+            );
+        }
         if wanted("D1") {
             let url = db.fresh("bench_template").await;
-            keep("D1", drain(db, brokers, &topic, &url, events, 1).await);
+            keep(
+                "D1",
+                drain(db, brokers, &topic, &url, events, 1, this).await,
+            );
             db.drop(&url).await;
         }
         if wanted("D2") || wanted("R2") {
             let url = db.fresh("bench_template").await;
-            keep("D2", drain(db, brokers, &topic, &url, events, 2).await);
+            keep(
+                "D2",
+                drain(db, brokers, &topic, &url, events, 2, this).await,
+            );
             if wanted("R2") {
                 settle(&url).await;
-                keep("R2", drain(db, brokers, &topic, &url, events, 2).await);
+                keep(
+                    "R2",
+                    drain(db, brokers, &topic, &url, events, 2, this).await,
+                );
             }
             db.drop(&url).await;
+        }
+        // The baseline runs after D in odd rounds and before it in even ones.
+        if let Some(baseline) = baseline.as_deref().filter(|_| round % 2 == 1) {
+            keep(
+                "B2",
+                drain_fresh(db, brokers, &topic, events, baseline).await,
+            );
         }
         if wanted("N") {
             let url = db.fresh("bench_template").await;
@@ -534,7 +575,7 @@ fn report(costs: &BTreeMap<&str, Vec<Cost>>) {
         .fold(f64::NAN, f64::max);
     println!(
         "\nmedians of {} rounds:",
-        costs.get("L2").map_or(0, Vec::len)
+        costs.values().map(Vec::len).max().unwrap_or(0)
     );
     println!("| stage | what | events/s | ÷ limit | consumer CPU ms / 1,000 | PostgreSQL CPU ms / 1,000 | statements / batch |");
     println!("|---|---|---:|---:|---:|---:|---:|");
@@ -553,6 +594,10 @@ fn report(costs: &BTreeMap<&str, Vec<Cost>>) {
             "`replayproof consume`, 2 processes, 100% redeliveries",
         ),
         ("N", "peer: one transaction per message"),
+        (
+            "B2",
+            "`BENCH_BASELINE_BIN`'s consume, 2 processes, fresh backlog",
+        ),
     ];
     for (stage, what) in rows {
         let statements = costs
@@ -567,8 +612,17 @@ fn report(costs: &BTreeMap<&str, Vec<Cost>>) {
             m(stage, |c| c.server_cpu),
         );
     }
-    // Each ratio is taken within a round, its stages run minutes apart at most; the medians of
-    // those are what the goals are judged by.
+    summary(costs);
+}
+
+/// The ratios the goals are judged by. Each is taken within a round, its runs minutes apart at
+/// most, so the machine's drift between rounds cancels; the median of those is printed.
+///
+/// The limit is the way PostgreSQL alone went fastest over the rounds (by its median), taken in
+/// each round. Taking the fastest of the four in each round instead picks each round's luckiest
+/// run, and with runs this short that is several percent above what any of them sustains; it
+/// is printed too, as the stricter figure.
+fn summary(costs: &BTreeMap<&str, Vec<Cost>>) {
     let rates = |stage: &str| -> Vec<f64> {
         costs
             .get(stage)
@@ -582,18 +636,27 @@ fn report(costs: &BTreeMap<&str, Vec<Cost>>) {
             median(ratios)
         }
     };
+    let forms = ["L2", "L4", "LA", "LC"];
+    let fastest = forms
+        .into_iter()
+        .filter(|f| !rates(f).is_empty())
+        .max_by(|a, b| median(rates(a)).total_cmp(&median(rates(b))))
+        .unwrap_or("L2");
+    let limits = rates(fastest);
     let rounds = costs.values().map(Vec::len).max().unwrap_or(0);
-    let limits: Vec<f64> = (0..rounds)
+    let luckiest: Vec<f64> = (0..rounds)
         .map(|round| {
-            ["L2", "L4", "LA", "LC"]
+            forms
                 .iter()
                 .filter_map(|stage| rates(stage).get(round).copied())
                 .fold(f64::NAN, f64::max)
         })
         .collect();
     println!(
-        "\nlimit = max(L2, L4, LA, LC), medians of each round's ratios: D2 ÷ limit {:.2}, \
-         D1 ÷ limit {:.2}, R2 ÷ D2 {:.2}, D2 ÷ D1 {:.2}, D2 ÷ N {:.1}, LC ÷ LA {:.2}, D2 ÷ LA {:.2}",
+        "\nlimit = {fastest} (fastest of L2, L4, LA, LC by median), medians of each round's \
+         ratios: D2 ÷ limit {:.2}, D1 ÷ limit {:.2}, R2 ÷ D2 {:.2}, D2 ÷ D1 {:.2}, \
+         D2 ÷ N {:.1}, LC ÷ LA {:.2}, D2 ÷ LA {:.2}, D2 ÷ B2 {:.2}; \
+         D2 ÷ each round's fastest of L2, L4, LA, LC {:.2}",
         per_round(&rates("D2"), &limits),
         per_round(&rates("D1"), &limits),
         per_round(&rates("R2"), &rates("D2")),
@@ -601,5 +664,7 @@ fn report(costs: &BTreeMap<&str, Vec<Cost>>) {
         per_round(&rates("D2"), &rates("N")),
         per_round(&rates("LC"), &rates("LA")),
         per_round(&rates("D2"), &rates("LA")),
+        per_round(&rates("D2"), &rates("B2")),
+        per_round(&rates("D2"), &luckiest),
     );
 }
