@@ -402,10 +402,17 @@ async fn drain(
     }
 }
 
-/// Two processes of `bin` draining `topic` into a fresh database.
-async fn drain_fresh(db: &Database, brokers: &str, topic: &str, events: usize, bin: &str) -> Cost {
+/// `processes` processes of `bin` draining `topic` into a fresh database.
+async fn drain_fresh(
+    db: &Database,
+    brokers: &str,
+    topic: &str,
+    events: usize,
+    processes: usize,
+    bin: &str,
+) -> Cost {
     let url = db.fresh("bench_template").await;
-    let cost = drain(db, brokers, topic, &url, events, 2, bin).await;
+    let cost = drain(db, brokers, topic, &url, events, processes, bin).await;
     db.drop(&url).await;
     cost
 }
@@ -509,19 +516,19 @@ pub async fn run(db: &Database, mock: Option<&EmbeddedKafka>, brokers: &str, rep
             db.drop(&url).await;
         }
         let this = env!("CARGO_BIN_EXE_replayproof");
-        if let Some(baseline) = baseline.as_deref().filter(|_| round % 2 == 0) {
+        // The baseline runs before D in even rounds and after it in odd ones.
+        let (early, late) = (round % 2 == 0, round % 2 == 1);
+        if let Some(baseline) = baseline.as_deref().filter(|_| early) {
             keep(
                 "B2",
-                drain_fresh(db, brokers, &topic, events, baseline).await,
+                drain_fresh(db, brokers, &topic, events, 2, baseline).await,
             );
         }
         if wanted("D1") {
-            let url = db.fresh("bench_template").await;
             keep(
                 "D1",
-                drain(db, brokers, &topic, &url, events, 1, this).await,
+                drain_fresh(db, brokers, &topic, events, 1, this).await,
             );
-            db.drop(&url).await;
         }
         if wanted("D2") || wanted("R2") {
             let url = db.fresh("bench_template").await;
@@ -538,11 +545,10 @@ pub async fn run(db: &Database, mock: Option<&EmbeddedKafka>, brokers: &str, rep
             }
             db.drop(&url).await;
         }
-        // The baseline runs after D in odd rounds and before it in even ones.
-        if let Some(baseline) = baseline.as_deref().filter(|_| round % 2 == 1) {
+        if let Some(baseline) = baseline.as_deref().filter(|_| late) {
             keep(
                 "B2",
-                drain_fresh(db, brokers, &topic, events, baseline).await,
+                drain_fresh(db, brokers, &topic, events, 2, baseline).await,
             );
         }
         if wanted("N") {
