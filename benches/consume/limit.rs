@@ -574,11 +574,7 @@ fn report(costs: &BTreeMap<&str, Vec<Cost>>) {
             .map(|v| median(v.iter().map(f).collect()))
             .unwrap_or(f64::NAN)
     };
-    // PostgreSQL alone, whichever way it went fastest.
-    let limit = ["L2", "L4", "LA", "LC"]
-        .iter()
-        .map(|stage| m(stage, |c| c.rate))
-        .fold(f64::NAN, f64::max);
+    let limit = m(fastest_form(costs), |c| c.rate);
     println!(
         "\nmedians of {} rounds:",
         costs.values().map(Vec::len).max().unwrap_or(0)
@@ -621,6 +617,22 @@ fn report(costs: &BTreeMap<&str, Vec<Cost>>) {
     summary(costs);
 }
 
+/// The runs of PostgreSQL alone, each a way of doing the consumer's work.
+const FORMS: [&str; 4] = ["L2", "L4", "LA", "LC"];
+
+/// The limit: the way PostgreSQL alone went fastest over the rounds, by its median rate.
+fn fastest_form(costs: &BTreeMap<&str, Vec<Cost>>) -> &'static str {
+    let rate = |form: &str| {
+        let rates: Vec<f64> = costs[form].iter().map(|c| c.rate).collect();
+        median(rates)
+    };
+    FORMS
+        .into_iter()
+        .filter(|form| costs.get(form).is_some_and(|v| !v.is_empty()))
+        .max_by(|a, b| rate(a).total_cmp(&rate(b)))
+        .unwrap_or("L2")
+}
+
 /// The ratios the goals are judged by. Each is taken within a round, its runs minutes apart at
 /// most, so the machine's drift between rounds cancels; the median of those is printed.
 ///
@@ -642,17 +654,12 @@ fn summary(costs: &BTreeMap<&str, Vec<Cost>>) {
             median(ratios)
         }
     };
-    let forms = ["L2", "L4", "LA", "LC"];
-    let fastest = forms
-        .into_iter()
-        .filter(|f| !rates(f).is_empty())
-        .max_by(|a, b| median(rates(a)).total_cmp(&median(rates(b))))
-        .unwrap_or("L2");
+    let fastest = fastest_form(costs);
     let limits = rates(fastest);
     let rounds = costs.values().map(Vec::len).max().unwrap_or(0);
     let luckiest: Vec<f64> = (0..rounds)
         .map(|round| {
-            forms
+            FORMS
                 .iter()
                 .filter_map(|stage| rates(stage).get(round).copied())
                 .fold(f64::NAN, f64::max)
