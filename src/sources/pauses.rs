@@ -2,8 +2,9 @@
 //! transaction with its audit row; the list an operator reads; and the set of held sources a
 //! batch or the deferred applier reads before it takes events.
 //!
-//! A pause holds from the first batch that reads it: a batch reads the set before its
-//! transaction, so the batches in flight when the pause commits finish as they began, and every
+//! A pause holds from the first batch that reads it: a batch reads the set in its transaction,
+//! just before its claims (with several shards, on the first database before its transactions
+//! begin), so the batches in flight when the pause commits finish as they began, and every
 //! event a consumer takes after `sources pause` returned is held. A resume is read the same way;
 //! an event held by a batch that read the pause just before the resume is applied by the
 //! deferred applier's next round.
@@ -11,6 +12,7 @@
 use crate::audit::{self, Act, Change};
 use crate::db::Db;
 use chrono::{DateTime, Utc};
+use sqlx::PgConnection;
 use std::sync::Arc;
 
 /// The reason a held event's claim carries, followed by who paused its source and why.
@@ -32,6 +34,12 @@ pub struct Paused(Arc<Vec<SourcePause>>);
 impl Paused {
     /// The paused sources on `first` now.
     pub async fn read(first: &Db) -> sqlx::Result<Self> {
+        Ok(Self(Arc::new(list(first).await?)))
+    }
+
+    /// The paused sources as a transaction on the first database sees them: read where the
+    /// transaction's own statements run, with no other connection.
+    pub async fn read_in(first: &mut PgConnection) -> sqlx::Result<Self> {
         Ok(Self(Arc::new(list(first).await?)))
     }
 
@@ -113,8 +121,11 @@ pub async fn resume(first: &Db, source: &str, act: &Act) -> sqlx::Result<Option<
     Ok(Some(change))
 }
 
-/// Every paused source, by name.
-pub async fn list(first: &Db) -> sqlx::Result<Vec<SourcePause>> {
+/// Every paused source, by name, read through `first` (the first database, or a connection to
+/// it).
+pub async fn list<'c>(
+    first: impl sqlx::Executor<'c, Database = sqlx::Postgres>,
+) -> sqlx::Result<Vec<SourcePause>> {
     let rows = sqlx::query!(
         "SELECT source, paused_by, reason, paused_at FROM source_pauses ORDER BY source"
     )

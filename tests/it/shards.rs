@@ -161,6 +161,58 @@ async fn buckets_hash_keys_exactly_as_postgresql_hashtext_does() {
     }
 }
 
+/// Held claims and ledger rows over `dbs`: events claimed and deferred by the pause `ann` made,
+/// and effects.
+async fn held_and_applied(dbs: &[TestDb]) -> (i64, i64) {
+    let (mut held, mut applied) = (0, 0);
+    for db in dbs {
+        held += db
+            .count(
+                "SELECT count(*) FROM processed_events WHERE status = 'deferred' \
+                 AND deferred_reason LIKE 'its source is paused (by ann: their incident)%'",
+            )
+            .await;
+        applied += db.count("SELECT count(*) FROM ledger").await;
+    }
+    (held, applied)
+}
+
+/// A source paused between two batches holds every event of the second: on one database the
+/// batch reads the pause in its own transaction, over two shards on the first database, whose
+/// pause the other shards' transactions follow. Resumed, the next batch applies again.
+#[tokio::test]
+async fn a_source_paused_between_two_batches_holds_the_second_on_one_database_and_over_shards() {
+    use replayproof::audit::Act;
+    use replayproof::sources::pauses;
+    let batch = |from: i64| -> Vec<RawMessage> {
+        (from..from + 30)
+            .map(|i| message(i, &format!("evt-{i}"), None))
+            .collect()
+    };
+    let one = TestDb::new().await;
+    let sharded = ShardedDb::new(2).await;
+    let runs = [
+        (
+            BatchProcessor::new(one.pool.clone(), Arc::new(Ledger)),
+            std::slice::from_ref(&one),
+        ),
+        (sharded.processor(Arc::new(Ledger)), &sharded.dbs[..]),
+    ];
+    for (p, dbs) in runs {
+        let (first, n) = (&dbs[0].pool, dbs.len());
+        assert_eq!(p.process("t", 0, &batch(0)).await.unwrap().applied, 30);
+        let act = Act::new("ann", "their incident");
+        pauses::pause(first, "test", &act).await.unwrap();
+        let report = p.process("t", 0, &batch(30)).await.unwrap();
+        assert_eq!((report.applied, report.deferred), (0, 30), "{n} databases");
+        assert_eq!(held_and_applied(dbs).await, (30, 30), "{n} databases");
+        pauses::resume(first, "test", &act).await.unwrap().unwrap();
+        let report = p.process("t", 0, &batch(60)).await.unwrap();
+        assert_eq!((report.applied, report.deferred), (30, 0), "{n} databases");
+        assert_eq!(held_and_applied(dbs).await, (30, 60), "{n} databases");
+    }
+}
+
 #[tokio::test]
 async fn a_storm_over_four_shards_applies_each_event_once_on_its_buckets_database() {
     let sharded = ShardedDb::new(4).await;

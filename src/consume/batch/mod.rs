@@ -75,8 +75,18 @@ struct Run<'a> {
     guarded: bool,
     /// The longest one transaction may take; None for no limit.
     limit: Option<Duration>,
-    /// The sources paused when the pass began: their events are held.
-    paused: &'a Paused,
+    /// Where its transactions find the paused sources, whose events they hold.
+    pauses: Pauses<'a>,
+}
+
+/// Where a pass's transactions find the paused sources (`source_pauses`, on the first database).
+#[derive(Clone, Copy)]
+enum Pauses<'a> {
+    /// Each transaction reads them itself, just before its claims: one database holds the
+    /// claims and the pauses, and the read costs no connection of its own.
+    InTransaction,
+    /// Read on the first database when the pass began: its transactions run on other shards.
+    Read(&'a Paused),
 }
 
 /// Applies batches for one consumer; cheap to clone into each partition lane.
@@ -197,9 +207,10 @@ impl BatchProcessor {
             .chain(messages.iter())
             .collect();
         let guarded = retrying.guarded > 0;
-        let paused = match part.is_empty() {
-            true => Paused::none(),
-            false => Paused::read(self.shards.first()).await?,
+        let paused = match (self.shards.len(), part.is_empty()) {
+            (1, _) => None,
+            (_, true) => Some(Paused::none()),
+            (_, false) => Some(Paused::read(self.shards.first()).await?),
         };
         let reads = plan::Read::all(&self.input, topic, &part);
         let reads: Vec<&plan::Read<'_>> = reads.iter().collect();
@@ -208,7 +219,7 @@ impl BatchProcessor {
             attempts: &attempts,
             guarded,
             limit,
-            paused: &paused,
+            pauses: paused.as_ref().map_or(Pauses::InTransaction, Pauses::Read),
         };
         let pass = match self.shards.len() {
             1 => self.run_pass(origin, &reads, &run).await?,
@@ -317,7 +328,7 @@ impl BatchProcessor {
         reads: &[&plan::Read<'_>],
         run: &Run<'_>,
     ) -> Result<Pass, RunError> {
-        let plan = Plan::new(origin, reads).holding(run.paused);
+        let plan = Plan::new(origin, reads);
         match self.run_once(&plan, run, run.guarded).await {
             Err(RunError::Unguarded) => {
                 tracing::debug!(
@@ -338,7 +349,7 @@ impl BatchProcessor {
         run: &Run<'_>,
         guarded: bool,
     ) -> Result<Pass, RunError> {
-        let transaction = self.transaction(run.pool, plan, run.attempts, guarded);
+        let transaction = self.transaction(plan, run, guarded);
         match run.limit {
             None => transaction.await,
             Some(limit) => tokio::time::timeout(limit, transaction)
@@ -349,13 +360,12 @@ impl BatchProcessor {
 
     async fn transaction(
         &self,
-        pool: &Db,
         plan: &Plan<'_>,
-        attempts: &Attempts,
+        run: &Run<'_>,
         guarded: bool,
     ) -> Result<Pass, RunError> {
-        let mut tx = pool.begin().await?;
-        match self.run(&mut tx, plan, attempts, guarded).await {
+        let mut tx = run.pool.begin().await?;
+        match self.run(&mut tx, plan, run, guarded).await {
             Ok(pass) => {
                 crate::failpoint!("consume::before_commit");
                 crate::stallpoint!("consume::stall_before_commit");
@@ -372,12 +382,12 @@ impl BatchProcessor {
     }
 
     /// The batch's steps, in its transaction: dead letters, replayed captures, expired replays,
-    /// claims, replays and conflicts, effects, failures.
+    /// the paused sources, claims, replays and conflicts, effects, failures.
     async fn run(
         &self,
         tx: &mut Transaction<'static, Postgres>,
         plan: &Plan<'_>,
-        attempts: &Attempts,
+        run: &Run<'_>,
         guarded: bool,
     ) -> Result<Pass, RunError> {
         let origin = plan.origin;
@@ -415,6 +425,14 @@ impl BatchProcessor {
                 ..Pass::reporting(report)
             });
         }
+        let read;
+        let paused = match run.pauses {
+            Pauses::Read(paused) => paused,
+            Pauses::InTransaction => {
+                read = Paused::read_in(tx).await?;
+                &read
+            }
+        };
         let claims::Claimed {
             keys: claimed,
             found,
@@ -422,9 +440,9 @@ impl BatchProcessor {
         self.sort_out_replays(tx, plan, &claimed, found, &mut report)
             .await?;
         firsts.retain(|(_, e)| claimed.contains(e.key.as_str()));
-        let held = plan.hold(&mut firsts);
+        let held = plan::hold(paused, &mut firsts);
         let pass = self
-            .apply_claimed(tx, (&firsts, held), attempts, guarded, report)
+            .apply_claimed(tx, (&firsts, held), run.attempts, guarded, report)
             .await?;
         Ok(Pass { dead_later, ..pass })
     }

@@ -23,8 +23,6 @@ pub(super) struct Plan<'m> {
     pub(super) dead: Vec<DeadLetter<'m>>,
     /// The source of each message that carries no event (a tombstone), passed over.
     pub(super) skipped: Vec<String>,
-    /// The sources paused when the pass began.
-    paused: Paused,
 }
 
 impl<'m> Plan<'m> {
@@ -37,7 +35,6 @@ impl<'m> Plan<'m> {
             copies: Vec::new(),
             dead: Vec::new(),
             skipped: Vec::new(),
-            paused: Paused::none(),
         };
         let mut events = Vec::with_capacity(reads.len());
         for Read { message: m, event } in reads.iter().copied() {
@@ -68,37 +65,32 @@ impl<'m> Plan<'m> {
         }
         plan
     }
+}
 
-    /// The plan, holding the events of the `paused` sources.
-    pub(super) fn holding(self, paused: &Paused) -> Self {
-        Self {
-            paused: paused.clone(),
-            ..self
-        }
+/// Takes the events of the `paused` sources out of `claimed`: each is deferred, due at once,
+/// its effect not run; the deferred applier leaves it waiting until its source resumes.
+pub(super) fn hold<'e>(
+    paused: &Paused,
+    claimed: &mut Vec<(i64, &'e Event)>,
+) -> Vec<EffectFailure<'e>> {
+    if paused.is_empty() {
+        return Vec::new();
     }
-
-    /// Takes the events of paused sources out of `claimed`: each is deferred, due at once,
-    /// its effect not run; the deferred applier leaves it waiting until its source resumes.
-    pub(super) fn hold<'e>(&self, claimed: &mut Vec<(i64, &'e Event)>) -> Vec<EffectFailure<'e>> {
-        if self.paused.is_empty() {
-            return Vec::new();
+    let now = chrono::Utc::now();
+    let mut held = Vec::new();
+    claimed.retain(|(offset, event)| match paused.reason(&event.source) {
+        None => true,
+        Some(reason) => {
+            let not_yet = Deferred::new(reason).until(now);
+            held.push(EffectFailure {
+                offset: *offset,
+                event,
+                error: EffectError::NotYet(not_yet),
+            });
+            false
         }
-        let now = chrono::Utc::now();
-        let mut held = Vec::new();
-        claimed.retain(|(offset, event)| match self.paused.reason(&event.source) {
-            None => true,
-            Some(reason) => {
-                let not_yet = Deferred::new(reason).until(now);
-                held.push(EffectFailure {
-                    offset: *offset,
-                    event,
-                    error: EffectError::NotYet(not_yet),
-                });
-                false
-            }
-        });
-        held
-    }
+    });
+    held
 }
 
 /// A message of a pass with what the input read from it: each message is read once a pass,
