@@ -89,6 +89,16 @@ enum Pauses<'a> {
     Read(&'a Paused),
 }
 
+impl Pauses<'_> {
+    /// The paused sources for the transaction `tx`: read in it, or those read before it.
+    async fn read(self, tx: &mut sqlx::PgConnection) -> sqlx::Result<Paused> {
+        match self {
+            Pauses::InTransaction => Paused::read_in(tx).await,
+            Pauses::Read(paused) => Ok(paused.clone()),
+        }
+    }
+}
+
 /// Applies batches for one consumer; cheap to clone into each partition lane.
 #[derive(Clone)]
 pub struct BatchProcessor {
@@ -425,14 +435,7 @@ impl BatchProcessor {
                 ..Pass::reporting(report)
             });
         }
-        let read;
-        let paused = match run.pauses {
-            Pauses::Read(paused) => paused,
-            Pauses::InTransaction => {
-                read = Paused::read_in(tx).await?;
-                &read
-            }
-        };
+        let paused = run.pauses.read(tx).await?;
         let claims::Claimed {
             keys: claimed,
             found,
@@ -440,7 +443,7 @@ impl BatchProcessor {
         self.sort_out_replays(tx, plan, &claimed, found, &mut report)
             .await?;
         firsts.retain(|(_, e)| claimed.contains(e.key.as_str()));
-        let held = plan::hold(paused, &mut firsts);
+        let held = plan::hold(&paused, &mut firsts);
         let pass = self
             .apply_claimed(tx, (&firsts, held), run.attempts, guarded, report)
             .await?;
