@@ -49,7 +49,12 @@ pub fn claim_over(u: &str) -> String {
                FROM u WHERE found_route IS NULL
                ORDER BY k COLLATE "C", rk COLLATE "C"
                ON CONFLICT (event_key, route_key) DO NOTHING
-               RETURNING event_key)
+               RETURNING event_key),
+           seen AS (
+               INSERT INTO redeliveries (kafka_topic, kafka_partition, event_keys, kafka_offsets)
+               SELECT $1, $2, array_agg(k ORDER BY o), array_agg(o ORDER BY o)
+               FROM u WHERE found_route IS NOT NULL
+               HAVING count(*) > 0)
            SELECT event_key, NULL::text AS route_key, NULL::bytea AS hash FROM claimed
            UNION ALL
            SELECT k, found_route, found_hash FROM u WHERE found_route IS NOT NULL"#

@@ -1,12 +1,14 @@
 //! Every redelivery visible: each batch's deliveries of keys already claimed are recorded in
-//! one row of `redeliveries`, in the batch's own transaction, and read through the
-//! `claim_deliveries` view (`deliveries`, `last_seen_at`).
+//! `redeliveries`, in the batch's own transaction, and read through the `claim_deliveries` view
+//! (`deliveries`, `last_seen_at`). Those of the keys the claim statement finds claimed are one
+//! row written by that statement ([`super::claim`]); the rest (copies of a key within the batch,
+//! keys a racing transaction claimed first) one more row, written here.
 
 use super::Origin;
 use sqlx::PgConnection;
 
 /// Records the deliveries in `seen` (event key, offset), every one a delivery of a key already
-/// claimed, as one row: a probe found the keys, and nothing of their claims is written. A
+/// claimed, as one row: nothing of their claims is written. A
 /// message read again (the group restarted before committing its offset, a replay by time) is
 /// recorded again and counted once: the view counts distinct positions. Returns how many were
 /// recorded.

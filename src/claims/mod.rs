@@ -93,7 +93,10 @@ pub struct Claimed {
 /// claimed with the claims it found. A settled claim keeps its payload's hash, not the payload.
 ///
 /// The statement probes the claims for every key first and inserts only the keys it did not
-/// find, as bulk loaders do: a batch of redeliveries writes nothing here. A key found under
+/// find, as bulk loaders do: a batch of redeliveries writes no claim. The deliveries of the keys
+/// it found are recorded by the same statement, as one `redeliveries` row ([`deliveries`]); the
+/// caller records the rest (copies within the batch, keys a racing transaction claimed). A key
+/// found under
 /// another route (its source's `route_from` changed, a proxy added a routing header to one
 /// delivery) is not claimed again either: it is one event, and the caller tells which route won
 /// it from what was found. A key another transaction is claiming under another route at the
@@ -135,7 +138,12 @@ pub async fn claim(
                FROM u WHERE found_route IS NULL
                ORDER BY k COLLATE "C", rk COLLATE "C"
                ON CONFLICT (event_key, route_key) DO NOTHING
-               RETURNING event_key)
+               RETURNING event_key),
+           seen AS (
+               INSERT INTO redeliveries (kafka_topic, kafka_partition, event_keys, kafka_offsets)
+               SELECT $7, $8, array_agg(k ORDER BY o), array_agg(o ORDER BY o)
+               FROM u WHERE found_route IS NOT NULL
+               HAVING count(*) > 0)
            SELECT event_key AS "event_key!", NULL::text AS route_key, NULL::bytea AS hash
            FROM claimed
            UNION ALL

@@ -71,6 +71,7 @@ impl BatchProcessor {
             .map(|(_, e)| e.key.as_str())
             .filter(|k| !claimed.contains(*k) && !stored.contains_key(*k))
             .collect();
+        let recorded = recorded_by_claim(plan, &stored);
         if !raced.is_empty() {
             stored.extend(claims::stored_hashes(tx, &raced).await?);
         }
@@ -94,11 +95,12 @@ impl BatchProcessor {
             .filter(|(_, e)| !claimed.contains(e.key.as_str()))
             .chain(plan.copies.iter());
         let mut conflicts = Vec::new();
-        // Every delivery of a claimed key, recorded for the claim that won it.
+        // Every delivery of a claimed key, recorded for the claim that won it: the claim
+        // statement recorded those of the keys it found, the rest are recorded here.
         let mut seen = Vec::new();
         for &(offset, event) in losers {
             let winner = winners.get(event.key.as_str()).copied();
-            if winner.is_some() {
+            if winner.is_some() && !recorded.contains(&(offset, event.key.as_str())) {
                 seen.push((event.key.as_str(), offset));
             }
             let outcome = compared(event, winner);
@@ -113,6 +115,16 @@ impl BatchProcessor {
         claims::deliveries::record(tx, plan.origin, &seen).await?;
         Ok(())
     }
+}
+
+/// The deliveries the claim statement recorded itself: the firsts whose key it found claimed
+/// (`stored` before the keys raced are added to it).
+fn recorded_by_claim<'m>(plan: &Plan<'m>, stored: &Stored) -> HashSet<(i64, &'m str)> {
+    plan.firsts
+        .iter()
+        .filter(|(_, e)| stored.contains_key(e.key.as_str()))
+        .map(|(offset, e)| (*offset, e.key.as_str()))
+        .collect()
 }
 
 /// What an event not claimed here is, next to the claim that won its key: a duplicate, a key

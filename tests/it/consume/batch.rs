@@ -335,6 +335,89 @@ async fn every_delivery_of_a_claimed_key_is_counted_once_and_racing_counts_never
     assert_eq!(db.count("SELECT count(*) FROM ledger").await, 2000);
 }
 
+/// The ledger effect, once a permit is given: holds its transaction open (its claims written,
+/// not committed) until then.
+struct Gate {
+    entered: tokio::sync::Notify,
+    permits: tokio::sync::Semaphore,
+}
+
+#[async_trait]
+impl Effect for Gate {
+    fn name(&self) -> &'static str {
+        "gate"
+    }
+
+    async fn apply(&self, tx: &mut Tx<'_>, event: &Event) -> Result<(), EffectError> {
+        self.apply_batch(tx, &[event]).await
+    }
+
+    async fn apply_batch(&self, tx: &mut Tx<'_>, events: &[&Event]) -> Result<(), EffectError> {
+        self.entered.notify_one();
+        self.permits.acquire().await.unwrap().forget();
+        Ledger.apply_batch(tx, events).await
+    }
+}
+
+/// Each delivery of a claimed key is recorded once, wherever it is told apart: the claim
+/// statement records those of the keys it found claimed (one `redeliveries` row), the batch
+/// those of copies of a key within it and of keys a racing transaction claimed while this one
+/// waited on them (one more row).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_delivery_is_recorded_once_whether_found_copied_in_its_batch_or_raced() {
+    let db = TestDb::new().await;
+    let p = processor(&db, Arc::new(Ledger));
+    p.process("t", 0, &[message(0, "old", json!(1))])
+        .await
+        .unwrap();
+    let batch: Vec<RawMessage> = [(1, "old"), (2, "old"), (3, "new"), (4, "new")]
+        .into_iter()
+        .map(|(offset, key)| message(offset, key, json!(1)))
+        .collect();
+    let report = p.process("t", 0, &batch).await.unwrap();
+    assert_eq!((report.applied, report.duplicates), (1, 3));
+    let counted = deliveries(&db).await;
+    assert_eq!((counted["old"], counted["new"]), (3, 2), "{counted:?}");
+    let recorded = "SELECT coalesce(sum(cardinality(event_keys)), 0)::int8 FROM redeliveries";
+    assert_eq!(db.count("SELECT count(*) FROM redeliveries").await, 2);
+    assert_eq!(db.count(recorded).await, 3, "each delivery recorded once");
+
+    let gate = Arc::new(Gate {
+        entered: tokio::sync::Notify::new(),
+        permits: tokio::sync::Semaphore::new(0),
+    });
+    let holder = processor(&db, gate.clone());
+    let raced: Vec<RawMessage> = (0..10)
+        .map(|i| message(i, &format!("race-{i}"), json!(1)))
+        .collect();
+    let (mine, theirs) = (raced.clone(), raced);
+    let first = tokio::spawn(async move { holder.process("t", 1, &mine).await });
+    gate.entered.notified().await;
+    let second = tokio::spawn({
+        let p = p.clone();
+        async move { p.process("t", 2, &theirs).await }
+    });
+    let waiting = "SELECT count(*) FROM pg_stat_activity \
+                   WHERE datname = current_database() AND wait_event_type = 'Lock'";
+    while db.count(waiting).await == 0 {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    gate.permits.add_permits(1);
+    let (a, b) = (
+        first.await.unwrap().unwrap(),
+        second.await.unwrap().unwrap(),
+    );
+    assert_eq!((a.applied, b.applied, b.duplicates), (10, 0, 10));
+    let counted = deliveries(&db).await;
+    assert!(
+        (0..10).all(|i| counted[&format!("race-{i}")] == 2),
+        "{counted:?}"
+    );
+    assert_eq!(db.count("SELECT count(*) FROM redeliveries").await, 3);
+    assert_eq!(db.count(recorded).await, 13, "each delivery recorded once");
+    assert_eq!(db.count("SELECT count(*) FROM ledger").await, 12);
+}
+
 #[tokio::test]
 async fn database_error_is_an_error_not_a_duplicate() {
     let db = TestDb::new().await;
