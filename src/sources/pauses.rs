@@ -12,7 +12,6 @@
 use crate::audit::{self, Act, Change};
 use crate::db::Db;
 use chrono::{DateTime, Utc};
-use sqlx::PgConnection;
 use std::sync::Arc;
 
 /// The reason a held event's claim carries, followed by who paused its source and why.
@@ -32,14 +31,11 @@ pub struct SourcePause {
 pub struct Paused(Arc<Vec<SourcePause>>);
 
 impl Paused {
-    /// The paused sources on `first` now.
-    pub async fn read(first: &Db) -> sqlx::Result<Self> {
-        Ok(Self(Arc::new(list(first).await?)))
-    }
-
-    /// The paused sources as a transaction on the first database sees them: read where the
-    /// transaction's own statements run, with no other connection.
-    pub async fn read_in(first: &mut PgConnection) -> sqlx::Result<Self> {
+    /// The paused sources on the first database now, read through `first`: its pool, or a
+    /// transaction's connection (the transaction's own view, no other connection).
+    pub async fn read<'c>(
+        first: impl sqlx::Executor<'c, Database = sqlx::Postgres>,
+    ) -> sqlx::Result<Self> {
         Ok(Self(Arc::new(list(first).await?)))
     }
 

@@ -93,7 +93,7 @@ impl Pauses<'_> {
     /// The paused sources for the transaction `tx`: read in it, or those read before it.
     async fn read(self, tx: &mut sqlx::PgConnection) -> sqlx::Result<Paused> {
         match self {
-            Pauses::InTransaction => Paused::read_in(tx).await,
+            Pauses::InTransaction => Paused::read(tx).await,
             Pauses::Read(paused) => Ok(paused.clone()),
         }
     }
