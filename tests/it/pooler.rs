@@ -8,7 +8,9 @@ use crate::harness::*;
 use replayproof::db::{Db, Pooler, Session};
 use replayproof::devkit::pgbouncer::EmbeddedPgBouncer;
 use serde_json::json;
+#[cfg(feature = "failpoints")]
 use std::collections::HashSet;
+#[cfg(feature = "failpoints")]
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -168,6 +170,7 @@ async fn failures(pools: Vec<Db>) -> usize {
     results.into_iter().filter(Result::is_err).count()
 }
 
+#[cfg(feature = "failpoints")]
 /// The configuration file docs/production.md shows for a transaction-mode pooler, for consumers
 /// of `ledger-after,http` whose deferred events are due again quickly, with `direct_url` only
 /// when `direct` is given.
@@ -341,6 +344,7 @@ async fn behind_pgbouncer_every_event_has_one_effect_and_one_downstream_call() {
     }
 }
 
+#[cfg(feature = "failpoints")]
 /// What `config check` prints about `file`, connecting.
 fn config_check(file: &std::path::Path) -> String {
     let out = replayproof_with(file, &["config", "check"])

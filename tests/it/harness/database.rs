@@ -137,6 +137,7 @@ pub async fn assert_exactly_once(
     );
 }
 
+#[cfg(feature = "failpoints")]
 /// Sessions of this test's database sitting idle inside a transaction, whoever opened them.
 pub async fn idle_in_transaction(db: &TestDb) -> i64 {
     db.count(
@@ -146,6 +147,7 @@ pub async fn idle_in_transaction(db: &TestDb) -> i64 {
     .await
 }
 
+#[cfg(feature = "failpoints")]
 /// Open transactions of `replayproof` sessions in this database.
 pub async fn open_transactions(db: &TestDb) -> i64 {
     db.count(
@@ -155,6 +157,7 @@ pub async fn open_transactions(db: &TestDb) -> i64 {
     .await
 }
 
+#[cfg(feature = "failpoints")]
 /// Waits until a `replayproof` connection of this database sits idle inside a transaction: the
 /// consumer stopped at a failpoint with its claim uncommitted.
 pub async fn wait_for_open_transaction(db: &TestDb) {

@@ -6,6 +6,7 @@ pub mod database;
 pub mod dispatcher;
 pub mod effects;
 pub mod ingress;
+#[cfg(feature = "failpoints")]
 pub mod isolation;
 pub mod kafka;
 pub mod operator;

@@ -134,6 +134,7 @@ impl ConsumerProcess {
         self.child.wait().await.expect("reap");
     }
 
+    #[cfg(feature = "failpoints")]
     /// Waits for the process to exit by itself.
     pub async fn exited(mut self, timeout: Duration) -> std::process::ExitStatus {
         tokio::time::timeout(timeout, self.child.wait())
@@ -147,6 +148,7 @@ impl ConsumerProcess {
         self.child.try_wait().expect("the child's status").is_none()
     }
 
+    #[cfg(feature = "failpoints")]
     /// Sends a signal, such as SIGSTOP or SIGCONT.
     pub fn signal(&self, signal: nix::sys::signal::Signal) {
         nix::sys::signal::kill(self.pid(), signal).expect("signal");
@@ -162,6 +164,7 @@ impl ConsumerProcess {
     }
 }
 
+#[cfg(feature = "failpoints")]
 /// Waits for `consumer` to stop at a failpoint with its transaction open, kills it with
 /// SIGKILL, and waits until PostgreSQL has ended (rolled back) that transaction.
 pub async fn kill_inside_transaction(consumer: ConsumerProcess, db: &TestDb) {
