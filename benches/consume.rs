@@ -59,6 +59,8 @@ use common::{client, create_topic, env_or, median};
 mod limit;
 #[path = "consume/sent.rs"]
 mod sent;
+#[path = "consume/summary.rs"]
+mod summary;
 
 const PARTITIONS: i32 = 4;
 const BATCH: usize = 500;
