@@ -53,6 +53,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+#[path = "consume/backlog.rs"]
+mod backlog;
 mod common;
 use common::{client, create_topic, env_or, median};
 #[path = "consume/limit.rs"]

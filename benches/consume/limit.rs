@@ -18,13 +18,15 @@
 //! For each: events per second, CPU per 1,000 events of the consumer processes (of the
 //! benchmark's clients for L) and of PostgreSQL (every server process), and statements per
 //! batch (from `pg_stat_statements`, `BEGIN` and `COMMIT` included: each is a round trip).
-//! `BENCH_LIMIT_EVENTS` sizes the backlog (100000); `BENCH_L_RUNS` picks runs (`D2,R2`);
+//! `BENCH_LIMIT_EVENTS` sizes the backlog (100000); `BENCH_LIMIT_PREFILL` starts every run on that
+//! many claims already in the tables ([`crate::backlog::prefilled`]); `BENCH_L_RUNS` picks runs (`D2,R2`);
 //! `BENCH_STATEMENT_TIMES=1` prints each run's statements and its backends' wait events. The
 //! limit is the fastest of L2, L4, LA and LC by median ([`crate::summary`] says why).
 //! `BENCH_BASELINE_BIN` names another build of `replayproof` (the last commit's, say): each
 //! round then also runs D2 with it, as **B2**, and `D2 ÷ B2` says what a change gained,
 //! measured side by side.
 
+use crate::backlog;
 use crate::common::{self, env_or};
 use crate::sent::{self, Form};
 use crate::{fill_topic, new_topic, pool, stage_e, Database, Workload, BATCH, PARTITIONS};
@@ -60,24 +62,6 @@ pub fn claim_over(u: &str) -> String {
            SELECT k, found_route, found_hash FROM u WHERE found_route IS NOT NULL"#
     )
 }
-
-/// The batch of the numbers `$3..=$4` made in the server, as [`claim_over`] takes it, with one
-/// payload hash for all (the hash is only stored). Each number goes through a multiplicative hash
-/// (a bijection on 32 bits), so the keys arrive in no order, as event ids do: sequential keys
-/// would let every index insert land on the same rightmost page.
-const GENERATED: &str = "(SELECT 'lim-' || n AS k, 'bench' AS s, 'bench.event' AS t, \
-    decode(repeat('ab', 32), 'hex') AS h, NULL::timestamptz AS r, g AS o, NULL::text AS q, \
-    NULL::text AS tp, 'lim-' || n AS rk \
-    FROM generate_series($3::int8, $4::int8) AS g, \
-    LATERAL (SELECT (g * 2654435761) % 4294967296) AS x(n)) AS u";
-
-/// The ledger effect's statement ([`replayproof::effect::Ledger`]) over the same keys, each
-/// payload about 100 B of JSON text made in the server and parsed as `jsonb`.
-const LEDGER: &str = r#"INSERT INTO ledger (event_key, source, event_type, payload, route_key)
-   SELECT 'lim-' || h, 'bench', 'bench.event',
-          ('{"id":"evt_' || g || '","amount":' || g % 10000
-           || ',"pad":"Zq3xT9bLk2VwP8nRc4YhJ6mFd1GsA7eUo5KtQ0iXyWzB"}')::jsonb, 'lim-' || h
-   FROM generate_series($1::int8, $2::int8) AS g, LATERAL (SELECT (g * 2654435761) % 4294967296) AS x(h)"#;
 
 /// What one measured run cost.
 #[derive(Clone, Copy, Default)]
@@ -265,10 +249,10 @@ async fn stage_l(db: &Database, url: &str, events: usize, clients: usize) -> Cos
     let pool = pool(url, clients as u32).await;
     let meter = Meter::start(db, url).await;
     let per_client = events / clients;
-    let claim = claim_over(GENERATED);
+    let (claim, ledger) = (claim_over(&backlog::generated()), backlog::ledger());
     let tasks: Vec<_> = (0..clients)
         .map(|c| {
-            let (pool, claim) = (pool.clone(), claim.clone());
+            let (pool, claim, ledger) = (pool.clone(), claim.clone(), ledger.clone());
             tokio::spawn(async move {
                 let first = c * per_client;
                 for lo in (first..first + per_client).step_by(BATCH) {
@@ -280,13 +264,15 @@ async fn stage_l(db: &Database, url: &str, events: usize, clients: usize) -> Cos
                             .bind(c as i32)
                             .bind(lo as i64)
                             .bind(hi as i64)
+                            .bind(events as i64)
                             .fetch_all(&mut *tx)
                             .await
                             .unwrap();
                     assert_eq!(claimed.len(), hi + 1 - lo);
-                    sqlx::query(LEDGER)
+                    sqlx::query(&ledger)
                         .bind(lo as i64)
                         .bind(hi as i64)
+                        .bind(events as i64)
                         .execute(&mut *tx)
                         .await
                         .unwrap();
@@ -407,16 +393,16 @@ async fn drain(
     }
 }
 
-/// `processes` processes of `bin` draining `topic` into a fresh database.
+/// `processes` processes of `bin` draining `topic` into a fresh copy of `template`.
 async fn drain_fresh(
-    db: &Database,
+    (db, template): (&Database, &str),
     brokers: &str,
     topic: &str,
     events: usize,
     processes: usize,
     bin: &str,
 ) -> Cost {
-    let url = db.fresh("bench_template").await;
+    let url = db.fresh(template).await;
     let cost = drain(db, brokers, topic, &url, events, processes, bin).await;
     db.drop(&url).await;
     cost
@@ -465,7 +451,7 @@ fn metric(page: &str, name: &str) -> f64 {
 
 /// The database as a redelivery storm finds it, hours after the first deliveries: vacuumed,
 /// analysed and checkpointed, so R2 pays neither D2's autovacuum nor its first reads.
-async fn settle(url: &str) {
+pub async fn settle(url: &str) {
     let db = pool(url, 1).await;
     for sql in ["VACUUM ANALYZE", "CHECKPOINT"] {
         sqlx::query(sql).execute(&db).await.unwrap();
@@ -480,7 +466,17 @@ pub async fn run(db: &Database, mock: Option<&EmbeddedKafka>, brokers: &str, rep
     println!(
         "stage L: {events} fresh events of 100 B on {PARTITIONS} partitions, batches of {BATCH}"
     );
+    let prefill = crate::backlog::prefilled(db, events).await;
+    let template = prefill
+        .as_deref()
+        .map_or("bench_template", |url| url.rsplit_once('/').unwrap().1)
+        .to_owned();
     let w = Workload::new("lim", events, 0, 100, PARTITIONS);
+    // L claims these very keys ([`backlog::KEY`]): `lim-100-` and the event's number.
+    let keyed = |m: &replayproof::consume::RawMessage| {
+        m.key.as_deref().is_some_and(|k| k.starts_with(b"lim-100-"))
+    };
+    assert!(w.partitions.iter().flatten().all(keyed));
     let topic = format!("bench_limit_{}", std::process::id());
     new_topic(mock, brokers, &topic, PARTITIONS).await;
     fill_topic(brokers, &topic, &w.partitions).await;
@@ -505,7 +501,7 @@ pub async fn run(db: &Database, mock: Option<&EmbeddedKafka>, brokers: &str, rep
             if !wanted(if clients == 2 { "L2" } else { "L4" }) {
                 continue;
             }
-            let url = db.fresh("bench_template").await;
+            let url = db.fresh(&template).await;
             keep(
                 if clients == 2 { "L2" } else { "L4" },
                 stage_l(db, &url, events, clients).await,
@@ -516,7 +512,7 @@ pub async fn run(db: &Database, mock: Option<&EmbeddedKafka>, brokers: &str, rep
             if !wanted(stage) {
                 continue;
             }
-            let url = db.fresh("bench_template").await;
+            let url = db.fresh(&template).await;
             keep(stage, sent::stage(db, &url, events, form).await);
             db.drop(&url).await;
         }
@@ -526,17 +522,17 @@ pub async fn run(db: &Database, mock: Option<&EmbeddedKafka>, brokers: &str, rep
         if let Some(baseline) = baseline.as_deref().filter(|_| early) {
             keep(
                 "B2",
-                drain_fresh(db, brokers, &topic, events, 2, baseline).await,
+                drain_fresh((db, &template), brokers, &topic, events, 2, baseline).await,
             );
         }
         if wanted("D1") {
             keep(
                 "D1",
-                drain_fresh(db, brokers, &topic, events, 1, this).await,
+                drain_fresh((db, &template), brokers, &topic, events, 1, this).await,
             );
         }
         if wanted("D2") || wanted("R2") {
-            let url = db.fresh("bench_template").await;
+            let url = db.fresh(&template).await;
             keep(
                 "D2",
                 drain(db, brokers, &topic, &url, events, 2, this).await,
@@ -553,11 +549,11 @@ pub async fn run(db: &Database, mock: Option<&EmbeddedKafka>, brokers: &str, rep
         if let Some(baseline) = baseline.as_deref().filter(|_| late) {
             keep(
                 "B2",
-                drain_fresh(db, brokers, &topic, events, 2, baseline).await,
+                drain_fresh((db, &template), brokers, &topic, events, 2, baseline).await,
             );
         }
         if wanted("N") {
-            let url = db.fresh("bench_template").await;
+            let url = db.fresh(&template).await;
             let took = stage_e(brokers, &topic, &url, peer).await;
             keep(
                 "N",
@@ -568,6 +564,9 @@ pub async fn run(db: &Database, mock: Option<&EmbeddedKafka>, brokers: &str, rep
             );
             db.drop(&url).await;
         }
+    }
+    if let Some(url) = prefill {
+        db.drop(&url).await;
     }
     crate::summary::report(&costs);
 }

@@ -45,12 +45,13 @@ struct Batch {
 }
 
 impl Batch {
-    /// Events `lo..hi`: keys through stage L's multiplicative hash, 100 B payloads.
-    fn new(lo: usize, hi: usize) -> Self {
+    /// Events `lo..hi` of a backlog of `events`: the keys stage L's [`crate::backlog::KEY`]
+    /// makes, in the same order, 100 B payloads.
+    fn new(lo: usize, hi: usize, events: usize) -> Self {
         let numbers = lo as u64..hi as u64;
         let keys: Vec<String> = numbers
             .clone()
-            .map(|g| format!("lim-{}", g.wrapping_mul(2654435761) % 4294967296))
+            .map(|g| format!("lim-100-{:08}", g * 2654435761 % events as u64))
             .collect();
         Self {
             sources: vec!["bench".to_owned(); keys.len()],
@@ -154,7 +155,7 @@ pub async fn stage(db: &Database, url: &str, events: usize, form: Form) -> Cost 
         let first = c * per_client;
         let batches: Vec<Batch> = (first..first + per_client)
             .step_by(BATCH)
-            .map(|lo| Batch::new(lo, (lo + BATCH).min(first + per_client)))
+            .map(|lo| Batch::new(lo, (lo + BATCH).min(first + per_client), events))
             .collect();
         work.push((conn, batches));
     }
