@@ -18,11 +18,11 @@
 //! For each: events per second, CPU per 1,000 events of the consumer processes (of the
 //! benchmark's clients for L) and of PostgreSQL (every server process), and statements per
 //! batch (from `pg_stat_statements`, `BEGIN` and `COMMIT` included: each is a round trip).
-//! `BENCH_LIMIT_EVENTS` sizes the backlog (100000); `BENCH_LIMIT_PREFILL` starts every run on that
-//! many claims already in the tables ([`crate::backlog::prefilled`]); `BENCH_L_RUNS` picks runs (`D2,R2`);
-//! `BENCH_STATEMENT_TIMES=1` prints each run's statements and its backends' wait events. The
-//! limit is the fastest of L2, L4, LA and LC by median ([`crate::summary`] says why).
-//! `BENCH_BASELINE_BIN` names another build of `replayproof` (the last commit's, say): each
+//! `BENCH_LIMIT_EVENTS` sizes the backlog (100000); `BENCH_LIMIT_PREFILL` starts every run on
+//! that many claims already in the tables ([`backlog::prefilled`]); `BENCH_L_RUNS` picks runs
+//! (`D2,R2`); `BENCH_STATEMENT_TIMES=1` prints each run's statements and its backends' wait
+//! events. The limit is the fastest of L2, L4, LA and LC by median ([`crate::summary`] says
+//! why). `BENCH_BASELINE_BIN` names another build of `replayproof` (the last commit's, say): each
 //! round then also runs D2 with it, as **B2**, and `D2 ÷ B2` says what a change gained,
 //! measured side by side.
 
@@ -466,7 +466,7 @@ pub async fn run(db: &Database, mock: Option<&EmbeddedKafka>, brokers: &str, rep
     println!(
         "stage L: {events} fresh events of 100 B on {PARTITIONS} partitions, batches of {BATCH}"
     );
-    let prefill = crate::backlog::prefilled(db, events).await;
+    let prefill = backlog::prefilled(db, events).await;
     let template = prefill
         .as_deref()
         .map_or("bench_template", |url| url.rsplit_once('/').unwrap().1)
