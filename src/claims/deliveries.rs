@@ -8,10 +8,9 @@ use super::Origin;
 use sqlx::PgConnection;
 
 /// Records the deliveries in `seen` (event key, offset), every one a delivery of a key already
-/// claimed, as one row: nothing of their claims is written. A
-/// message read again (the group restarted before committing its offset, a replay by time) is
-/// recorded again and counted once: the view counts distinct positions. Returns how many were
-/// recorded.
+/// claimed, as one row: nothing of their claims is written. A message read again (the group
+/// restarted before committing its offset, a replay by time) is recorded again and counted
+/// once: the view counts distinct positions. Returns how many were recorded.
 pub async fn record(
     conn: &mut PgConnection,
     origin: Origin<'_>,

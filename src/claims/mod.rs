@@ -97,9 +97,9 @@ pub struct Claimed {
 /// it found are recorded by the same statement, as one `redeliveries` row ([`deliveries`]); the
 /// caller records the rest (copies within the batch, keys a racing transaction claimed). A key
 /// found under another route (its source's `route_from` changed, a proxy added a routing header
-/// to one delivery) is not claimed again either: it is one event, and the caller tells which route won
-/// it from what was found. A key another transaction is claiming under another route at the
-/// same moment is not found, and both claim it (docs/failure-modes.md).
+/// to one delivery) is not claimed again either: it is one event, and the caller tells which
+/// route won it from what was found. A key another transaction is claiming under another route
+/// at the same moment is not found, and both claim it (docs/failure-modes.md).
 ///
 /// The rows are inserted in key order (`COLLATE "C"`), so two transactions racing on
 /// overlapping keys take their locks in the same order and can wait on each other but never
