@@ -440,7 +440,7 @@ impl BatchProcessor {
             keys: claimed,
             found,
         } = claims::claim(tx, origin, &firsts).await?;
-        self.sort_out_replays(tx, plan, &claimed, found, &mut report)
+        self.sort_out_replays(tx, (plan, &firsts), &claimed, found, &mut report)
             .await?;
         firsts.retain(|(_, e)| claimed.contains(e.key.as_str()));
         let held = plan::hold(&paused, &mut firsts);

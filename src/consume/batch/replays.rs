@@ -53,33 +53,32 @@ impl BatchProcessor {
         Ok(replays)
     }
 
-    /// Counts replays and records key conflicts: every event that was not claimed here is
-    /// compared with the claim that won its key, by route and payload. `stored` holds the claims
-    /// the claim statement found; a key claimed meanwhile by another transaction is looked up
-    /// here.
+    /// Counts replays and records key conflicts: every event the claim statement was given
+    /// (`asked`: the plan's firsts but for the captures and expired replays, already counted)
+    /// that was not claimed here, and every later copy in the batch, is compared with the claim
+    /// that won its key, by route and payload. `stored` holds the claims the claim statement
+    /// found; a key claimed meanwhile by another transaction is looked up here.
     pub(super) async fn sort_out_replays(
         &self,
         tx: &mut Transaction<'static, Postgres>,
-        plan: &Plan<'_>,
+        (plan, asked): (&Plan<'_>, &[(i64, &Event)]),
         claimed: &HashSet<String>,
         mut stored: Stored,
         report: &mut BatchReport,
     ) -> Result<(), RunError> {
-        let raced: Vec<&str> = plan
-            .firsts
+        let raced: Vec<&str> = asked
             .iter()
             .map(|(_, e)| e.key.as_str())
             .filter(|k| !claimed.contains(*k) && !stored.contains_key(*k))
             .collect();
-        let recorded = recorded_by_claim(plan, &stored);
+        let recorded = recorded_by_claim(asked, &stored);
         if !raced.is_empty() {
             stored.extend(claims::stored_hashes(tx, &raced).await?);
         }
         // The claim each loser is compared with: one made in this batch for a later copy of
         // its key, or the one stored before for a key not claimed here.
         let copied: HashSet<&str> = plan.copies.iter().map(|(_, e)| e.key.as_str()).collect();
-        let mut winners: HashMap<&str, (&str, &[u8])> = plan
-            .firsts
+        let mut winners: HashMap<&str, (&str, &[u8])> = asked
             .iter()
             .filter(|(_, e)| copied.contains(e.key.as_str()) && claimed.contains(e.key.as_str()))
             .map(|(_, e)| (e.key.as_str(), (e.route_key(), &e.payload_sha256[..])))
@@ -89,8 +88,7 @@ impl BatchProcessor {
                 .iter()
                 .map(|(k, (r, h))| (k.as_str(), (r.as_str(), h.as_slice()))),
         );
-        let losers = plan
-            .firsts
+        let losers = asked
             .iter()
             .filter(|(_, e)| !claimed.contains(e.key.as_str()))
             .chain(plan.copies.iter());
@@ -117,10 +115,10 @@ impl BatchProcessor {
     }
 }
 
-/// The deliveries the claim statement recorded itself: the firsts whose key it found claimed
-/// (`stored` before the keys raced are added to it).
-fn recorded_by_claim<'m>(plan: &Plan<'m>, stored: &Stored) -> HashSet<(i64, &'m str)> {
-    plan.firsts
+/// The deliveries the claim statement recorded itself: those it was given (`asked`) whose key
+/// it found claimed (`stored` before the keys raced are added to it).
+fn recorded_by_claim<'m>(asked: &[(i64, &'m Event)], stored: &Stored) -> HashSet<(i64, &'m str)> {
+    asked
         .iter()
         .filter(|(_, e)| stored.contains_key(e.key.as_str()))
         .map(|(offset, e)| (*offset, e.key.as_str()))

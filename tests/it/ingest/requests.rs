@@ -979,3 +979,36 @@ async fn a_captured_delivery_resent_under_forged_ids_has_one_effect() {
         "{forged:?}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replayed_capture_beside_a_fresh_event_counts_once_as_a_conflict() {
+    let (kafka, db) = (TestKafka::mock(), TestDb::new().await);
+    let brokers = kafka.brokers();
+    let topic = kafka.topic(1).await;
+    let ingress = Ingress::start(&brokers, &topic, |_| {}).await;
+    let capture = br#"{"action":"completed","check_run":{"id":7}}"#;
+    for delivery in ["real", "forged-1"] {
+        assert_eq!(ingress.github(delivery, capture).await.status(), 200);
+    }
+    let fresh = br#"{"action":"created","check_run":{"id":8}}"#;
+    assert_eq!(ingress.github("other", fresh).await.status(), 200);
+    let recs = ingress.stop_and_read(&brokers, &topic).await;
+    let messages = as_messages(&recs);
+    let processor = ledger(&db);
+    processor
+        .process("webhooks", 0, &messages[..1])
+        .await
+        .unwrap();
+    // The capture under a forged id, then a fresh event, in one batch: two messages, two
+    // outcomes.
+    let report = processor
+        .process("webhooks", 0, &messages[1..])
+        .await
+        .unwrap();
+    assert_eq!(
+        (report.applied, report.duplicates, report.conflicts),
+        (1, 0, 1),
+        "{report:?}"
+    );
+    assert_eq!(report.by_source["github"].iter().sum::<usize>(), 2);
+}

@@ -155,6 +155,22 @@ async fn a_redelivery_after_its_key_was_pruned_is_an_expired_replay_applied_once
 }
 
 #[tokio::test]
+async fn an_expired_replay_beside_a_fresh_event_counts_once() {
+    let db = TestDb::new().await;
+    let event = stripe_event("evt_gone", 10);
+    consume(&db, &[raw(0, event.clone())]).await;
+    backdate_claims(&db, 10).await;
+    pruner(&db, 5 * DAY).round(false).await.unwrap();
+    // The pruned event again, and a fresh one, in one batch: two messages, two outcomes.
+    let report = consume(&db, &[raw(1, event), raw(2, stripe_event("evt_fresh", 0))]).await;
+    assert_eq!(
+        (report.applied, report.expired, report.duplicates),
+        (1, 1, 0),
+        "{report:?}"
+    );
+}
+
+#[tokio::test]
 async fn a_dropped_expired_replay_is_never_applied_and_is_audited() {
     let db = TestDb::new().await;
     let event = stripe_event("evt_drop", 10);
